@@ -1,0 +1,98 @@
+"""The config schema: every key jaxpar understands, with its default.
+
+Config files (`configs/*.py`) start from `base_config()` and override fields. Preflight
+(`jaxpar.preflight`) rejects any key that is not in this schema, so a typo never passes silently.
+`config.model` uses the field names of transformers' `LlamaConfig` / `MixtralConfig`.
+"""
+
+from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
+
+# Logical → mesh axis order; tensor innermost so tensor groups are physical neighbours.
+MESH_AXES = ("data", "pipeline", "context", "expert", "tensor")
+
+
+def llama_model_config(**overrides) -> ConfigDict:
+    """A Llama `config.model` section, LlamaConfig field names plus `model_type`."""
+    model = ConfigDict(
+        dict(
+            model_type="llama",
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            # None: hidden_size // num_attention_heads.
+            head_dim=placeholder(int),
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            # rope_type "default" or "llama3"; the other fields are used by llama3 only.
+            rope_scaling=dict(
+                rope_type="default",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            initializer_range=0.02,
+        )
+    )
+    model.update(overrides)
+    return model
+
+
+def base_config() -> ConfigDict:
+    c = ConfigDict()
+    c.model = llama_model_config()
+
+    # Mesh axis sizes; -1 on one axis takes the remaining devices.
+    c.mesh = ConfigDict({name: 1 for name in MESH_AXES})
+    c.mesh.data = -1
+
+    c.parallel = ConfigDict(
+        dict(
+            zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
+            sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
+            remat="none",  # none | full | save_dots
+            attention_impl="auto",  # auto | xla | cudnn (auto: cudnn on GPU for 16-bit, else xla)
+        )
+    )
+
+    c.train = ConfigDict(
+        dict(
+            steps=100,
+            global_batch_size=8,
+            seq_len=128,
+            grad_accum=1,
+            learning_rate=3e-4,
+            warmup_steps=10,
+            final_learning_rate_fraction=0.1,
+            weight_decay=0.1,
+            adam_b1=0.9,
+            adam_b2=0.95,
+            adam_eps=1e-8,
+            max_grad_norm=1.0,
+            seed=0,
+            param_dtype="float32",
+            compute_dtype="float32",  # float32 | bfloat16 | float16 (dynamic loss scaling)
+            loss_scale_init=2.0**15,
+            loss_scale_period=2000,  # finite steps before the fp16 loss scale doubles
+            log_every=1,
+        )
+    )
+
+    c.data = ConfigDict(
+        dict(
+            source="stdlib",  # stdlib | text | tokens
+            path="",  # text: a file or folder; tokens: a flat binary token file
+            token_dtype="uint16",  # dtype of a `tokens` file
+            max_corpus_bytes=4_000_000,  # cap on the built-in stdlib corpus
+        )
+    )
+
+    # Filled in by the checkpoint work; empty until then.
+    c.checkpoint = ConfigDict()
+    return c
