@@ -107,6 +107,8 @@ class Attention(nnx.Module):
             # KV heads fewer than (or not divisible by) tensor: give every query head its own copy,
             # so attention stays sharded by query head (Megatron replicates KV heads the same way).
             groups = self.num_heads // self.num_kv_heads
+            whole = ("batch", "seq", None, "head_dim")
+            k, v = constrain(rules, k, whole), constrain(rules, v, whole)
             k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
             kv_names = ("batch", "seq", "act_heads", "head_dim")
         else:

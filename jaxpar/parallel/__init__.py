@@ -1,0 +1,1 @@
+"""Parallelism beyond the mesh: pipeline schedules (`schedules`, `schedule_check`)."""

@@ -1,0 +1,1 @@
+"""Training: loss, optimizer, the jitted step, program setup and the loop."""

@@ -1,0 +1,116 @@
+"""Turns a config into a mesh, shardings, and jitted init / train-step functions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar import models
+from jaxpar.mesh import make_mesh
+from jaxpar.models.layers import RunOptions
+from jaxpar.sharding import Rules, opt_state_rules, param_rules
+from jaxpar.train.loss_scale import LossScale
+from jaxpar.train.optimizer import make_optimizer
+from jaxpar.train.step import DTYPES, TrainState, make_train_step
+
+
+@dataclass
+class TrainProgram:
+    """Everything a training loop (or a test) needs, built once per config."""
+
+    config: Any
+    mesh: Mesh
+    rules: Rules  # parameters + activations
+    opt_rules: Rules  # optimizer state
+    opts: RunOptions
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[], TrainState]  # jitted; creates the state already sharded
+    step: Callable  # jitted (state, batch) -> (state, metrics); donates state
+    tx: optax.GradientTransformation
+    schedule: Callable
+
+
+def run_options(config, rules: Rules | None) -> RunOptions:
+    gathered = None
+    if rules is not None and config.parallel.zero_stage >= 3:
+        gathered = rules.without("data")
+    return RunOptions(
+        rules=rules,
+        compute_dtype=DTYPES[config.train.compute_dtype],
+        attention_impl=config.parallel.attention_impl,
+        remat=config.parallel.remat,
+        gathered_rules=gathered,
+    )
+
+
+def _opt_state_shardings(tx, params_shape, opt_param_shardings, mesh):
+    abstract = jax.eval_shape(tx.init, params_shape)
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract, opt_param_shardings, transform_non_params=lambda _: replicated
+    )
+
+
+def build(config, devices=None) -> TrainProgram:
+    mesh = make_mesh(config.mesh, devices)
+    rules, opt_rules = param_rules(config, mesh), opt_state_rules(config, mesh)
+    logical = models.logical_axes(config.model)
+    tx, schedule = make_optimizer(config.train, logical)
+    param_dtype = DTYPES[config.train.param_dtype]
+    params_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype), models.param_shapes(config.model))
+
+    param_shardings = rules.tree_shardings(logical)
+    opt_param_shardings = opt_rules.tree_shardings(logical)
+    replicated = NamedSharding(mesh, P())
+    loss_scale = LossScale.create(
+        dynamic=config.train.compute_dtype == "float16",
+        initial_scale=config.train.loss_scale_init,
+        period=config.train.loss_scale_period,
+    )
+    state_shardings = TrainState(
+        step=replicated,
+        params=param_shardings,
+        opt_state=_opt_state_shardings(tx, params_shape, opt_param_shardings, mesh),
+        loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
+    )
+    model_config, seed = config.model, config.train.seed
+
+    def init_state():
+        params = jax.tree.map(lambda p: p.astype(param_dtype), models.init_params(model_config, seed))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
+
+    opts = run_options(config, rules)
+    grad_shardings = opt_param_shardings if config.parallel.zero_stage >= 1 else None
+    train_step = make_train_step(config, tx, schedule, opts, grad_shardings)
+    batch_sharding = rules.sharding(("batch", None))
+    return TrainProgram(
+        config=config,
+        mesh=mesh,
+        rules=rules,
+        opt_rules=opt_rules,
+        opts=opts,
+        state_shardings=state_shardings,
+        batch_sharding=batch_sharding,
+        init=jax.jit(init_state, out_shardings=state_shardings),
+        step=jax.jit(
+            train_step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated), donate_argnums=0
+        ),
+        tx=tx,
+        schedule=schedule,
+    )
+
+
+def bytes_per_device(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `shardings`."""
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))):
+        shard = sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total

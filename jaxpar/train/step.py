@@ -1,0 +1,98 @@
+"""The jitted training step: gradient accumulation, loss scaling, clipping, AdamW.
+
+Everything here is written for the global (SPMD) view; where arrays live is decided only by the
+shardings built in `jaxpar.train.setup` from the rules table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from jaxpar import models
+from jaxpar.models.layers import RunOptions
+from jaxpar.sharding import constrain
+from jaxpar.train.loss import mean_cross_entropy
+from jaxpar.train.loss_scale import LossScale, all_finite
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+
+
+def split_microbatches(batch, accum: int, rules):
+    """[G, S+1] → [accum, G/accum, S+1] with microbatch m = rows j*accum + m, so every
+    data-parallel shard keeps its own rows: no data moves between devices."""
+    rows, width = batch.shape
+    micro = batch.reshape(rows // accum, accum, width).swapaxes(0, 1)
+    return constrain(rules, micro, (None, "batch", None))
+
+
+def loss_and_grads(params, batch, *, model_config, opts: RunOptions, accum: int = 1, scale=1.0):
+    """Mean next-token loss over the global batch and its fp32 gradient (unscaled)."""
+
+    def scaled_loss(p, tokens):
+        logits = models.apply(model_config, p, tokens[:, :-1], opts)
+        loss = mean_cross_entropy(logits, tokens[:, 1:])
+        return loss * scale, loss
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+    if accum == 1:
+        (_, loss), grads = grad_fn(params, batch)
+    else:
+
+        def micro_step(carry, tokens):
+            loss_sum, grad_sum = carry
+            (_, loss), grads = grad_fn(params, tokens)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        micro = split_microbatches(batch, accum, opts.rules)
+        (loss, grads), _ = jax.lax.scan(micro_step, (jnp.zeros((), jnp.float32), zeros), micro)
+        loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+    grads = jax.tree.map(lambda g: (g / scale).astype(jnp.float32), grads)
+    return loss, grads
+
+
+def make_train_step(config, tx, schedule, opts: RunOptions, grad_shardings=None):
+    """(state, batch [G, S+1] int32) → (state, metrics)."""
+    model_config, accum = config.model, config.train.grad_accum
+
+    def train_step(state: TrainState, batch):
+        loss, grads = loss_and_grads(
+            state.params, batch, model_config=model_config, opts=opts, accum=accum, scale=state.loss_scale.scale
+        )
+        if grad_shardings is not None:
+            # ZeRO ≥ 1: gradients reduce-scattered to the optimizer-state layout.
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        finite = all_finite(grads) if state.loss_scale.dynamic else jnp.asarray(True)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        new_state = TrainState(
+            step=state.step + finite.astype(jnp.int32),
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            loss_scale=state.loss_scale.update(finite),
+        )
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "learning_rate": schedule(state.step),
+            "loss_scale": state.loss_scale.scale,
+            "skipped_steps": new_state.loss_scale.skipped_steps,
+        }
+        return new_state, metrics
+
+    return train_step
