@@ -97,6 +97,7 @@ def build_table(config, mesh: Mesh, *, zero_on_params: bool) -> dict:
         "head_dim": (),
         "mlp": ("tensor",),
         "layers": (),
+        "expert": ("expert",),
         # activations
         "batch": BATCH_AXES,
         "seq": (),

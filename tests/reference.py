@@ -41,7 +41,7 @@ def run(config, batches, num_devices: int):
         in_shardings=(program.state_shardings.params, program.batch_sharding),
     )
     first = jax.device_put(batches[0], program.batch_sharding)
-    loss1, grads1 = jax.device_get(grad_fn(state.params, first))
+    loss1, grads1, _ = jax.device_get(grad_fn(state.params, first))
     losses = []
     for batch in batches:
         state, metrics = program.step(state, jax.device_put(batch, program.batch_sharding))

@@ -68,16 +68,25 @@ def init_params(model_config, seed: int):
 
 
 def apply(model_config, params, tokens, opts: RunOptions = RunOptions()):
-    """Logits [B, S, padded vocab] (fp32, padded columns masked) for int tokens [B, S]."""
+    """(logits, aux) for int tokens [B, S]: fp32 logits [B, S, padded vocab] with padded columns
+    masked, and the model's auxiliary per-layer outputs (see `aux_losses`)."""
     cfg = frozen(model_config)
     params = jax.tree.map(lambda p: p.astype(opts.compute_dtype), params)
     model = nnx.merge(graphdef(cfg), params)
     return model(tokens, opts)
 
 
+def aux_losses(model_config, aux) -> tuple[jnp.ndarray, dict]:
+    """(extra loss to add to cross-entropy, metrics) from `apply`'s aux; zero for dense models."""
+    cls = MODEL_CLASSES[model_config.model_type]
+    if hasattr(cls, "aux_losses"):
+        return cls.aux_losses(frozen(model_config), aux)
+    return jnp.zeros((), jnp.float32), {}
+
+
 def forward(model_config, params, tokens) -> jnp.ndarray:
     """float32 logits [B, S, vocab_size] on one device, no mesh needed."""
-    logits = jax.jit(lambda p, t: apply(model_config, p, t))(params, jnp.asarray(tokens))
+    logits = jax.jit(lambda p, t: apply(model_config, p, t)[0])(params, jnp.asarray(tokens))
     return logits[..., : model_config.vocab_size]
 
 

@@ -40,10 +40,12 @@ class DecoderBlock(nnx.Module):
         self.mlp = make_mlp(cfg, rngs=rngs)
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions):
+        """(x, aux): aux is what the MLP reports per layer (router statistics for MoE, else {})."""
         x = x + self.attention(self.input_norm(x), positions, inv_freq, opts)
         x = constrain(opts.rules, x, RESIDUAL)
-        x = x + self.mlp(self.post_attention_norm(x), opts)
-        return constrain(opts.rules, x, RESIDUAL)
+        mlp_out = self.mlp(self.post_attention_norm(x), opts)
+        mlp_out, aux = mlp_out if isinstance(mlp_out, tuple) else (mlp_out, {})
+        return constrain(opts.rules, x + mlp_out, RESIDUAL), aux
 
 
 def stacked_blocks(cfg, rngs: nnx.Rngs, make_block):
@@ -58,7 +60,8 @@ def stacked_blocks(cfg, rngs: nnx.Rngs, make_block):
 
 
 def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
-    """Runs `layer_fn(block, x)` over the stacked blocks with `lax.scan` (and remat, if asked)."""
+    """Runs `layer_fn(block, x) -> (x, layer_aux)` over the stacked blocks with `lax.scan` (and
+    remat, if asked); returns x and the per-layer aux outputs stacked on a leading axis."""
     graphdef, state = nnx.split(blocks)
     names = nnx.get_partition_spec(state)
 
@@ -69,13 +72,12 @@ def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
             layer_state = jax.tree.map(
                 lambda v, n: opts.gathered_rules.constrain(v, n), layer_state, layer_names, is_leaf=_is_spec
             )
-        return layer_fn(nnx.merge(graphdef, layer_state), h), None
+        return layer_fn(nnx.merge(graphdef, layer_state), h)
 
     policy = REMAT_POLICIES[opts.remat]
     if opts.remat != "none":
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, state)
-    return x
+    return jax.lax.scan(body, x, state)
 
 
 def _is_spec(x):
@@ -91,16 +93,18 @@ class Llama(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
 
     def hidden_states(self, tokens, opts: RunOptions):
-        """Final-norm hidden states [B, S, D] in the compute dtype."""
+        """Final-norm hidden states [B, S, D] in the compute dtype, and per-layer aux outputs."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         inv_freq = rope_inverse_frequencies(self.cfg)
         x = constrain(opts.rules, self.embed(tokens, opts), RESIDUAL)
-        x = scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts))
-        return self.final_norm(x)
+        x, aux = scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts))
+        return self.final_norm(x), aux
 
     def head_weight(self):
         return self.embed.weight[...].T if self.lm_head is None else self.lm_head.weight[...]
 
     def __call__(self, tokens, opts: RunOptions):
-        """fp32 logits [B, S, padded vocab], vocab-sharded; padded columns masked."""
-        return project_to_vocab(self.hidden_states(tokens, opts), self.head_weight(), self.cfg.vocab_size, opts)
+        """(logits, aux): fp32 logits [B, S, padded vocab], vocab-sharded, padded columns masked;
+        aux holds per-layer statistics stacked over layers ({} for dense Llama)."""
+        x, aux = self.hidden_states(tokens, opts)
+        return project_to_vocab(x, self.head_weight(), self.cfg.vocab_size, opts), aux

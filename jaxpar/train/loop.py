@@ -15,6 +15,10 @@ from jaxpar.mesh import describe
 from jaxpar.train.setup import build, bytes_per_device
 
 
+# Metrics every step reports; anything else a model reports (MoE router stats) is logged as is.
+STEP_METRICS = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -66,6 +70,7 @@ def train(config, workdir: str, devices=None, progress: bool = True) -> list[dic
             if fp16:
                 record["loss_scale"] = float(metrics["loss_scale"])
                 record["skipped_steps"] = int(metrics["skipped_steps"])
+            record.update({k: v.tolist() for k, v in metrics.items() if k not in STEP_METRICS})
             history.append(record)
             if jax.process_index() == 0:
                 log.write(json.dumps(record) + "\n")

@@ -39,29 +39,32 @@ def split_microbatches(batch, accum: int, rules):
 
 
 def loss_and_grads(params, batch, *, model_config, opts: RunOptions, accum: int = 1, scale=1.0):
-    """Mean next-token loss over the global batch and its fp32 gradient (unscaled)."""
+    """(loss, grads, model metrics): mean next-token loss over the global batch plus any model
+    auxiliary loss, its fp32 gradient (unscaled), and the model's own metrics."""
 
     def scaled_loss(p, tokens):
-        logits = models.apply(model_config, p, tokens[:, :-1], opts)
-        loss = mean_cross_entropy(logits, tokens[:, 1:])
-        return loss * scale, loss
+        logits, aux = models.apply(model_config, p, tokens[:, :-1], opts)
+        cross_entropy = mean_cross_entropy(logits, tokens[:, 1:])
+        extra, metrics = models.aux_losses(model_config, aux)
+        loss = cross_entropy + extra
+        return loss * scale, (loss, metrics)
 
     grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
     if accum == 1:
-        (_, loss), grads = grad_fn(params, batch)
+        (_, (loss, metrics)), grads = grad_fn(params, batch)
     else:
-
+        # MoE auxiliary losses are computed per microbatch here (as Megatron and transformers do).
         def micro_step(carry, tokens):
-            loss_sum, grad_sum = carry
-            (_, loss), grads = grad_fn(params, tokens)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            (_, (loss, metrics)), grads = grad_fn(params, tokens)
+            return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        shapes = jax.eval_shape(lambda: grad_fn(params, batch[: batch.shape[0] // accum]))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[0][1][0], shapes[0][1][1], shapes[1]))
         micro = split_microbatches(batch, accum, opts.rules)
-        (loss, grads), _ = jax.lax.scan(micro_step, (jnp.zeros((), jnp.float32), zeros), micro)
-        loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+        totals, _ = jax.lax.scan(micro_step, zeros, micro)
+        loss, metrics, grads = jax.tree.map(lambda t: t / accum, totals)
     grads = jax.tree.map(lambda g: (g / scale).astype(jnp.float32), grads)
-    return loss, grads
+    return loss, grads, metrics
 
 
 def make_train_step(config, tx, schedule, opts: RunOptions, grad_shardings=None):
@@ -69,13 +72,13 @@ def make_train_step(config, tx, schedule, opts: RunOptions, grad_shardings=None)
     model_config, accum = config.model, config.train.grad_accum
 
     def train_step(state: TrainState, batch):
-        loss, grads = loss_and_grads(
+        loss, grads, model_metrics = loss_and_grads(
             state.params, batch, model_config=model_config, opts=opts, accum=accum, scale=state.loss_scale.scale
         )
         if grad_shardings is not None:
             # ZeRO ≥ 1: gradients reduce-scattered to the optimizer-state layout.
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         finite = all_finite(grads) if state.loss_scale.dynamic else jnp.asarray(True)
@@ -92,6 +95,7 @@ def make_train_step(config, tx, schedule, opts: RunOptions, grad_shardings=None)
             "learning_rate": schedule(state.step),
             "loss_scale": state.loss_scale.scale,
             "skipped_steps": new_state.loss_scale.skipped_steps,
+            **model_metrics,
         }
         return new_state, metrics
 
