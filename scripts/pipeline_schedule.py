@@ -1,7 +1,8 @@
 """Prints a pipeline schedule table, its bubble (table vs theory) and peak stash per rank.
 
     python scripts/pipeline_schedule.py --schedule=1f1b --stages=4 --microbatches=8
-    python scripts/pipeline_schedule.py --schedule=interleaved_1f1b --stages=4 --microbatches=8 --virtual_stages=2
+    python scripts/pipeline_schedule.py --schedule=interleaved_1f1b --stages=4 --microbatches=8 \
+        --virtual_stages=2
 
 Pure Python + numpy: no jax import, no device setup.
 """
@@ -20,7 +21,9 @@ from jaxpar.parallel.schedules import (
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Pipeline schedule.")
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline ranks p.", lower_bound=1)
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m per step.", lower_bound=1)
-_VIRTUAL = flags.DEFINE_integer("virtual_stages", 1, "Virtual stages v per rank (interleaved_1f1b).", lower_bound=1)
+_VIRTUAL = flags.DEFINE_integer(
+    "virtual_stages", 1, "Virtual stages v per rank (interleaved_1f1b only).", lower_bound=1
+)
 
 
 def main(argv):

@@ -37,10 +37,11 @@ def _problems(s: Schedule) -> list[str]:
                 if not isinstance(a, Action):
                     problems.append(f"step {t}, rank {r}: {a!r} is not an Action")
                 elif a.kind not in kinds:
-                    problems.append(f"step {t}, rank {r}: {a.kind} action in a schedule without split backward")
+                    problems.append(f"step {t}, rank {r}: {a.kind} action but split_backward is False")
                 elif not (0 <= a.mb < m and 0 <= a.vstage < v):
                     problems.append(
-                        f"step {t}, rank {r}: {a.kind} mb={a.mb} vstage={a.vstage} outside mb < {m}, vstage < {v}"
+                        f"step {t}, rank {r}: {a.kind} mb={a.mb} vstage={a.vstage} is outside "
+                        f"mb < {m}, vstage < {v}"
                     )
                 else:
                     good.append(a)
@@ -76,13 +77,14 @@ def _problems(s: Schedule) -> list[str]:
             )
 
     last = s.num_stages - 1
+    transfer = "sent at step t, usable at t+1"
     for mb in range(m):
         for stage in range(s.num_stages):
             if stage > 0:
-                needs((F, mb, stage), (F, mb, stage - 1), "it consumes that output, sent at step t, usable at t+1")
+                needs((F, mb, stage), (F, mb, stage - 1), f"it consumes that output, {transfer}")
             needs((B, mb, stage), (F, mb, stage), "backward before its own forward")
             if stage < last:
-                needs((B, mb, stage), (B, mb, stage + 1), "it consumes that gradient, sent at step t, usable at t+1")
+                needs((B, mb, stage), (B, mb, stage + 1), f"it consumes that gradient, {transfer}")
             if s.split_backward:
                 needs((W, mb, stage), (B, mb, stage), "weight gradient needs the output gradient from B")
     return problems

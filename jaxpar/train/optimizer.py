@@ -5,12 +5,15 @@ import optax
 
 
 def learning_rate_schedule(train):
+    end_fraction = train.final_learning_rate_fraction
+    if train.warmup_steps == 0:
+        return optax.cosine_decay_schedule(train.learning_rate, max(train.steps, 1), alpha=end_fraction)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train.learning_rate,
         warmup_steps=train.warmup_steps,
         decay_steps=max(train.steps, train.warmup_steps + 1),
-        end_value=train.learning_rate * train.final_learning_rate_fraction,
+        end_value=train.learning_rate * end_fraction,
     )
 
 
