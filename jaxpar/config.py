@@ -44,6 +44,32 @@ def llama_model_config(**overrides) -> ConfigDict:
     return model
 
 
+def mixtral_model_config(**overrides) -> ConfigDict:
+    """A Mixtral `config.model` section: the Llama fields (Mixtral 8x7B's values) plus MixtralConfig's
+    MoE fields, `capacity_factor` and `router_z_loss_coef` (see `jaxpar.models.moe`)."""
+    model = llama_model_config(
+        model_type="mixtral",
+        intermediate_size=14336,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+    )
+    model.update(
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,  # Mixtral 8x7B's value (MixtralConfig's default is 0.001)
+            router_z_loss_coef=0.0,
+            # 0: dropless. > 0: each expert takes at most ceil(seq_len * k / E * factor) tokens
+            # of each sequence; the rest are dropped (their MoE output is zero).
+            capacity_factor=0.0,
+        )
+    )
+    model.update(overrides)
+    return model
+
+
 def base_config() -> ConfigDict:
     c = ConfigDict()
     c.model = llama_model_config()
@@ -58,6 +84,10 @@ def base_config() -> ConfigDict:
             sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
             remat="none",  # none | full | save_dots
             attention_impl="auto",  # auto | xla | cudnn (auto: cudnn on GPU for 16-bit, else xla)
+            # Pipeline (used when mesh.pipeline > 1): gpipe | 1f1b | interleaved_1f1b | zb_h1.
+            pipeline_schedule="1f1b",
+            num_microbatches=0,  # per step, replacing train.grad_accum; 0 means mesh.pipeline
+            virtual_stages=1,  # layer chunks per pipeline rank (> 1 only with interleaved_1f1b)
         )
     )
 

@@ -96,7 +96,8 @@ def build_table(config, mesh: Mesh, *, zero_on_params: bool) -> dict:
         "kv_heads": kv,
         "head_dim": (),
         "mlp": ("tensor",),
-        "layers": (),
+        # Stacked layers split into contiguous pipeline stages (the engine reshapes them).
+        "layers": ("pipeline",) if mesh.shape["pipeline"] > 1 else (),
         "expert": ("expert",),
         # activations
         "batch": BATCH_AXES,

@@ -101,3 +101,6 @@ __all__ = [
     "param_shapes",
     "register",
 ]
+
+# Model families beyond Llama register themselves on import.
+from jaxpar.models import mixtral as _mixtral  # noqa: E402,F401

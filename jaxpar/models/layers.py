@@ -39,6 +39,8 @@ class RunOptions:
     remat: str = "none"
     # Rules for a layer's parameters inside the layer scan (ZeRO-3 gathers them there).
     gathered_rules: Rules | None = None
+    # `jaxpar.parallel.pipeline.PipelineOptions` when the mesh's pipeline axis is > 1, else None.
+    pipeline: object = None
 
 
 def _normal(rngs: nnx.Rngs, shape, std):
@@ -114,9 +116,17 @@ class Attention(nnx.Module):
         else:
             kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
         k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=_attention_impl(opts, q.dtype))
+        out = causal_attention(q, k, v, _attention_impl(opts, q.dtype))
         out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
         return jnp.einsum("bshk,hkd->bsd", out, self.o[...])
+
+
+def causal_attention(q, k, v, implementation: str):
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        # XLA:CPU has no fp16 dot with fp32 accumulation, which the XLA attention path asks for.
+        out = jax.nn.dot_product_attention(*(t.astype(jnp.float32) for t in (q, k, v)), is_causal=True)
+        return out.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 def _attention_impl(opts: RunOptions, dtype):
@@ -165,6 +175,9 @@ class LMHead(nnx.Module):
 
 def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions):
     """fp32 logits [B, S, padded V], sharded over vocab; padded columns pushed to -inf-like."""
+    if x.dtype == jnp.float16:
+        # fp16 has too little range for logits, and XLA:CPU has no fp16×fp16→fp32 dot: use fp32.
+        x, weight_dv = x.astype(jnp.float32), weight_dv.astype(jnp.float32)
     logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
     logits = constrain(opts.rules, logits, ("batch", "seq", "act_vocab"))
     column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)

@@ -92,12 +92,24 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
 
+    # The three pieces below are what a pipeline stage runs (`jaxpar.parallel.pipeline`): the
+    # first stage embeds, every stage runs the blocks it was merged with, the last one projects.
+    def embed_tokens(self, tokens, opts: RunOptions):
+        return constrain(opts.rules, self.embed(tokens, opts), RESIDUAL)
+
+    def run_layers(self, x, opts: RunOptions):
+        """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own)."""
+        positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        inv_freq = rope_inverse_frequencies(self.cfg)
+        return scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts))
+
+    def logits_from_hidden(self, x, opts: RunOptions):
+        """Final norm + LM head on the last block's output."""
+        return project_to_vocab(self.final_norm(x), self.head_weight(), self.cfg.vocab_size, opts)
+
     def hidden_states(self, tokens, opts: RunOptions):
         """Final-norm hidden states [B, S, D] in the compute dtype, and per-layer aux outputs."""
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        inv_freq = rope_inverse_frequencies(self.cfg)
-        x = constrain(opts.rules, self.embed(tokens, opts), RESIDUAL)
-        x, aux = scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts))
+        x, aux = self.run_layers(self.embed_tokens(tokens, opts), opts)
         return self.final_norm(x), aux
 
     def head_weight(self):

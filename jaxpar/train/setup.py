@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar import models
 from jaxpar.mesh import make_mesh
 from jaxpar.models.layers import RunOptions
+from jaxpar.parallel.pipeline import pipeline_options
 from jaxpar.sharding import Rules, opt_state_rules, param_rules
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.optimizer import make_optimizer
@@ -47,6 +48,7 @@ def run_options(config, rules: Rules | None) -> RunOptions:
         attention_impl=config.parallel.attention_impl,
         remat=config.parallel.remat,
         gathered_rules=gathered,
+        pipeline=None if rules is None else pipeline_options(config, rules.mesh.shape),
     )
 
 

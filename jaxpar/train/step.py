@@ -6,6 +6,7 @@ shardings built in `jaxpar.train.setup` from the rules table.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -41,7 +42,17 @@ def split_microbatches(batch, accum: int, rules):
 def loss_and_grads(params, batch, *, model_config, opts: RunOptions, accum: int = 1, scale=1.0):
     """(loss, grads, model metrics): mean next-token loss over the global batch plus any model
     auxiliary loss, its fp32 gradient (unscaled), and the model's own metrics."""
+    if opts.pipeline is not None:  # mesh.pipeline > 1: the schedule engine, microbatches inside
+        from jaxpar.parallel.pipeline import pipelined_loss_and_grads  # late: it imports this module
 
+        return pipelined_loss_and_grads(params, batch, model_config=model_config, opts=opts, accum=accum, scale=scale)
+    replicas = 1 if opts.rules is None else opts.rules.mesh.shape["data"]
+    if accum > 1 and replicas > 1 and opts.gathered_rules is None:
+        return _per_replica_accumulation(params, batch, replicas, model_config=model_config, opts=opts, accum=accum, scale=scale)
+    return _accumulate(params, batch, model_config=model_config, opts=opts, accum=accum, scale=scale)
+
+
+def _accumulate(params, batch, *, model_config, opts: RunOptions, accum: int, scale):
     def scaled_loss(p, tokens):
         logits, aux = models.apply(model_config, p, tokens[:, :-1], opts)
         cross_entropy = mean_cross_entropy(logits, tokens[:, 1:])
@@ -65,6 +76,25 @@ def loss_and_grads(params, batch, *, model_config, opts: RunOptions, accum: int 
         loss, metrics, grads = jax.tree.map(lambda t: t / accum, totals)
     grads = jax.tree.map(lambda g: (g / scale).astype(jnp.float32), grads)
     return loss, grads, metrics
+
+
+def _per_replica_accumulation(params, batch, replicas: int, **kwargs):
+    """Gradient accumulation with one data-parallel reduction per step.
+
+    Accumulating replicated gradients would make the partitioner all-reduce them in every
+    micro-step. Instead each data replica accumulates its own gradient — a leading [data] axis,
+    sharded over `data`, via vmap's spmd_axis_name — and one mean over that axis reduces them.
+    (ZeRO-3 keeps per-micro-step reduce-scatters, as FSDP does, to keep gradients sharded.)
+    """
+    opts = kwargs.pop("opts")
+    inner = dataclasses.replace(opts, rules=opts.rules.without("data"))
+    rows, width = batch.shape
+    # Replica d holds rows [d·G/R, (d+1)·G/R): exactly the rows the data-major batch sharding gives it.
+    split = batch.reshape(replicas, rows // replicas, width)
+    per_replica = jax.vmap(
+        lambda p, b: _accumulate(p, b, opts=inner, **kwargs), in_axes=(None, 0), spmd_axis_name="data"
+    )(params, split)
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), per_replica)
 
 
 def make_train_step(config, tx, schedule, opts: RunOptions, grad_shardings=None):
