@@ -15,7 +15,7 @@ def test_train_script_on_emulated_devices(tmp_path):
         f"--config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}", f"--workdir={workdir}",
         "--cpu_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2",
         "--config.train.steps=4", "--config.train.seq_len=32", "--config.data.max_corpus_bytes=200000",
-        "--config.parallel.zero_stage=1",
+        "--config.parallel.zero_stage=1", "--config.train.compute_dtype=bfloat16",
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
