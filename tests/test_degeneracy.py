@@ -33,16 +33,18 @@ CASES = {
     "data8": ({"data": 8}, {}, {}),
     "tensor2": ({"data": 4, "tensor": 2}, {}, {}),
     "tensor4": ({"data": 2, "tensor": 4}, {}, {}),
-    "tensor4_sp": ({"data": 2, "tensor": 4}, {"sequence_parallel": True}, {}),
+    "tensor4_sp_remat_full": ({"data": 2, "tensor": 4}, {"sequence_parallel": True, "remat": "full"}, {}),
     "tensor8_sp": ({"tensor": 8}, {"sequence_parallel": True}, {}),
     "zero1": ({"data": 4, "tensor": 2}, {"zero_stage": 1}, {}),
     "zero3": ({"data": 8}, {"zero_stage": 3}, {}),
-    "zero3_tensor2_sp": ({"data": 4, "tensor": 2}, {"zero_stage": 3, "sequence_parallel": True}, {}),
+    "zero3_tensor2_sp_remat_dots": (
+        {"data": 4, "tensor": 2},
+        {"zero_stage": 3, "sequence_parallel": True, "remat": "save_dots"},
+        {},
+    ),
     "expert_as_data": ({"data": 2, "expert": 4}, {}, {}),
     "expert_data_tensor_zero1": ({"data": 2, "expert": 2, "tensor": 2}, {"zero_stage": 1}, {}),
     "grad_accum2": ({"data": 4, "tensor": 2}, {}, {"grad_accum": 2}),
-    "remat_full": ({"data": 2, "tensor": 4}, {"remat": "full"}, {}),
-    "remat_save_dots_zero3": ({"data": 4, "tensor": 2}, {"remat": "save_dots", "zero_stage": 3}, {}),
 }
 
 
