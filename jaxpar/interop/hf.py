@@ -7,9 +7,8 @@ writes one that `transformers.<Arch>ForCausalLM.from_pretrained` loads.
 HF weights are [out, in] per layer; jaxpar stores [in, out] with heads split out, stacked over layers
 on axis 0, vocab padded with zeros. Per-layer weights are mapped by a table (jaxpar path -> entry
 that reads/writes one layer's HF tensors), so a new architecture adds a table, two config converters
-and an `ARCHITECTURES` row. Mixtral: LLAMA_ATTENTION plus Weight("block_sparse_moe.gate.weight",
-LINEAR) for the router and an entry whose read/write loop over `block_sparse_moe.experts.{e}.w1/w2/w3`
-and stack them on an expert axis (w1 gate, w3 up, w2 down).
+and an `ARCHITECTURES` row: `hf_mixtral` does exactly that for Mixtral (LLAMA_ATTENTION plus entries
+for the router and the stacked experts, in both on-disk layouts) and registers itself below.
 """
 
 from __future__ import annotations
@@ -343,3 +342,7 @@ def save(path, model_config, params) -> None:
     hf_config = dict(architectures=[arch.hf_class], model_type=cfg.model_type, **arch.to_hf_config(cfg))
     with open(os.path.join(directory, CONFIG_FILE), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
+
+
+# Architectures defined in their own modules register themselves in ARCHITECTURES.
+from jaxpar.interop import hf_mixtral  # noqa: E402,F401

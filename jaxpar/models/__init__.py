@@ -76,6 +76,11 @@ def apply(model_config, params, tokens, opts: RunOptions = RunOptions()):
     return model(tokens, opts)
 
 
+def has_aux_losses(model_config) -> bool:
+    """Whether the model adds batch-statistics losses (MoE load balancing) to the cross-entropy."""
+    return hasattr(MODEL_CLASSES[model_config.model_type], "aux_losses")
+
+
 def aux_losses(model_config, aux) -> tuple[jnp.ndarray, dict]:
     """(extra loss to add to cross-entropy, metrics) from `apply`'s aux; zero for dense models."""
     cls = MODEL_CLASSES[model_config.model_type]

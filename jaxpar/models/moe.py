@@ -9,7 +9,8 @@ turns the stack over layers into the load-balancing loss exactly as transformers
 `load_balancing_loss_func` computes it from the concatenated router logits of all layers, plus
 the router z-loss. Both are functions of whole-batch sums, so they do not depend on the mesh.
 With `train.grad_accum` > 1 they are computed per microbatch (and the step averages them),
-as in Megatron and in transformers' Trainer.
+as in Megatron and in transformers' Trainer. The step therefore never uses its per-data-replica
+accumulation for MoE models: a microbatch is the same rows on every mesh.
 """
 
 from __future__ import annotations

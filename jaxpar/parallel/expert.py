@@ -1,45 +1,46 @@
 """Expert parallelism: send each routed token to the device holding its expert, compute, send back.
 
-Routing groups are sequences. Every decision that depends on other tokens (the sort by expert,
-a token's slot in its expert's buffer, which tokens overflow a capacity) is taken within one row of
-the batch, in token order. So results, dropped tokens included, never depend on how the batch is
-split over devices, and the partitioner never has to move rows between data-parallel devices.
+`moe_ffn` gets the global [B, S, D] activations with the router's choices (ids, weights [B, S, k])
+and enters a `jax.shard_map` that is manual over the batch axes (`data`, `expert`); `tensor` stays
+with the partitioner, so the experts' hidden dimension is tensor-sharded as in the dense MLP. (Not
+over `expert` alone: with `data` left to the partitioner, Shardy all-gathers the data-sharded rows
+in front of every all-to-all, so each data replica would dispatch its whole data group's tokens.)
+Inside, a device holds R = B / (data·ep) rows and E / ep experts, ep = mesh.expert, and:
 
-Where the collectives are (mesh.expert = ep > 1): `moe_ffn` is called on the global [B, S, D]
-activations. It regroups the batch as [outer, ep, inner] so the `expert` part of the batch
-sharding is a dimension of its own, and enters a `jax.shard_map` that is manual over `expert`
-only (`data` and `tensor` stay with the partitioner: rows stay data-sharded, the experts' hidden
-dimension stays tensor-sharded). Inside, each device holds R = B / ep rows and E / ep experts:
-
-  1. per row, sort the S·k (token, expert) assignments by expert (stable: token order);
-  2. pack them into fixed-size send buffers, one block per destination device;
+  1. sorts its (token, expert) assignments by expert (stable: token order within an expert);
+  2. packs them into fixed-size buffers, one block per destination expert device;
   3. `all_to_all` over `expert` (block j goes to device j; received blocks are indexed by source);
-  4. run the local experts on what arrived;
-  5. `all_to_all` back, pick each assignment's output out of the returned blocks, un-sort, and
-     sum the k outputs of each token weighted by the router.
+  4. runs its local experts on what arrived;
+  5. `all_to_all` back, picks each assignment's output out of the returned blocks, un-sorts, and
+     sums each token's k outputs weighted by the router.
+With ep = 1 steps 2, 3 and 5 vanish: no collective at all. With no mesh (rules None) the same
+local code runs on the whole batch, without shard_map.
 
-Two buffer layouts:
-- capacity (`capacity` C > 0): [R, E, C, D], C slots per expert per row; assignments beyond C are
-  dropped (their output is zero). Experts run as one batched matmul over their slots.
-- dropless (`capacity` 0): [R, ep, M, D] with M = S·min(k, E/ep), the most assignments one row can
-  send to one device, so nothing is ever dropped (dense worst-case buffers: the CPU backend has
-  no `ragged_all_to_all`). Received rows stay sorted by expert; `jax.lax.ragged_dot` runs each
-  expert on its own rows (rows past a block's count are padding and ignored).
-With ep = 1 there is no shard_map and no collective: capacity mode uses the same buffers;
-dropless runs `ragged_dot` directly on the sorted rows.
+Two modes:
+- capacity (`capacity` C > 0), grouped per sequence: an expert takes the first C assignments of each
+  row (in token order) and drops the rest (output zero). Buffers [R, E, C, D]; experts run as one
+  batched matmul over their slots. Drops never depend on the mesh: results are identical on any mesh.
+- dropless (`capacity` 0), grouped per device: all R·S·k assignments sorted by expert. Send buffers
+  [ep, M, D] with M = R·S·min(k, E/ep), the most one device can send another, so nothing is ever
+  dropped (dense worst-case buffers, since the CPU backend has no `ragged_all_to_all`). The receiver
+  regroups the rows of all sources by local expert (padding last) and runs the experts with
+  `grouped_matmul`: `jax.lax.ragged_dot` on GPU/TPU, a tiled loop on CPU.
 
-Not implemented: a `ragged_all_to_all` exchange (sending only the filled part of each block).
-It is unimplemented on CPU, and its flat ragged leading axis would have to be local to a device,
-which the rows are not while `data` is left to the partitioner.
+Not implemented: a `ragged_all_to_all` exchange that sends only the filled part of each block
+(GPU/TPU only; there is no multi-GPU machine here to test it on).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.parallel.grouped_matmul import grouped_matmul
+from jaxpar.sharding import BATCH_AXES
 
 EXPERT_AXIS = "expert"
 
@@ -60,153 +61,145 @@ def dropped_assignments(ids, num_experts: int, capacity: int):
     return jnp.sum(jnp.maximum(per_row - capacity, 0)).astype(jnp.float32)
 
 
-def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules):
+def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules, matmul_impl: str | None = None):
     """Sum over k of weights[..., k] · expert_{ids[..., k]}(x), for x [B, S, D], ids / weights
     [B, S, k]; `experts` = (gate [E, D, F], up [E, D, F], down [E, F, D]) SwiGLU weights.
-    `rules` None (no mesh) or a mesh with expert = 1: no collectives."""
-    ep = 1 if rules is None else rules.mesh.shape[EXPERT_AXIS]
-    local = _capacity_local if capacity else _dropless_local
-    if ep == 1:
-        return local(x, ids, weights, *experts, num_experts=num_experts, capacity=capacity, ep=1, exchange=None)
-
-    to_groups, from_groups, rows_spec = _expert_major_rows(rules, x.shape[0], ep)
+    `rules` None: no mesh. `matmul_impl`: see `grouped_matmul` (dropless only)."""
+    local = functools.partial(
+        _capacity_local if capacity else _dropless_local,
+        num_experts=num_experts,
+        capacity=capacity,
+        matmul_impl=matmul_impl,
+    )
+    if rules is None:
+        return local(x, ids, weights, *experts, ep=1, exchange=None)
+    ep = rules.mesh.shape[EXPERT_AXIS]
+    # Manual over data and expert, not expert alone (see the module docstring); tensor stays auto.
+    # The step's per-replica gradient accumulation runs this under vmap(spmd_axis_name="data")
+    # with `data` dropped from the batch rule; jax 0.10.2 then marks values as varying over `data`
+    # and its varying-axes checks fail (even with `data` manual), hence check_vma=False. Gradients
+    # of the replicated expert weights are still summed over `data` by shard_map's transpose.
+    batch_axes = tuple(rules.table["batch"])
+    if EXPERT_AXIS not in batch_axes:
+        raise ValueError(f"expert parallelism needs 'expert' among the batch axes, got {batch_axes}")
+    rows = P(batch_axes)
+    # The expert weights cross the shard_map boundary in fp32, so the gradient sum over `data`
+    # (shard_map's transpose) is an fp32 all-reduce: more accurate than a 16-bit one, and XLA:CPU
+    # crashes promoting that 16-bit all-reduce ("Invalid binary instruction opcode copy").
+    compute_dtype = x.dtype
+    experts = tuple(w.astype(jnp.float32) for w in experts)
 
     def per_device(x, ids, weights, *experts):
-        # [outer, 1, inner, ...] -> [outer·inner, ...]: this device's rows (outer stays data-sharded).
-        flat = lambda a: a.reshape((-1,) + a.shape[3:])  # noqa: E731
-        out = local(flat(x), flat(ids), flat(weights), *experts, num_experts=num_experts, capacity=capacity,
-                    ep=ep, exchange=_all_to_all)
-        return out.reshape(x.shape)
+        experts = tuple(w.astype(compute_dtype) for w in experts)
+        return local(x, ids, weights, *experts, ep=ep, exchange=_all_to_all if ep > 1 else None)
 
-    out = jax.shard_map(
+    return jax.shard_map(
         per_device,
         mesh=rules.mesh,
-        in_specs=(rows_spec,) * 3 + (P(EXPERT_AXIS),) * 3,
-        out_specs=rows_spec,
-        axis_names={EXPERT_AXIS},
-    )(to_groups(x), to_groups(ids), to_groups(weights), *experts)
-    return from_groups(out)
+        in_specs=(rows,) * 3 + (P(EXPERT_AXIS),) * 3,
+        out_specs=rows,
+        axis_names=set(BATCH_AXES) | set(batch_axes),
+        check_vma=False,
+    )(x, ids, weights, *experts)
 
 
-def _all_to_all(a):
-    """Block j of axis 1 goes to expert device j; received blocks are indexed by source device."""
-    return jax.lax.all_to_all(a, EXPERT_AXIS, 1, 1, tiled=True)
+def _all_to_all(a, axis: int):
+    """Block j of `axis` goes to expert device j; received blocks are indexed by source device."""
+    return jax.lax.all_to_all(a, EXPERT_AXIS, axis, axis, tiled=True)
 
 
-def _expert_major_rows(rules, batch: int, ep: int):
-    """[B, ...] <-> [outer, ep, inner, ...] where the batch sharding ("data", "expert") becomes one
-    mesh axis per dimension, so the shard_map's in/out specs (expert only) match where rows
-    already are and entering it moves no data."""
-    axes = tuple(rules.table["batch"])
-    if EXPERT_AXIS not in axes:
-        raise ValueError(f"expert parallelism needs 'expert' among the batch axes, got {axes}")
-    i = axes.index(EXPERT_AXIS)
-    before, after = axes[:i], axes[i + 1 :]
-    outer = math.prod(rules.mesh.shape[a] for a in before)
-    inner = batch // (outer * ep)
-    sharding = lambda ndim: NamedSharding(  # noqa: E731
-        rules.mesh, P(before or None, EXPERT_AXIS, after or None, *([None] * (ndim - 1)))
-    )
-
-    def to_groups(a):
-        grouped = a.reshape((outer, ep, inner) + a.shape[1:])
-        return jax.lax.with_sharding_constraint(grouped, sharding(a.ndim))
-
-    def from_groups(a):
-        return a.reshape((batch,) + a.shape[3:])
-
-    return to_groups, from_groups, P(None, EXPERT_AXIS)
+# ---- Per-device computation: this device's rows, all E experts' routing, E / ep local experts ----
 
 
-# ---- Per-device computation (rows R, all E experts' routing, E / ep local experts) ----
-
-
-def _gather_rows(a, index):
-    """a [R, N, D], index [R, M] -> [R, M, D]."""
-    return jnp.take_along_axis(a, index[..., None], axis=1)
-
-
-def _sort_by_expert(x, ids, num_experts: int):
-    """Per row, the S·k assignments sorted by expert (stable, so earlier tokens first):
-    (token rows [R, N, D], sort order [R, N], expert of each sorted row [R, N], counts [R, E],
-    first sorted row of each expert [R, E]), N = S·k."""
-    rows, k = ids.shape[0], ids.shape[-1]
-    flat = ids.reshape(rows, -1)
-    order = jnp.argsort(flat, axis=-1, stable=True)
-    expert = jnp.take_along_axis(flat, order, axis=-1)
-    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=1)
-    starts = jnp.cumsum(counts, axis=-1) - counts
-    return _gather_rows(x, order // k), order, expert, counts, starts
+def _exclusive_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
 
 
 def _pack(sorted_rows, starts, counts, slots: int):
-    """[R, G, slots, D] blocks: block g holds sorted rows starts[g] .. starts[g] + counts[g] - 1
-    (at most `slots`), zeros after."""
-    rows, n, d = sorted_rows.shape
+    """[G, slots, D] blocks from rows [N, D]: block g holds rows starts[g] .. starts[g] + counts[g] - 1
+    (at most `slots` of them), zeros after."""
     slot = jnp.arange(slots)
-    source = jnp.minimum(starts[..., None] + slot, n - 1)  # [R, G, slots]
-    filled = slot < counts[..., None]
-    packed = _gather_rows(sorted_rows, source.reshape(rows, -1)).reshape(source.shape + (d,))
-    return jnp.where(filled[..., None], packed, 0)
+    source = jnp.minimum(starts[:, None] + slot, sorted_rows.shape[0] - 1)  # [G, slots]
+    return jnp.where((slot < counts[:, None])[..., None], sorted_rows[source], 0)
 
 
-def _combine(sorted_out, order, weights):
-    """Un-sorts per-assignment outputs [R, N, D] and sums each token's k outputs, weighted."""
+def _combine(per_assignment, weights):
+    """[R·S·k, D] outputs in assignment order -> [R, S, D], each token's k outputs weighted."""
     rows, seq, k = weights.shape
-    per_assignment = _gather_rows(sorted_out, jnp.argsort(order, axis=-1))
     per_assignment = per_assignment.reshape(rows, seq, k, -1)
     return jnp.einsum("rskd,rsk->rsd", per_assignment, weights.astype(per_assignment.dtype))
 
 
-def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, ep, exchange):
+def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, matmul_impl, ep, exchange):
+    """Capacity per sequence: buffers [R, E, C, D]; the first C assignments of a row to an expert
+    (in token order) are kept, the rest dropped."""
+    del matmul_impl
     rows, seq, d = x.shape
-    n = ids.shape[-1] * seq
-    local_experts = num_experts // ep
-    sorted_rows, order, expert, counts, starts = _sort_by_expert(x, ids, num_experts)
-    buffers = _pack(sorted_rows, starts, counts, capacity)  # [R, E, C, D]
-    buffers = buffers.reshape(rows, ep, local_experts, capacity, d)
+    k = ids.shape[-1]
+    flat = ids.reshape(rows, seq * k)
+    order = jnp.argsort(flat, axis=-1, stable=True)  # per row, by expert, then token
+    expert = jnp.take_along_axis(flat, order, axis=-1)
+    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=1)  # [R, E]
+    starts = _exclusive_cumsum(counts)
+    sorted_rows = jnp.take_along_axis(x, (order // k)[..., None], axis=1)  # [R, S·k, D]
+    buffers = jax.vmap(functools.partial(_pack, slots=capacity))(sorted_rows, starts, counts)
+    buffers = buffers.reshape(rows, ep, num_experts // ep, capacity, d)
     if exchange is not None:
-        buffers = exchange(buffers)  # [R, source device, local expert, C, D]
+        buffers = exchange(buffers, 1)  # [R, source device, local expert, C, D]
     hidden = jax.nn.silu(jnp.einsum("rpecd,edf->rpecf", buffers, gate)) * jnp.einsum("rpecd,edf->rpecf", buffers, up)
     out = jnp.einsum("rpecf,efd->rpecd", hidden, down)
     if exchange is not None:
-        out = exchange(out)  # back home: [R, destination device, local expert, C, D] = [R, E, C, D]
+        out = exchange(out, 1)  # back home: [R, destination device, local expert, C, D] = [R, E, C, D]
     out = out.reshape(rows, num_experts * capacity, d)
-    rank = jnp.arange(n) - jnp.take_along_axis(starts, expert, axis=-1)  # place within its expert
-    kept = rank < capacity
-    sorted_out = _gather_rows(out, expert * capacity + jnp.minimum(rank, capacity - 1))
-    return _combine(jnp.where(kept[..., None], sorted_out, 0), order, weights)
+    rank = jnp.arange(seq * k) - jnp.take_along_axis(starts, expert, axis=-1)  # place within its expert
+    picked = jnp.take_along_axis(out, (expert * capacity + jnp.minimum(rank, capacity - 1))[..., None], axis=1)
+    sorted_out = jnp.where((rank < capacity)[..., None], picked, 0)
+    per_assignment = jnp.take_along_axis(sorted_out, jnp.argsort(order, axis=-1)[..., None], axis=1)
+    return _combine(per_assignment.reshape(rows * seq * k, d), weights)
 
 
-def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, ep, exchange):
+def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, matmul_impl, ep, exchange):
+    """Dropless: all of this device's assignments sorted by expert; worst-case send buffers."""
     del capacity
     rows, seq, d = x.shape
     k = ids.shape[-1]
-    sorted_rows, order, expert, counts, starts = _sort_by_expert(x, ids, num_experts)
+    flat = ids.reshape(-1)  # [N = R·S·k], assignment order
+    order = jnp.argsort(flat, stable=True)
+    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
+    sorted_rows = x.reshape(rows * seq, d)[order // k]
+    ffn = functools.partial(_expert_swiglu, gate=gate, up=up, down=down, impl=matmul_impl)
     if exchange is None:
-        sorted_out = _ragged_swiglu(sorted_rows[:, None], counts[:, None], gate, up, down)[:, 0]
-        return _combine(sorted_out, order, weights)
-
-    local_experts = num_experts // ep
-    slots = seq * min(k, local_experts)  # a row's worst case for one device: every token, min(k, E/ep) times
-    device_counts = counts.reshape(rows, ep, local_experts).sum(-1)  # [R, ep]
-    device_starts = starts[:, ::local_experts]
-    send = _pack(sorted_rows, device_starts, device_counts, slots)  # [R, ep, M, D]
-    received = exchange(send)
-    received_counts = exchange(counts.reshape(rows, ep, local_experts))  # [R, source, local expert]
-    out = exchange(_ragged_swiglu(received, received_counts, gate, up, down)).reshape(rows, ep * slots, d)
-    device = expert // local_experts
-    place = jnp.arange(seq * k) - jnp.take_along_axis(device_starts, device, axis=-1)
-    return _combine(_gather_rows(out, device * slots + place), order, weights)
-
-
-# lhs [R, P, M, D] with rows sorted by group along M; rhs [G, D, F]; group sizes [R, P, G].
-_RAGGED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([3], [1]), ([], [])), lhs_ragged_dimensions=[2], rhs_group_dimensions=[0]
-)
+        sorted_out = ffn(sorted_rows, counts)
+    else:
+        local_experts = num_experts // ep
+        # The most one device can receive from another: each token, at most min(k, E/ep) times.
+        slots = rows * seq * min(k, local_experts)
+        device_counts = counts.reshape(ep, local_experts).sum(-1)
+        device_starts = _exclusive_cumsum(device_counts)
+        received = exchange(_pack(sorted_rows, device_starts, device_counts, slots), 0)  # [source, slots, D]
+        received_counts = exchange(counts.reshape(ep, local_experts), 0)  # [source, local expert]
+        out = _received_swiglu(received, received_counts, ffn)
+        out = exchange(out, 0).reshape(ep * slots, d)  # [destination, slots, D], flattened
+        device = flat[order] // local_experts
+        place = jnp.arange(flat.shape[0]) - device_starts[device]
+        sorted_out = out[device * slots + place]
+    return _combine(sorted_out[jnp.argsort(order)], weights)
 
 
-def _ragged_swiglu(rows, sizes, gate, up, down):
-    """Each expert's SwiGLU on its own contiguous rows; rows past sum(sizes) give zeros."""
-    dot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, _RAGGED, preferred_element_type=a.dtype)  # noqa: E731
-    return dot(jax.nn.silu(dot(rows, gate)) * dot(rows, up), down)
+def _received_swiglu(received, counts, ffn):
+    """Runs the local experts on blocks [source, slots, D], each sorted by local expert and
+    zero-padded: regroups all rows by expert (padding last), computes, puts them back."""
+    sources, slots, d = received.shape
+    starts = _exclusive_cumsum(counts)  # [source, local expert]
+    slot = jnp.arange(slots)
+    expert = jnp.sum(slot[None, :, None] >= starts[:, None, :], axis=-1) - 1  # [source, slots]
+    expert = jnp.where(slot[None] < counts.sum(-1, keepdims=True), expert, counts.shape[-1])  # padding last
+    order = jnp.argsort(expert.reshape(-1), stable=True)
+    out = ffn(received.reshape(sources * slots, d)[order], counts.sum(0))
+    return out[jnp.argsort(order)].reshape(sources, slots, d)
+
+
+def _expert_swiglu(rows, sizes, *, gate, up, down, impl):
+    """Each expert's SwiGLU on its rows; rows sorted by expert, rows past sum(sizes) are padding."""
+    hidden = jax.nn.silu(grouped_matmul(rows, gate, sizes, impl)) * grouped_matmul(rows, up, sizes, impl)
+    return grouped_matmul(hidden, down, sizes, impl)

@@ -47,7 +47,9 @@ def loss_and_grads(params, batch, *, model_config, opts: RunOptions, accum: int 
 
         return pipelined_loss_and_grads(params, batch, model_config=model_config, opts=opts, accum=accum, scale=scale)
     replicas = 1 if opts.rules is None else opts.rules.mesh.shape["data"]
-    if accum > 1 and replicas > 1 and opts.gathered_rules is None:
+    # Per-replica accumulation would compute MoE load-balancing statistics per data replica,
+    # making them depend on mesh.data; MoE models accumulate the plain way instead.
+    if accum > 1 and replicas > 1 and opts.gathered_rules is None and not models.has_aux_losses(model_config):
         return _per_replica_accumulation(params, batch, replicas, model_config=model_config, opts=opts, accum=accum, scale=scale)
     return _accumulate(params, batch, model_config=model_config, opts=opts, accum=accum, scale=scale)
 

@@ -1,0 +1,27 @@
+"""The shared bench config for Mixtral: the same model and batch as
+../shared/peers/hf_torch_bench.py --model mixtral (bench Llama shape, 8 experts, top-2)."""
+
+from jaxpar.config import base_config, mixtral_model_config
+
+
+def get_config():
+    c = base_config()
+    c.model = mixtral_model_config(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        rope_theta=500000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        # The peer trains without the load-balancing loss (output_router_logits=False).
+        router_aux_loss_coef=0.0,
+    )
+    c.mesh.data = 1
+    c.train.update(global_batch_size=8, seq_len=256, learning_rate=1e-3, warmup_steps=0, weight_decay=0.01)
+    c.train.update(compute_dtype="float32", param_dtype="float32")
+    return c

@@ -1,0 +1,112 @@
+"""Mixtral checkpoints for `jaxpar.interop.hf`: a layer table and config converters, registered as
+`hf.ARCHITECTURES["mixtral"]` when `hf` is imported.
+
+Two on-disk layouts exist and both load:
+- per expert (real Mixtral checkpoints, and what transformers 5's `save_pretrained` writes, converting
+  from its fused in-memory layout): `model.layers.N.block_sparse_moe.gate.weight` [E, D] and
+  `...block_sparse_moe.experts.E.{w1,w3,w2}.weight` (w1 gate [F, D], w3 up [F, D], w2 down [D, F]);
+- fused (transformers 5's in-memory names, e.g. a raw `state_dict` dump): `model.layers.N.mlp.gate.weight`,
+  `...mlp.experts.gate_up_proj` [E, 2F, D] (gate rows first) and `...mlp.experts.down_proj` [E, D, F].
+`save` writes the per-expert layout, which every transformers version loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpar.config import mixtral_model_config
+from jaxpar.interop import hf
+
+PER_EXPERT = "block_sparse_moe.experts.{}.{}.weight"
+ROUTER = "block_sparse_moe.gate.weight"
+FUSED_ROUTER = "mlp.gate.weight"
+FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+FUSED_DOWN = "mlp.experts.down_proj"
+MIXTRAL_DEFAULT_THETA = 1e6  # transformers' MixtralConfig default when config.json has none
+
+
+def _has(get, name: str) -> bool:
+    return name in get.file_of
+
+
+@dataclass(frozen=True)
+class Router:
+    """[E, D] router (transformers' `gate`) <-> [D, E]."""
+
+    def read(self, get, prefix: str, cfg) -> np.ndarray:
+        name = prefix + (ROUTER if _has(get, prefix + ROUTER) else FUSED_ROUTER)
+        return get(name).T
+
+    def write(self, w, prefix: str, cfg) -> dict:
+        return {prefix + ROUTER: w.T}
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One projection of all of a layer's experts <-> jaxpar's [E, in, out] (w1 gate, w3 up, w2 down)."""
+
+    hf_name: str  # w1 | w3 | w2
+
+    def read(self, get, prefix: str, cfg) -> np.ndarray:
+        if _has(get, prefix + PER_EXPERT.format(0, self.hf_name)):
+            return np.stack([get(prefix + PER_EXPERT.format(e, self.hf_name)).T for e in range(cfg.num_local_experts)])
+        if self.hf_name == "w2":
+            return get(prefix + FUSED_DOWN).transpose(0, 2, 1)
+        fused, f = get(prefix + FUSED_GATE_UP), cfg.intermediate_size
+        if fused.shape[1] != 2 * f:
+            raise ValueError(f"{prefix + FUSED_GATE_UP} {fused.shape} does not fit intermediate_size={f}")
+        half = fused[:, :f] if self.hf_name == "w1" else fused[:, f:]
+        return half.transpose(0, 2, 1)
+
+    def write(self, w, prefix: str, cfg) -> dict:
+        return {prefix + PER_EXPERT.format(e, self.hf_name): w[e].T for e in range(w.shape[0])}
+
+
+MIXTRAL_LAYER = {
+    **hf.LLAMA_ATTENTION,
+    ("mlp", "router"): Router(),
+    ("mlp", "experts", "gate"): ExpertStack("w1"),
+    ("mlp", "experts", "up"): ExpertStack("w3"),
+    ("mlp", "experts", "down"): ExpertStack("w2"),
+}
+
+
+def _model_config(hf_config: dict):
+    window = hf_config.get("sliding_window")
+    if window is not None and window < hf_config.get("max_position_embeddings", 0):
+        raise ValueError(f"config.json sliding_window={window} is not supported (only null: full causal attention)")
+    # router_jitter_noise and output_router_logits are ignored: jaxpar adds no router noise.
+    llama = hf._llama_model_config(hf_config).to_dict()
+    has_theta = "rope_theta" in hf_config or "rope_theta" in (hf_config.get("rope_parameters") or {})
+    llama.pop("model_type")
+    llama.update(
+        # MixtralConfig keeps head_dim null; `save` writes it out, so load it explicit either way.
+        head_dim=llama["head_dim"] or llama["hidden_size"] // llama["num_attention_heads"],
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
+        rope_theta=llama["rope_theta"] if has_theta else MIXTRAL_DEFAULT_THETA,
+    )
+    return mixtral_model_config(
+        **llama,
+        num_local_experts=int(hf._field(hf_config, "num_local_experts")),
+        num_experts_per_tok=int(hf._field(hf_config, "num_experts_per_tok")),
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def _hf_config(cfg) -> dict:
+    out = hf._llama_hf_config(cfg)
+    for llama_only in ("attention_bias", "mlp_bias"):
+        out.pop(llama_only)
+    return dict(
+        out,
+        num_local_experts=cfg.num_local_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        router_aux_loss_coef=cfg.router_aux_loss_coef,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    )
+
+
+hf.ARCHITECTURES["mixtral"] = hf.Architecture("MixtralForCausalLM", _model_config, _hf_config, MIXTRAL_LAYER)

@@ -1,0 +1,200 @@
+"""The MoE dispatch against a plain per-token loop, and the Mixtral preflight checks.
+
+The loop is the definition: each token's k experts run on it alone, weighted by the router; with
+a capacity, an expert takes only the first C (token, expert) pairs of each sequence in token order.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.config import base_config, mixtral_model_config
+from jaxpar.mesh import make_mesh
+from jaxpar.models.layers import RunOptions
+from jaxpar.models.moe import MoEBlock
+from jaxpar.parallel.expert import capacity_per_expert, moe_ffn
+from jaxpar.parallel.grouped_matmul import grouped_matmul
+from jaxpar.preflight import ConfigError, check
+from jaxpar.sharding import param_rules
+from tests.reference import with_overrides
+
+E, K, B, S, D, F = 8, 2, 8, 12, 16, 24
+
+
+def loop_reference(x, ids, weights, gate, up, down, capacity):
+    x, ids, weights = np.asarray(x, np.float64), np.asarray(ids), np.asarray(weights, np.float64)
+    gate, up, down = (np.asarray(w, np.float64) for w in (gate, up, down))
+    out = np.zeros_like(x)
+    for b in range(x.shape[0]):
+        used = np.zeros(E, int)
+        for s in range(x.shape[1]):
+            for j in range(ids.shape[-1]):
+                e = ids[b, s, j]
+                used[e] += 1
+                if capacity and used[e] > capacity:
+                    continue
+                h = x[b, s] @ gate[e]
+                h = h / (1 + np.exp(-h)) * (x[b, s] @ up[e])
+                out[b, s] += weights[b, s, j] * (h @ down[e])
+    return out
+
+
+def random_inputs():
+    keys = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(keys[0], (B, S, D))
+    # Skewed routing, so that some experts overflow a small capacity.
+    scores = jax.random.normal(keys[1], (B, S, E)) + jnp.linspace(0.0, 2.0, E)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(scores), K)
+    weights = weights / weights.sum(-1, keepdims=True)
+    experts = tuple(jax.random.normal(k, shape) * 0.3 for k, shape in zip(keys[2:], [(E, D, F), (E, D, F), (E, F, D)]))
+    return x, ids, weights, experts
+
+
+def rules_for(mesh):
+    config = with_overrides(base_config(), mesh)
+    config.model = mixtral_model_config(num_local_experts=E, num_key_value_heads=8)
+    return param_rules(config, make_mesh(config.mesh, jax.devices()[: int(np.prod(list(mesh.values())))]))
+
+
+@pytest.mark.parametrize("mesh", [{}, {"data": 2, "expert": 4}, {"expert": 8}], ids=["no_mesh", "data2_expert4", "expert8"])
+def test_dispatch_matches_per_token_loop(mesh):
+    x, ids, weights, experts = random_inputs()
+    rules = rules_for(mesh) if mesh else None
+    capacity = capacity_per_expert(S, K, E, 0.75)
+    assert 0 < capacity < S
+    # Dropless with both expert matmuls, then a capacity that drops.
+    for c, impl in ((0, "tiled"), (0, "ragged"), (capacity, None)):
+        fn = jax.jit(lambda *a, c=c, impl=impl: moe_ffn(*a[:3], a[3:], num_experts=E, capacity=c, rules=rules, matmul_impl=impl))
+        out = fn(x, ids, weights, *experts)
+        np.testing.assert_allclose(out, loop_reference(x, ids, weights, *experts, c), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 12, 3, 0, 20], [0, 150, 0, 0, 130, 0], [0] * 6], ids=["small", "tiles", "empty"])
+def test_tiled_grouped_matmul_matches_ragged_dot(sizes):
+    """Values and gradients; groups empty, spanning tiles, and rows past the groups (padding)."""
+    sizes = jnp.array(sizes, jnp.int32)
+    rows, used = 300 if int(sizes.sum()) > 40 else 48, int(sizes.sum())
+    x = jax.random.normal(jax.random.key(0), (rows, 12))
+    w = jax.random.normal(jax.random.key(1), (6, 12, 7))
+    tiled = grouped_matmul(x, w, sizes, impl="tiled")
+    np.testing.assert_allclose(tiled[:used], jax.lax.ragged_dot(x, w, sizes)[:used], atol=1e-5, rtol=1e-5)
+    assert not np.asarray(tiled[used:]).any()
+
+    def grads(impl):
+        loss = lambda x, w: jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, impl)[:used]))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    for a, b in zip(grads("tiled"), grads("ragged")):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+def test_capacity_formula():
+    assert capacity_per_expert(16, 2, 8, 0.0) == 0  # dropless
+    assert capacity_per_expert(16, 2, 8, 1.0) == 4
+    assert capacity_per_expert(16, 2, 8, 1.1) == 5  # ceil
+    assert capacity_per_expert(16, 2, 8, 100.0) == 16  # never more than the sequence
+
+
+def test_router_renormalises_top_k():
+    from flax import nnx
+
+    cfg = mixtral_model_config(hidden_size=D, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K)
+    block = MoEBlock(cfg, rngs=nnx.Rngs(params=0))
+    x, *_ = random_inputs()
+    out, aux = block(x, RunOptions())
+    assert out.shape == x.shape
+    np.testing.assert_allclose(aux["assignments"].sum(), B * S * K)
+    np.testing.assert_allclose(aux["router_prob_sum"].sum(), B * S, rtol=1e-5)
+
+
+# ---- Preflight ----
+
+
+def mixtral_config(**model):
+    c = base_config()
+    c.model = mixtral_model_config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, **model,
+    )
+    c.train.update(global_batch_size=16, seq_len=32)
+    return c
+
+
+def only_error(config, devices=8) -> str:
+    with pytest.raises(ConfigError) as info:
+        check(config, devices)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_valid_mixtral_config_passes():
+    c = mixtral_config()
+    c.mesh.update(data=2, expert=4)
+    assert check(c, 8)["expert"] == 4
+
+
+def test_experts_not_divisible_by_expert_axis():
+    c = mixtral_config(num_local_experts=6)
+    c.mesh.update(data=2, expert=4)
+    line = only_error(c)
+    assert line.startswith("model.num_local_experts=6") and "mesh.expert=4" in line
+
+
+@pytest.mark.parametrize("top_k", [9, 0])
+def test_top_k_out_of_range(top_k):
+    c = mixtral_config(num_experts_per_tok=top_k)
+    assert only_error(c).startswith(f"model.num_experts_per_tok={top_k}")
+
+
+def test_negative_capacity_factor():
+    assert only_error(mixtral_config(capacity_factor=-1.0)).startswith("model.capacity_factor")
+
+
+def test_unknown_mixtral_key():
+    c = mixtral_config()
+    c.model.num_experts = 8  # transformers' alias, not a schema key
+    assert only_error(c).startswith("model.num_experts: unknown config key")
+
+
+def test_tiled_grouped_matmul_gradients_inside_shard_map():
+    """With check_vma on, the tiled loop's carries must be typed varying, and the gradient of
+    weights replicated over the manual axis summed over it (as JAX does for its own ops)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    x = jax.random.normal(jax.random.key(0), (4 * 40, 12))
+    w = jax.random.normal(jax.random.key(1), (6, 12, 7))
+    sizes = jnp.tile(jnp.array([5, 0, 12, 3, 0, 20], jnp.int32), 4)  # per device, the same groups
+
+    def loss(impl):
+        def per_device(x, w, sizes):
+            out = grouped_matmul(x, w, sizes, impl)
+            return jax.lax.psum(jnp.sum(jnp.sin(out)), "data")
+
+        fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=P(), check_vma=True)
+        return jax.jit(jax.grad(lambda x, w: fn(x, w, sizes), argnums=(0, 1)))(x, w)
+
+    for a, b in zip(loss("tiled"), loss("ragged")):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("capacity", [0, 4], ids=["dropless", "capacity"])
+def test_bfloat16_gradients_on_expert_mesh(capacity):
+    """16-bit compute: the expert weights' gradient is summed over `data` in fp32 (XLA:CPU crashes
+    promoting a 16-bit all-reduce) and matches the fp32 gradient to bf16 precision."""
+    x, ids, weights, experts = random_inputs()
+    rules = rules_for({"data": 2, "expert": 4})
+
+    def grads(dtype):
+        def loss(x, *experts):
+            out = moe_ffn(x, ids, weights.astype(dtype), experts, num_experts=E, capacity=capacity, rules=rules)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+
+        cast = [a.astype(dtype) for a in (x, *experts)]
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*cast)
+
+    for low, high in zip(grads(jnp.bfloat16), grads(jnp.float32)):
+        assert low.dtype == jnp.bfloat16
+        np.testing.assert_allclose(low.astype(np.float32), high, atol=0.05 * float(jnp.abs(high).max()))
