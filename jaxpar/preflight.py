@@ -123,3 +123,7 @@ def check(config, num_devices: int) -> dict[str, int]:
 
 # Mesh axes beyond data/tensor/expert whose parallelism has landed (modules add themselves).
 SUPPORTED_AXES = set()
+
+# Model families' schemas and checks register themselves (MODEL_SCHEMAS, EXTRA_CHECKS) on import.
+from jaxpar.models import mixtral_preflight  # noqa: E402,F401
+from jaxpar.parallel import pipeline_preflight  # noqa: E402,F401

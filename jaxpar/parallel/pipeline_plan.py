@@ -18,7 +18,9 @@ extra last one) is a write-only trash slot for steps where nothing arrives, so t
 branches on writes. Stage 0 reads tokens, not `acts`; the last stage's output gradient is the
 loss's own, so neither needs a slot.
 
-Branch codes (one per cell and action type): 0 idle, 1 first global stage, 2 middle, 3 last.
+Branch codes. Forward (`f_kind`): 0 idle, 1 first global stage, 2 middle, 3 last. Backward-type
+(`k_kind`; a cell holds at most one of B and W): 0 idle, 1-3 B on a first/middle/last stage, 4-6
+W on a first/middle/last stage.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from jaxpar.parallel.schedule_check import validate
 from jaxpar.parallel.schedules import B, F, W, Schedule, make_schedule
 
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
+W_OFFSET = 3  # k_kind of a W = W_OFFSET + its stage kind
 # Per-(step, rank) int32 fields the engine scans over.
 FIELDS = (
     "recv_act", "recv_grad",
     "f_kind", "f_mb", "f_stage", "f_slot",
-    "b_kind", "b_mb", "b_stage", "b_slot", "b_gslot",
-    "w_kind", "w_mb", "w_stage", "w_slot", "w_gslot",
+    "k_kind", "k_mb", "k_stage", "k_slot", "k_gslot",
 )
 
 
@@ -104,17 +106,16 @@ def build_plan(schedule: Schedule) -> Plan:
     tab = {f: np.full((T, p), -1, np.int32) for f in FIELDS}
     tab["recv_act"][:] = k_act  # trash slot
     tab["recv_grad"][:] = k_grad
-    for kind in ("f_kind", "b_kind", "w_kind"):
-        tab[kind][:] = IDLE
+    tab["f_kind"][:] = IDLE
+    tab["k_kind"][:] = IDLE
     for r in range(p):
         for (mb, s), (start, _) in act_live[r].items():
             tab["recv_act"][start, r] = act_slot[r][(mb, s)]
         for (mb, s), (start, _) in grad_live[r].items():
             tab["recv_grad"][start, r] = grad_slot[r][(mb, s)]
-    prefix = {F: "f", B: "b", W: "w"}
     for (kind, mb, s), t in when.items():
-        r, pre = s % p, prefix[kind]
-        tab[f"{pre}_kind"][t, r] = _kind(s, S)
+        r, pre = s % p, "f" if kind == F else "k"
+        tab[f"{pre}_kind"][t, r] = _kind(s, S) + (W_OFFSET if kind == W else 0)
         tab[f"{pre}_mb"][t, r] = mb
         tab[f"{pre}_stage"][t, r] = s // p
         tab[f"{pre}_slot"][t, r] = act_slot[r].get((mb, s), k_act)

@@ -1,14 +1,17 @@
 """One pipeline stage's forward and recomputing backward, on one rank's slice of the model.
 
-A stage is a run of consecutive decoder layers. The first global stage also embeds the tokens
-and the last one also runs the final norm, LM head and loss, so the loss gradient is born on the
-rank that needs it and 1F1B can start a microbatch's backward the step after its forward.
-Embedding and head parameters ("shared": every top-level param but `layers`) are replicated over
-`pipeline`; only the first / last stage produce gradients for them.
+A stage is a run of consecutive decoder layers. The last global stage also runs the final norm,
+LM head and loss, so the loss gradient is born on the rank that needs it and 1F1B can start a
+microbatch's backward the step after its forward. The embedding is applied by the engine
+outside the per-step branches (see `jaxpar.parallel.pipeline`); the first stage's backward only
+returns the gradient of its input, which the engine pulls back into the embedding table.
+Embedding / head parameters ("shared": every top-level param but `layers`) are replicated over
+`pipeline`.
 
 Backwards recompute the stage forward from its stashed input with `jax.vjp`, differentiating
-only what the action needs: full B (params, shared, input), split B (input only: what the
-previous stage waits for), W (params and shared only).
+only what the action needs: full B (params, head, input), split B (input only: what the
+previous stage waits for), W (params and head only; on the first stage also the input, for the
+embedding's weight gradient).
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import models
-from jaxpar.parallel.pipeline_plan import FIRST, LAST, MIDDLE
+from jaxpar.parallel.pipeline_plan import LAST
 from jaxpar.train.loss import mean_cross_entropy
 
 
 class Stage:
-    """Forward functions of the three stage kinds for one model config and run options.
+    """Forward functions of the stage kinds for one model config and run options.
 
     `layer_params` is the `layers` subtree holding only this stage's layers [Lc, ...]; merged into
     the model's graph, the model's `run_layers` scans over exactly those.
@@ -37,40 +40,35 @@ class Stage:
     def _model(self, layer_params, shared):
         return nnx.merge(self.graph, {**shared, "layers": layer_params})
 
-    def forward(self, kind: int, layer_params, shared, x, tokens):
-        """FIRST/MIDDLE: the stage output [mb, S, D]. LAST: the microbatch's mean loss (fp32).
-        `tokens` is the microbatch [mb, S + 1] (inputs then shifted targets)."""
+    def embed(self, layer_params, shared, tokens):
+        return self._model(layer_params, shared).embed_tokens(tokens, self.opts)
+
+    def forward(self, kind: int, layer_params, shared, x, targets):
+        """FIRST/MIDDLE: the stage output [mb, S, D]. LAST: the microbatch's mean loss (fp32)."""
         model = self._model(layer_params, shared)
-        if kind == FIRST:
-            x = model.embed_tokens(tokens[:, :-1], self.opts)
         y, _ = model.run_layers(x, self.opts)
         if kind != LAST:
             return y
-        return mean_cross_entropy(model.logits_from_hidden(y, self.opts), tokens[:, 1:])
+        return mean_cross_entropy(model.logits_from_hidden(y, self.opts), targets)
 
-    def backward(self, kind: int, layer_params, shared, x, tokens, cotangent, *, params: bool, inputs: bool):
+    def backward(self, kind: int, layer_params, shared, x, targets, cotangent, *, params: bool, inputs: bool):
         """Recomputes `forward` and pulls `cotangent` back. Returns (d layer_params | None,
         d shared | None, d x | None, loss | None): only what `params` / `inputs` ask for; the
         loss is the recomputed primal on the LAST stage."""
         primals = [layer_params, shared, x]
-        wrt = []
-        if params:
-            wrt.append(0)
-            if kind != MIDDLE:  # middle stages never touch embedding / head
-                wrt.append(1)
-        if inputs and kind != FIRST:  # stage 0's input is tokens
+        wrt = ([0] + ([1] if kind == LAST else [])) if params else []
+        if inputs:
             wrt.append(2)
 
         def f(*diff):
             args = list(primals)
             for i, d in zip(wrt, diff):
                 args[i] = d
-            return self.forward(kind, *args, tokens)
+            return self.forward(kind, *args, targets)
 
         out, pullback = jax.vjp(f, *(primals[i] for i in wrt))
         got = dict(zip(wrt, pullback(cotangent.astype(out.dtype))))
-        loss = out if kind == LAST else None
-        return got.get(0), got.get(1), got.get(2), loss
+        return got.get(0), got.get(1), got.get(2), (out if kind == LAST else None)
 
 
 def zeros_f32(tree):
