@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
+from tests.hf_testing import assert_same_tree, max_err, tokens_for  # noqa: E402
 
 LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
 
@@ -56,22 +57,9 @@ def hf_model(case: str, dtype=torch.float32):
     return model.to(dtype).eval()
 
 
-def tokens_for(model):
-    return np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24))
-
-
 def hf_logits(model, tokens):
     with torch.no_grad():
         return model(torch.as_tensor(tokens)).logits.float().numpy()
-
-
-def max_err(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-
-
-def assert_same_tree(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

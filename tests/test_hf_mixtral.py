@@ -18,6 +18,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
+from tests.hf_testing import assert_same_tree, max_err, tokens_for  # noqa: E402
 
 CASES = {
     # 4 experts, top-2, GQA, untied, vocab not a multiple of 128.
@@ -51,22 +52,9 @@ def hf_model(case: str):
     return model.eval()
 
 
-def tokens_for(model):
-    return np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 24))
-
-
 def hf_outputs(model, tokens):
     with torch.no_grad():
         return model(torch.as_tensor(tokens), output_router_logits=True)
-
-
-def max_err(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-
-
-def assert_same_tree(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -50,13 +50,13 @@ def graphdef(model_config):
 
 def param_shapes(model_config):
     """ShapeDtypeStructs of the params tree, without allocating."""
-    return _abstract(frozen(model_config))[1].to_pure_dict()
+    return nnx.to_pure_dict(_abstract(frozen(model_config))[1])
 
 
 def logical_axes(model_config):
     """The params tree with a tuple of logical axis names at each leaf."""
     state = _abstract(frozen(model_config))[1]
-    specs = nnx.get_partition_spec(state).to_pure_dict()
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
@@ -64,7 +64,7 @@ def init_params(model_config, seed: int):
     """Initial params as a pure function of (config, seed): call under jit with out_shardings to
     create them directly sharded; the values never depend on the mesh."""
     cfg = frozen(model_config)
-    return nnx.split(_build(cfg, seed))[1].to_pure_dict()
+    return nnx.to_pure_dict(nnx.split(_build(cfg, seed))[1])
 
 
 def apply(model_config, params, tokens, opts: RunOptions = RunOptions()):

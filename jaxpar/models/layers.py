@@ -1,6 +1,6 @@
 """Transformer building blocks shared by Llama and Mixtral (Flax NNX).
 
-Every parameter carries logical axis names (`sharding_names`); every activation constraint goes
+Every parameter carries logical axis names (`out_sharding` metadata); every activation constraint goes
 through `jaxpar.sharding.constrain` with `act_*` names. Weights are stored in "math" layout
 ([in, out], heads split out), converted to/from transformers' [out, in] layout in `interop.hf`.
 """
@@ -50,7 +50,7 @@ def _normal(rngs: nnx.Rngs, shape, std):
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("norm",))
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
@@ -93,10 +93,10 @@ class Attention(nnx.Module):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
         std = cfg.initializer_range
         self.num_heads, self.num_kv_heads = h, kv
-        self.q = nnx.Param(_normal(rngs, (d, h, hd), std), sharding_names=("embed", "heads", "head_dim"))
-        self.k = nnx.Param(_normal(rngs, (d, kv, hd), std), sharding_names=("embed", "kv_heads", "head_dim"))
-        self.v = nnx.Param(_normal(rngs, (d, kv, hd), std), sharding_names=("embed", "kv_heads", "head_dim"))
-        self.o = nnx.Param(_normal(rngs, (h, hd, d), std), sharding_names=("heads", "head_dim", "embed"))
+        self.q = nnx.Param(_normal(rngs, (d, h, hd), std), out_sharding=("embed", "heads", "head_dim"))
+        self.k = nnx.Param(_normal(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
+        self.v = nnx.Param(_normal(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
+        self.o = nnx.Param(_normal(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions):
         rules = opts.rules
@@ -141,9 +141,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f, std = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
-        self.gate = nnx.Param(_normal(rngs, (d, f), std), sharding_names=("embed", "mlp"))
-        self.up = nnx.Param(_normal(rngs, (d, f), std), sharding_names=("embed", "mlp"))
-        self.down = nnx.Param(_normal(rngs, (f, d), std), sharding_names=("mlp", "embed"))
+        self.gate = nnx.Param(_normal(rngs, (d, f), std), out_sharding=("embed", "mlp"))
+        self.up = nnx.Param(_normal(rngs, (d, f), std), out_sharding=("embed", "mlp"))
+        self.down = nnx.Param(_normal(rngs, (f, d), std), out_sharding=("mlp", "embed"))
 
     def __call__(self, x, opts: RunOptions):
         hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
@@ -158,7 +158,7 @@ class Embedding(nnx.Module):
         v, d = cfg.vocab_size, cfg.hidden_size
         table = _normal(rngs, (v, d), cfg.initializer_range)
         table = jnp.pad(table, ((0, padded_vocab_size(v) - v), (0, 0)))
-        self.weight = nnx.Param(table, sharding_names=("vocab", "embed"))
+        self.weight = nnx.Param(table, out_sharding=("vocab", "embed"))
 
     def __call__(self, tokens, opts: RunOptions):
         return jnp.take(self.weight[...], tokens, axis=0)
@@ -170,7 +170,7 @@ class LMHead(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         v, d = cfg.vocab_size, cfg.hidden_size
         w = _normal(rngs, (d, v), cfg.initializer_range)
-        self.weight = nnx.Param(jnp.pad(w, ((0, 0), (0, padded_vocab_size(v) - v))), sharding_names=("embed", "vocab"))
+        self.weight = nnx.Param(jnp.pad(w, ((0, 0), (0, padded_vocab_size(v) - v))), out_sharding=("embed", "vocab"))
 
 
 def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions):

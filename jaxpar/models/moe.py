@@ -29,9 +29,9 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         e, d, f, std = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
-        self.gate = nnx.Param(_normal(rngs, (e, d, f), std), sharding_names=("expert", "embed", "mlp"))
-        self.up = nnx.Param(_normal(rngs, (e, d, f), std), sharding_names=("expert", "embed", "mlp"))
-        self.down = nnx.Param(_normal(rngs, (e, f, d), std), sharding_names=("expert", "mlp", "embed"))
+        self.gate = nnx.Param(_normal(rngs, (e, d, f), std), out_sharding=("expert", "embed", "mlp"))
+        self.up = nnx.Param(_normal(rngs, (e, d, f), std), out_sharding=("expert", "embed", "mlp"))
+        self.down = nnx.Param(_normal(rngs, (e, f, d), std), out_sharding=("expert", "mlp", "embed"))
 
 
 class MoEBlock(nnx.Module):
@@ -40,7 +40,7 @@ class MoEBlock(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         # Every device routes all of its tokens, so the router's expert dim is not split (None).
         self.router = nnx.Param(
-            _normal(rngs, (cfg.hidden_size, self.num_experts), cfg.initializer_range), sharding_names=("embed", None)
+            _normal(rngs, (cfg.hidden_size, self.num_experts), cfg.initializer_range), out_sharding=("embed", None)
         )
         self.experts = Experts(cfg, rngs=rngs)
 
