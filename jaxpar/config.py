@@ -5,11 +5,28 @@ Config files (`configs/*.py`) start from `base_config()` and override fields. Pr
 `config.model` uses the field names of transformers' `LlamaConfig` / `MixtralConfig`.
 """
 
+import jax.numpy as jnp
 from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
-# Logical → mesh axis order; tensor innermost so tensor groups are physical neighbours.
-MESH_AXES = ("data", "pipeline", "context", "expert", "tensor")
+from jaxpar.axes import DATA, MESH_AXES
+
+# `train.param_dtype` / `train.compute_dtype` names and what they mean.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# `model.rope_scaling.rope_type` values (transformers' names).
+ROPE_TYPES = ("default", "llama3")
+# Stored vocab rows/columns are padded to a multiple of this (zeros, masked in the loss). It is a
+# constant, not a function of the mesh, so parameter shapes and initial values never depend on it.
+VOCAB_PAD_MULTIPLE = 128
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+
+def head_dim_of(model) -> int:
+    """`model.head_dim`, or hidden_size / num_attention_heads when it is None (transformers' rule)."""
+    return model.head_dim if model.head_dim is not None else model.hidden_size // model.num_attention_heads
 
 
 def llama_model_config(**overrides) -> ConfigDict:
@@ -76,7 +93,7 @@ def base_config() -> ConfigDict:
 
     # Mesh axis sizes; -1 on one axis takes the remaining devices.
     c.mesh = ConfigDict({name: 1 for name in MESH_AXES})
-    c.mesh.data = -1
+    c.mesh[DATA] = -1
 
     c.parallel = ConfigDict(
         dict(

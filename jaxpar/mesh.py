@@ -1,8 +1,7 @@
-"""The five-axis device mesh.
+"""The five-axis device mesh (axis names and order: `jaxpar.axes`).
 
-Axis order is `data, pipeline, context, expert, tensor`: the last axis varies fastest over the
-device list, so tensor-parallel groups (the chattiest collectives, every layer) are physical
-neighbours, and data-parallel replicas (one gradient reduction per step) are farthest apart.
+Devices are laid out by `mesh_utils.create_device_mesh` (topology-aware on GPUs/TPUs); every axis
+is `Auto`, so the SPMD partitioner places whatever no explicit `shard_map` handles.
 """
 
 import math
@@ -11,7 +10,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import MESH_AXES
+from jaxpar.axes import DATA, MESH_AXES
 
 
 class MeshError(ValueError):
@@ -37,7 +36,7 @@ def resolve_mesh_shape(mesh_config, num_devices: int) -> dict[str, int]:
         sizes[fill[0]] = num_devices // known
     elif known != num_devices:
         shape = " x ".join(f"{n}={s}" for n, s in sizes.items())
-        raise MeshError(f"mesh: {shape} = {known} devices but {num_devices} are available; set mesh.data=-1")
+        raise MeshError(f"mesh: {shape} = {known} devices but {num_devices} are available; set mesh.{DATA}=-1")
     return sizes
 
 

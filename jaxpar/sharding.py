@@ -1,12 +1,14 @@
 """Logical axis names → mesh axes: the one table every sharding in jaxpar comes from.
 
 Models name array dimensions only logically. Parameters use `vocab, embed, heads, kv_heads,
-head_dim, mlp, layers, norm`; activations use `batch, seq` and the `act_*` names. `Rules` maps each
-name to a tuple of mesh axes (empty: replicated). A name missing from the table, or a mesh axis
-appearing twice in one array's spec, raises `ShardingRuleError` — never a silent fallback.
+head_dim, mlp, layers, norm, experts`; activations use `batch, seq` and the `act_*` names. `Rules`
+maps each name to a tuple of mesh axes (empty: replicated). A name missing from the table, or a
+mesh axis appearing twice in one array's spec, raises `ShardingRuleError` — never a silent
+fallback.
 
-Two tables exist per config: one for parameters and one for optimizer state. They differ only in
-where ZeRO puts the `data` axis (stage 1: optimizer state only; stage 3: both).
+Two tables exist per run, both built from the parallel plan (`jaxpar.parallel.plan`): one for
+parameters and activations, one for optimizer state. They differ only in where ZeRO puts `data`
+(stage 1: optimizer state only; stage 3: both).
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-# The data-parallel axes of the batch: for dense layers, expert devices are more data replicas.
-BATCH_AXES = ("data", "expert")
-# The axis ZeRO shards parameters / optimizer state over, and the parameter dim it splits.
-ZERO_AXIS = "data"
+from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
+
+# The residual stream between blocks: [batch, sequence, embed].
+RESIDUAL = ("batch", "act_seq", "act_embed")
 
 
 class ShardingRuleError(ValueError):
     """A logical name with no rule, or a mesh axis used twice in one array."""
+
+
+def is_logical_names(x) -> bool:
+    """A leaf of a logical-names tree: a tuple of names (None for an unnamed dim)."""
+    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 
 
 @dataclass(frozen=True)
@@ -60,16 +67,16 @@ class Rules:
 
     def tree_shardings(self, logical_tree):
         """NamedShardings for a tree whose leaves are tuples of logical names."""
-        return jax.tree.map(self.sharding, logical_tree, is_leaf=_is_names)
+        return jax.tree.map(self.sharding, logical_tree, is_leaf=is_logical_names)
 
     def without(self, *mesh_axes) -> "Rules":
         """The same table with `mesh_axes` removed everywhere (e.g. a layer gathered for FSDP)."""
         table = {k: tuple(a for a in v if a not in mesh_axes) for k, v in self.table.items()}
         return Rules(self.mesh, table)
 
-
-def _is_names(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+    def on(self, mesh) -> "Rules":
+        """The same table bound to another (e.g. a shard_map's abstract) mesh."""
+        return Rules(mesh, self.table)
 
 
 def constrain(rules: Rules | None, x, names):
@@ -77,43 +84,36 @@ def constrain(rules: Rules | None, x, names):
     return x if rules is None else rules.constrain(x, names)
 
 
-def kv_heads_shardable(num_kv_heads: int, tensor: int) -> bool:
-    """KV heads split over `tensor` when they divide evenly; otherwise they are replicated (Megatron)."""
-    return num_kv_heads % tensor == 0
-
-
-def build_table(config, mesh: Mesh, *, zero_on_params: bool) -> dict:
-    parallel, model = config.parallel, config.model
-    tensor = mesh.shape["tensor"]
-    kv = ("tensor",) if kv_heads_shardable(model.num_key_value_heads, tensor) else ()
-    zero = (ZERO_AXIS,) if zero_on_params else ()
+def _table(plan, *, zero_on_params: bool) -> dict:
+    tensor = plan.tensor
+    zero = (DATA,) if zero_on_params else ()
     return {
         # parameters
-        "vocab": ("tensor",),
+        "vocab": (TENSOR,),
         "embed": zero,
         "norm": (),
-        "heads": ("tensor",),
-        "kv_heads": kv,
+        "heads": (TENSOR,),
+        "kv_heads": (TENSOR,) if tensor.kv_heads_sharded else (),
         "head_dim": (),
-        "mlp": ("tensor",),
+        "mlp": (TENSOR,),
         # Stacked layers split into contiguous pipeline stages (the engine reshapes them).
-        "layers": ("pipeline",) if mesh.shape["pipeline"] > 1 else (),
-        "expert": ("expert",),
+        "layers": (PIPELINE,) if plan.pipeline is not None else (),
+        "experts": (EXPERT,),
         # activations
-        "batch": BATCH_AXES,
+        "batch": tuple(plan.batch_axes),
         "seq": (),
-        "act_seq": ("tensor",) if parallel.sequence_parallel else (),
+        "act_seq": (TENSOR,) if tensor.sequence_parallel else (),
         "act_embed": (),
-        "act_heads": ("tensor",),
-        "act_kv_heads": kv,
-        "act_mlp": ("tensor",),
-        "act_vocab": ("tensor",),
+        "act_heads": (TENSOR,),
+        "act_kv_heads": (TENSOR,),  # after `tensor.repeat_kv`, KV heads always divide over tensor
+        "act_mlp": (TENSOR,),
+        "act_vocab": (TENSOR,),
     }
 
 
-def param_rules(config, mesh: Mesh) -> Rules:
-    return Rules(mesh, build_table(config, mesh, zero_on_params=config.parallel.zero_stage >= 3))
+def param_rules(plan, mesh: Mesh) -> Rules:
+    return Rules(mesh, _table(plan, zero_on_params=plan.zero.shard_params))
 
 
-def opt_state_rules(config, mesh: Mesh) -> Rules:
-    return Rules(mesh, build_table(config, mesh, zero_on_params=config.parallel.zero_stage >= 1))
+def opt_state_rules(plan, mesh: Mesh) -> Rules:
+    return Rules(mesh, _table(plan, zero_on_params=plan.zero.shard_optimizer_state))

@@ -73,8 +73,9 @@ def main(argv):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from jaxpar.parallel.pipeline_plan import plan_for, stash_depth
-    from jaxpar.parallel.schedules import SCHEDULE_NAMES, bubble_fraction, theoretical_bubble
+    from jaxpar.parallel.pipeline.checks import peak_in_flight
+    from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, bubble_fraction, theoretical_bubble
+    from jaxpar.parallel.pipeline.slots import slot_plan_for
 
     p, m = _STAGES.value, _MICRO.value
     devices = jax.devices()[: p * _DATA.value]
@@ -91,19 +92,19 @@ def main(argv):
     print("-" * len(header))
     for name in SCHEDULE_NAMES:
         v = _VIRTUAL.value if name == "interleaved_1f1b" else 1
-        plan = plan_for(name, p, m, v)
+        plan = slot_plan_for(name, p, m, v)
         temp, seconds = measure(make_config(name, p, m, v), devices)
         # The engine's activation buffers per device: both slot arrays plus the two in-flight ones.
         buffers = (plan.act_slots + plan.grad_slots + 4) * _ROWS.value * _SEQ.value * _HIDDEN.value * 4
         print(
             f"{name + (f' v={v}' if v > 1 else ''):<22}{plan.schedule.num_steps:>6}"
             f"{bubble_fraction(plan.schedule):>8.3f}{theoretical_bubble(name, p, m, v):>8.3f}"
-            f"{max(stash_depth(plan)):>7}{buffers / 2**20:>13.2f}{temp / 2**20:>14.2f}{seconds * 1e3:>10.1f}"
+            f"{max(peak_in_flight(plan.schedule)):>7}{buffers / 2**20:>13.2f}{temp / 2**20:>14.2f}{seconds * 1e3:>10.1f}"
         )
     temp, seconds = measure(make_config(None, p, m, 1), devices)
     print(f"{'no pipeline':<22}{'':>6}{'':>8}{'':>8}{'':>7}{'':>13}{temp / 2**20:>14.2f}{seconds * 1e3:>10.1f}"
           f"   (data={_DATA.value * p}, same global batch)")
-    print("stash: most stage inputs a rank holds; buffers: the engine's stash + mailbox arrays per device")
+    print("stash: most microbatch inputs a rank holds (peak in flight); buffers: the engine's stash + mailbox arrays per device")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ Pure Python + numpy: no jax import, no device setup.
 
 from absl import app, flags
 
-from jaxpar.parallel.schedule_check import peak_in_flight, validate
-from jaxpar.parallel.schedules import (
+from jaxpar.parallel.pipeline.checks import peak_in_flight, validate
+from jaxpar.parallel.pipeline.schedules import (
     SCHEDULE_NAMES,
     bubble_fraction,
     make_schedule,

@@ -1,4 +1,6 @@
-"""Reading collectives out of compiled HLO text: which op, result shapes, and loop depth."""
+"""Reading collectives out of compiled HLO text: which op, result shapes, loop depth, and whether
+it sits inside a conditional's branch (read from the HLO's `branch_computations` /
+`true_computation` / `false_computation`, not from op-name metadata)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ class Collective:
     op: str
     shapes: tuple  # result shapes (tuples of ints); several for a combined op
     loop_depth: int  # 0: runs once per step; ≥1: inside that many nested while loops
+    in_branch: bool  # inside a conditional's branch computation (at any depth)
+    computation: str
 
 
 def _shapes(result_type: str) -> tuple:
@@ -22,6 +26,15 @@ def _shapes(result_type: str) -> tuple:
     )
 
 
+def _callees(line: str):
+    """(callee, kind) pairs a line calls: kind is "body", "branch" or "call"."""
+    for kind, callee in re.findall(r"(body|calls|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)", line):
+        yield callee, "body" if kind == "body" else "branch" if kind.endswith("_computation") else "call"
+    for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+        for callee in re.findall(r"%([\w.\-]+)", group):
+            yield callee, "branch"
+
+
 def collectives(hlo_text: str) -> list[Collective]:
     computation, callers, found = None, {}, []
     for line in hlo_text.splitlines():
@@ -29,18 +42,19 @@ def collectives(hlo_text: str) -> list[Collective]:
         if header:
             computation = header.group(1)
             continue
-        for kind, callee in re.findall(r"(body|calls|condition|to_apply)=%([\w.\-]+)", line):
-            callers[callee] = (computation, kind == "body")
+        for callee, kind in _callees(line):
+            callers.setdefault(callee, (computation, kind))
         op = re.search(r"= (.*?) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", line)
         if op:
             found.append((computation, op.group(2), _shapes(op.group(1))))
 
-    def depth(name):
-        d, seen = 0, 0
-        while name in callers and seen < 50:
-            name, is_body = callers[name]
-            d += is_body
-            seen += 1
-        return d
+    def context(name):
+        depth, branch, hops = 0, False, 0
+        while name in callers and hops < 100:
+            name, kind = callers[name]
+            depth += kind == "body"
+            branch |= kind == "branch"
+            hops += 1
+        return depth, branch
 
-    return [Collective(op, shapes, depth(comp)) for comp, op, shapes in found]
+    return [Collective(op, shapes, *context(comp), comp) for comp, op, shapes in found]

@@ -20,8 +20,7 @@ if __name__ == "__main__":
 
 from jaxpar.data import GlobalBatches, global_batch, load_tokens
 from jaxpar.train.setup import build
-from tests.reference import with_overrides
-from tests.test_degeneracy import tiny_config
+from tests import tiny
 
 
 def run(config):
@@ -40,8 +39,7 @@ def run(config):
 
 
 def multiprocess_config():
-    config = with_overrides(tiny_config(), {"data": 4, "tensor": 2}, data={"max_corpus_bytes": 100_000})
-    config.model.vocab_size = 256
+    config = tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 4, "tensor": 2}, data={"max_corpus_bytes": 100_000})
     return config
 
 

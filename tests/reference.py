@@ -1,24 +1,16 @@
-"""Shared helpers for degeneracy tests: run a config on some mesh, compare with one device."""
+"""Degeneracy helpers: run a config on some mesh through the production train step and compare the
+run with the one-device run of the same config (the reversibility rule)."""
 
 from __future__ import annotations
-
-import copy
 
 import jax
 import numpy as np
 
-from jaxpar.config import MESH_AXES
 from jaxpar.train.setup import build
-from jaxpar.train.step import loss_and_grads
+from tests.tiny import with_overrides
 
-
-def with_overrides(config, mesh: dict, **sections):
-    """A copy of `config` with mesh sizes (unnamed axes → 1) and `section={key: value}` overrides."""
-    config = copy.deepcopy(config)
-    config.mesh.update({name: mesh.get(name, 1) for name in MESH_AXES})
-    for section, values in sections.items():
-        config[section].update(values)
-    return config
+# Per-step metrics compared at every step, besides the loss.
+COMPARED = ("grad_norm", "learning_rate", "loss_scale")
 
 
 def synthetic_batches(config, steps: int, seed: int = 0, distinct_tokens: int = 16):
@@ -30,23 +22,22 @@ def synthetic_batches(config, steps: int, seed: int = 0, distinct_tokens: int = 
 
 
 def run(config, batches, num_devices: int):
-    """Initial params, step-1 loss and gradients, and per-step losses, all as numpy."""
+    """Initial params, step-1 gradients and every step's metrics, as numpy. One compile: the
+    production step, returning its gradients too."""
     program = build(config, jax.devices()[:num_devices])
     state = program.init()
-    init_params = jax.device_get(state.params)
-    grad_fn = jax.jit(
-        lambda params, batch: loss_and_grads(
-            params, batch, model_config=config.model, opts=program.opts, accum=config.train.grad_accum
-        ),
-        in_shardings=(program.state_shardings.params, program.batch_sharding),
-    )
-    first = jax.device_put(batches[0], program.batch_sharding)
-    loss1, grads1, _ = jax.device_get(grad_fn(state.params, first))
-    losses = []
-    for batch in batches:
-        state, metrics = program.step(state, jax.device_put(batch, program.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    return dict(init_params=init_params, loss1=float(loss1), grads1=grads1, losses=np.array(losses))
+    result = {"init_params": jax.device_get(state.params), "losses": []} | {k + "s": [] for k in COMPARED}
+    for step, batch in enumerate(batches):
+        state, metrics, grads = program.step_with_grads(state, jax.device_put(batch, program.batch_sharding))
+        if step == 0:
+            result["grads1"] = jax.device_get(grads)
+        metrics = jax.device_get(metrics)
+        result["losses"].append(float(metrics["loss"]))
+        for key in COMPARED:
+            result[key + "s"].append(float(metrics[key]))
+        if "expert_fraction" in metrics:
+            result.setdefault("expert_fractions", []).append(np.asarray(metrics["expert_fraction"]))
+    return {k: np.array(v) if isinstance(v, list) else v for k, v in result.items()}
 
 
 def max_relative_error(tree, reference) -> float:
@@ -56,9 +47,20 @@ def max_relative_error(tree, reference) -> float:
 
 
 def assert_matches_reference(result, reference, grad_rtol=1e-5, loss_rtol=1e-4):
+    """Identical initial params; step-1 loss and gradients within `grad_rtol` (relative); every
+    step's loss and gradient norm within `loss_rtol`; learning rates and loss scales equal."""
     for a, b in zip(jax.tree.leaves(result["init_params"]), jax.tree.leaves(reference["init_params"])):
         np.testing.assert_array_equal(a, b, err_msg="initial params depend on the mesh")
-    assert abs(result["loss1"] - reference["loss1"]) <= grad_rtol * abs(reference["loss1"])
+    assert abs(result["losses"][0] - reference["losses"][0]) <= grad_rtol * abs(reference["losses"][0])
     err = max_relative_error(result["grads1"], reference["grads1"])
     assert err <= grad_rtol, f"step-1 gradients differ from one device by {err:.2e} (relative)"
-    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=loss_rtol)
+    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=loss_rtol, err_msg="losses")
+    np.testing.assert_allclose(result["grad_norms"], reference["grad_norms"], rtol=loss_rtol, err_msg="grad norms")
+    np.testing.assert_allclose(result["learning_rates"], reference["learning_rates"], rtol=1e-6, err_msg="learning rates")
+    np.testing.assert_array_equal(result["loss_scales"], reference["loss_scales"], err_msg="loss scales")
+
+
+def single_device(cache, config, steps: int):
+    """The one-device run of `config` (mesh sizes ignored), computed once per session."""
+    one = with_overrides(config, {})
+    return cache.get(f"single:{one.to_json_best_effort()}:{steps}", lambda: run(one, synthetic_batches(one, steps), 1))

@@ -1,59 +1,118 @@
-"""What the compiled programs do, read from their HLO: the communication the design promises."""
+"""What the compiled programs do, read from their HLO: the communication the design promises.
+
+Every structural check first proves, on the same kind of program, that the parser sees what it
+looks for (a positive control), so an assertion that something is absent cannot pass vacuously.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import models
-from jaxpar.models.layers import padded_vocab_size
+from jaxpar.config import padded_vocab_size
 from jaxpar.train.setup import build, bytes_per_device
+from tests import tiny
 from tests.hlo import collectives
-from tests.reference import with_overrides
-from tests.test_degeneracy import tiny_config
 
 
-def compiled_step(config):
-    program = build(config, jax.devices())
+def compiled_step(config, devices=8):
+    program = build(config, jax.devices()[:devices])
     state = jax.eval_shape(program.init)
     batch = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len + 1), jnp.int32)
     return program, program.step.lower(state, batch).compile()
 
 
-def gradient_shapes(program) -> set:
-    """Per-device shapes of every parameter gradient, whole and one layer's slice."""
+def parameter_shapes(program) -> set:
+    """Per-device shapes of every parameter (and gradient, optimizer-state) shard, whole and one
+    layer's slice, under both the parameter and the optimizer-state layouts."""
     shapes = set()
     abstract = jax.eval_shape(program.init).params
-    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(program.state_shardings.params)):
-        shard = tuple(sharding.shard_shape(leaf.shape))
-        shapes.update({shard, shard[1:]} if len(shard) > 1 else {shard})
+    logical = models.logical_axes(program.config.model)
+    for rules in (program.rules, program.opt_rules, program.rules.without("data")):
+        for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(rules.tree_shardings(logical))):
+            shard = tuple(sharding.shard_shape(leaf.shape))
+            shapes.update({shard, shard[1:]} if len(shard) > 1 else {shard})
     return shapes
 
 
+def _squeeze(shape):
+    return tuple(d for d in shape if d != 1)
+
+
+# ---- gradient accumulation: one data-parallel reduction per step -----------------------------
+
+
 def test_grad_accumulation_reduces_gradients_once_per_step():
-    config = with_overrides(tiny_config(), {"data": 2, "tensor": 4}, train={"grad_accum": 4})
+    config = tiny.with_overrides(tiny.llama({"grad_accum": 2}), {"data": 2, "tensor": 4})
     program, compiled = compiled_step(config)
-    grads = gradient_shapes(program)
     ops = [c for c in collectives(compiled.as_text()) if c.op in ("all-reduce", "reduce-scatter")]
-    in_loops = [c for c in ops if c.loop_depth > 0 and grads & set(c.shapes)]
-    once = [c for c in ops if c.loop_depth == 0 and grads & set(c.shapes)]
+    # Positive control: the tensor-parallel all-reduce of a microbatch's activations
+    # [16 / (2 replicas · 2 microbatches), seq, hidden] inside the layer loop.
+    activation = (4, config.train.seq_len, config.model.hidden_size)
+    assert any(c.loop_depth >= 1 and any(_squeeze(s) == activation for s in c.shapes) for c in ops), ops
+    grads = parameter_shapes(program)
+    assert activation not in grads
+    in_loops = [c for c in ops if c.loop_depth > 0 and grads & {_squeeze(s) for s in c.shapes}]
+    once = [c for c in ops if c.loop_depth == 0 and grads & {_squeeze(s) for s in c.shapes}]
     assert once, "expected the gradient reduction after the accumulation loop"
     assert not in_loops, f"gradient-shaped reductions inside loops: {in_loops}"
 
 
-def test_vocab_parallel_loss_never_gathers_logits():
-    config = with_overrides(tiny_config(), {"data": 2, "tensor": 4})
-    _, compiled = compiled_step(config)
-    vocab = padded_vocab_size(config.model.vocab_size)
+# ---- the vocab-parallel loss never gathers logits ----------------------------------------------
+
+VOCAB = 1000  # padded to 1024: a size no other dim of these programs has, whole or split by 2 or 4
+
+
+def logits_like(ops, vocab: int, tensor: int, params: set) -> list:
+    """Collectives moving something with a vocab-sized dim (whole or split over tensor) that is
+    not a parameter, gradient or optimizer-state shard: [B, S, V] logits, flattened [B·S, V], ..."""
+    sizes = {vocab, vocab // tensor}
+    return [c for c in ops for s in c.shapes if sizes & set(s) and _squeeze(s) not in params and s not in params]
+
+
+def test_logit_checker_sees_a_gathered_logits_tensor():
+    """Positive control: gathering vocab-sharded logits, as [B, S, V] or flattened [B·S, V], is
+    flagged by the same checker the tests below rely on."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    vocab = padded_vocab_size(VOCAB)
+    sharded = NamedSharding(mesh, P("data", None, "tensor"))
+    for reshape in (lambda x: x, lambda x: x.reshape(-1, x.shape[-1])):
+        fn = jax.jit(lambda x: jax.lax.with_sharding_constraint(reshape(x) * 2, NamedSharding(mesh, P())))
+        text = fn.lower(jax.ShapeDtypeStruct((16, 16, vocab), jnp.float32, sharding=sharded)).compile().as_text()
+        assert logits_like(collectives(text), vocab, 4, params=set()), "the checker missed a logits gather"
+
+
+LOGITS_CASES = {
+    "tensor4": ({}, {"data": 2, "tensor": 4}, {}),
+    "tensor4_sp": ({}, {"data": 2, "tensor": 4}, {"sequence_parallel": True}),
+    "tied_tensor4": ({"tie_word_embeddings": True}, {"data": 2, "tensor": 4}, {}),
+    "zero3_tensor4": ({}, {"data": 2, "tensor": 4}, {"zero_stage": 3}),
+    "pipeline2_tensor4": ({}, {"pipeline": 2, "tensor": 4}, {"num_microbatches": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(LOGITS_CASES))
+def test_vocab_parallel_loss_never_gathers_logits(name):
+    model, mesh, parallel = LOGITS_CASES[name]
+    config = tiny.with_overrides(tiny.llama(vocab_size=VOCAB, **model), mesh, parallel=parallel)
+    program, compiled = compiled_step(config)
     ops = collectives(compiled.as_text())
-    assert ops, "expected collectives in a tensor-parallel step"
-    logits_sized = [c for c in ops if any(len(s) >= 3 and s[-1] == vocab for s in c.shapes)]
-    assert not logits_sized, f"collectives over [B, S, V] logits: {logits_sized}"
+    vocab = padded_vocab_size(VOCAB)
+    # Positive control: the vocab-parallel loss all-reduces [rows, S] statistics over tensor.
+    seq = config.train.seq_len
+    assert any(c.op == "all-reduce" and any(len(s) == 2 and s[-1] == seq for s in c.shapes) for c in ops), ops
+    found = logits_like(ops, vocab, mesh["tensor"], parameter_shapes(program))
+    assert not found, f"collectives over logits-like [.., V] tensors: {found}"
+
+
+# ---- ZeRO divides memory -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("zero_stage, params_div, opt_div", [(0, 1, 1), (1, 1, 8), (3, 8, 8)])
 def test_zero_stages_divide_memory_over_data(zero_stage, params_div, opt_div):
-    config = with_overrides(tiny_config(), {"data": 8}, parallel={"zero_stage": zero_stage})
+    config = tiny.with_overrides(tiny.llama(), {"data": 8}, parallel={"zero_stage": zero_stage})
     program = build(config, jax.devices())
     abstract = jax.eval_shape(program.init)
     full = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(models.param_shapes(config.model)))
@@ -63,3 +122,25 @@ def test_zero_stages_divide_memory_over_data(zero_stage, params_div, opt_div):
     assert params == norms + (full - norms) // params_div
     mu = abstract.opt_state[1][0].mu
     assert bytes_per_device(mu, program.state_shardings.opt_state[1][0].mu) == norms + (full - norms) // opt_div
+
+
+# ---- the HLO reader itself ---------------------------------------------------------------------
+
+
+def test_reader_finds_collectives_in_conditional_branches_and_loops():
+    """Positive control for branch and loop detection: a psum inside a `lax.cond` branch inside a
+    `lax.scan`, and one outside both."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def per_device(x):
+        def body(carry, _):
+            branch = jax.lax.cond(carry[0, 0] > 0, lambda c: jax.lax.psum(c * 3.0, "data"), lambda c: c * 2.0, carry)
+            return branch, None
+
+        y, _ = jax.lax.scan(body, x, None, length=3)
+        return jax.lax.psum(y, "data")
+
+    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False))
+    ops = [c for c in collectives(fn.lower(jnp.ones((8, 5))).compile().as_text()) if c.op == "all-reduce"]
+    assert any(c.in_branch and c.loop_depth == 1 for c in ops), ops
+    assert any(not c.in_branch and c.loop_depth == 0 for c in ops), ops

@@ -5,7 +5,8 @@ import jax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.config import MESH_AXES, base_config
+from jaxpar.axes import MESH_AXES
+from jaxpar.config import base_config
 from jaxpar.data import (
     BatchIterator,
     ByteTokenizer,

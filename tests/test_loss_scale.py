@@ -6,8 +6,8 @@ import numpy as np
 
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.setup import build
-from tests.reference import synthetic_batches, with_overrides
-from tests.test_degeneracy import tiny_config
+from tests import tiny
+from tests.reference import synthetic_batches
 
 
 def test_scale_halves_on_overflow_and_doubles_after_period():
@@ -22,10 +22,15 @@ def test_scale_halves_on_overflow_and_doubles_after_period():
     assert float(static.update(jnp.asarray(False)).scale) == 1.0
 
 
+# fp16 rounds activations to 11 mantissa bits, at different points on different layouts;
+# measured: 1.2e-4 worst relative loss difference between 1 and 8 devices over these 6 steps.
+FP16_LOSS_RTOL = 1e-3
+
+
 def fp16_run(mesh, devices, steps=6):
     # 2^20 overflows fp16 gradients for certain: the first steps must be skipped until the scale fits.
-    config = with_overrides(
-        tiny_config(), mesh, train={"compute_dtype": "float16", "loss_scale_init": 2.0**20, "steps": steps}
+    config = tiny.with_overrides(
+        tiny.llama({"compute_dtype": "float16", "loss_scale_init": 2.0**20, "steps": steps}), mesh
     )
     program = build(config, jax.devices()[:devices])
     state = program.init()
@@ -50,6 +55,13 @@ def test_overflow_skips_step_identically_on_one_and_eight_devices():
     assert [h["skipped_steps"] for h in hist8] == skipped
     assert [h["loss_scale"] for h in hist8] == [h["loss_scale"] for h in hist1]
     assert updates8 == updates1
+    # fp16 losses agree across meshes to fp16 precision (the skipped steps' losses overflow alike).
+    losses1 = np.array([h["loss"] for h in hist1])
+    losses8 = np.array([h["loss"] for h in hist8])
+    finite = np.isfinite(losses1)
+    assert finite.sum() >= 3, losses1
+    np.testing.assert_array_equal(np.isfinite(losses8), finite)
+    np.testing.assert_allclose(losses8[finite], losses1[finite], rtol=FP16_LOSS_RTOL)
     # Params really moved on applied steps only (an all-skipped run would leave them at init).
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(final1), jax.tree.leaves(init1)))
     assert moved > 0

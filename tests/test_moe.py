@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.config import base_config, mixtral_model_config
-from jaxpar.mesh import make_mesh
-from jaxpar.models.layers import RunOptions
+from jaxpar.config import mixtral_model_config
+from jaxpar.kernels.grouped_matmul import grouped_matmul
 from jaxpar.models.moe import MoEBlock
+from jaxpar.models.options import RunOptions
 from jaxpar.parallel.expert import capacity_per_expert, moe_ffn
-from jaxpar.parallel.grouped_matmul import grouped_matmul
 from jaxpar.preflight import ConfigError, check
-from jaxpar.sharding import param_rules
-from tests.reference import with_overrides
+from jaxpar.train.setup import build
+from tests import tiny
 
 E, K, B, S, D, F = 8, 2, 8, 12, 16, 24
 
@@ -52,9 +51,8 @@ def random_inputs():
 
 
 def rules_for(mesh):
-    config = with_overrides(base_config(), mesh)
-    config.model = mixtral_model_config(num_local_experts=E, num_key_value_heads=8)
-    return param_rules(config, make_mesh(config.mesh, jax.devices()[: int(np.prod(list(mesh.values())))]))
+    config = tiny.with_overrides(tiny.mixtral(num_local_experts=E), mesh)
+    return build(config, jax.devices()[: int(np.prod(list(mesh.values())))]).rules
 
 
 @pytest.mark.parametrize("mesh", [{}, {"data": 2, "expert": 4}, {"expert": 8}], ids=["no_mesh", "data2_expert4", "expert8"])
@@ -97,28 +95,40 @@ def test_capacity_formula():
 
 
 def test_router_renormalises_top_k():
+    """The k routing weights of every token sum to 1 (transformers' Mixtral renormalises the top-k
+    softmax probabilities); checked through the block's output: with every expert the identity
+    map's SwiGLU replaced by a constant, the output is the sum of the weights."""
     from flax import nnx
 
     cfg = mixtral_model_config(hidden_size=D, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K)
-    block = MoEBlock(cfg, rngs=nnx.Rngs(params=0))
+    with nnx.use_eager_sharding(False):
+        block = MoEBlock(cfg, rngs=nnx.Rngs(params=0))
     x, *_ = random_inputs()
     out, aux = block(x, RunOptions())
     assert out.shape == x.shape
     np.testing.assert_allclose(aux["assignments"].sum(), B * S * K)
     np.testing.assert_allclose(aux["router_prob_sum"].sum(), B * S, rtol=1e-5)
+    # Expert e computes the constant 1 on its first output unit: silu(gate)·up = 1, down picks unit 0.
+    big = 30.0  # silu(30) = 30 to float precision; up = 1/30
+    block.experts.gate[...] = jnp.zeros((E, D, F)).at[:, 0, 0].set(big)
+    block.experts.up[...] = jnp.zeros((E, D, F)).at[:, 0, 0].set(1.0 / big)
+    block.experts.down[...] = jnp.zeros((E, F, D)).at[:, 0, 0].set(1.0)
+    # Unit 0 is exactly 1 for every token; the other units vary, so tokens route differently.
+    inputs = x.at[..., 0].set(1.0)
+    out, _ = block(inputs, RunOptions())
+    # Each token's output unit 0 is Σ_k weight_k · expert_k(x)[0] ≈ Σ_k weight_k = 1 (not the
+    # top-k probabilities' raw sum, which is < 1 with 8 experts).
+    np.testing.assert_allclose(out[..., 0], 1.0, rtol=1e-5)
+    probs = jax.nn.softmax(jnp.einsum("bsd,de->bse", inputs, block.router[...]), axis=-1)
+    raw = jax.lax.top_k(probs, K)[0].sum(-1)
+    assert float(raw.max()) < 0.9, "test needs top-k probabilities that do not already sum to 1"
 
 
 # ---- Preflight ----
 
 
 def mixtral_config(**model):
-    c = base_config()
-    c.model = mixtral_model_config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128, **model,
-    )
-    c.train.update(global_batch_size=16, seq_len=32)
-    return c
+    return tiny.mixtral({"seq_len": 32}, vocab_size=256, max_position_embeddings=128, **model)
 
 
 def only_error(config, devices=8) -> str:

@@ -2,20 +2,13 @@
 
 import pytest
 
-from jaxpar.config import base_config, llama_model_config
 from jaxpar.mesh import MeshError, make_mesh, resolve_mesh_shape
 from jaxpar.preflight import ConfigError, check
+from tests import tiny
 
 
 def small_config(**model):
-    c = base_config()
-    c.model = llama_model_config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-    )
-    c.model.update(model)
-    c.train.update(global_batch_size=16, seq_len=32)
-    return c
+    return tiny.llama({"seq_len": 32}, **{"vocab_size": 256, "max_position_embeddings": 128, "head_dim": None, **model})
 
 
 def errors_of(config, devices=8) -> list[str]:

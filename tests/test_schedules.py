@@ -6,12 +6,10 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from jaxpar.parallel.schedule_check import peak_in_flight, validate
-from jaxpar.parallel.schedules import (
-    ARRAY_KEYS,
+from jaxpar.parallel.pipeline.checks import peak_in_flight, validate
+from jaxpar.parallel.pipeline.schedules import (
     Action,
     B,
     F,
@@ -23,6 +21,7 @@ from jaxpar.parallel.schedules import (
     interleaved_1f1b,
     make_schedule,
     one_f_one_b,
+    parse,
     render,
     step_costs,
     theoretical_bubble,
@@ -97,25 +96,27 @@ def test_make_schedule_errors():
         gpipe(4, 0)
 
 
-# --- to_arrays and render ----------------------------------------------------------------------
+# --- render and parse ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
-def test_to_arrays_round_trip(name, v):
-    s = make_schedule(name, 4, 8, v)
-    arrays = s.to_arrays()
-    assert set(arrays) == set(ARRAY_KEYS)
-    for key, array in arrays.items():
-        assert array.dtype == np.int32 and array.shape == (s.num_steps, s.num_ranks), key
-    rebuilt = [[[] for _ in range(s.num_ranks)] for _ in range(s.num_steps)]
-    for kind, prefix in ((F, "fwd"), (B, "bwd"), (W, "w")):
-        mbs, stages = arrays[f"{prefix}_mb"], arrays[f"{prefix}_stage"]
-        assert np.array_equal(mbs < 0, stages < 0)
-        for t, r in zip(*np.nonzero(mbs >= 0)):
-            rebuilt[t][r].append(Action(kind, int(mbs[t, r]), int(stages[t, r])))
-    assert Schedule(s.name, s.num_ranks, 1, 1, False, rebuilt).grid == s.grid
-    if not s.split_backward:
-        assert (arrays["w_mb"] == -1).all()
+@pytest.mark.parametrize("name,p,m,v", [("gpipe", 4, 8, 1), ("1f1b", 3, 5, 1), ("interleaved_1f1b", 4, 8, 2), ("zb_h1", 4, 8, 1)])
+def test_parse_inverts_render(name, p, m, v):
+    s = make_schedule(name, p, m, v)
+    assert parse(render(s)) == s
+
+
+def test_parse_states_a_table_literally():
+    s = parse("""
+        gpipe: p=2 m=2 v=1, 6 steps
+        step  0  1  2  3  4  5
+        r0   F0 F1  .  . B0 B1
+        r1    . F0 F1 B0 B1  .
+        cost  1  1  1  2  2  2
+    """)
+    assert s == gpipe(2, 2)
+    assert s.grid[3][1] == (Action(B, 0),)
+    with pytest.raises(ValueError, match="cannot read cell 'X1'"):
+        parse(render(gpipe(2, 2)).replace("F1", "X1", 1))
 
 
 def test_render():

@@ -6,14 +6,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import models
 from jaxpar.mesh import make_mesh
-from jaxpar.sharding import Rules, ShardingRuleError, opt_state_rules, param_rules
-from tests.reference import with_overrides
-from tests.test_degeneracy import tiny_config
+from jaxpar.train.setup import build
+from jaxpar.sharding import Rules, ShardingRuleError
+from tests import tiny
 
 
 def rules_for(mesh, **parallel):
-    config = with_overrides(tiny_config(), mesh, parallel=parallel)
-    return config, param_rules(config, make_mesh(config.mesh)), opt_state_rules(config, make_mesh(config.mesh))
+    config = tiny.with_overrides(tiny.llama(), mesh, parallel=parallel)
+    program = build(config, jax.devices())
+    return config, program.rules, program.opt_rules
 
 
 def test_unmapped_logical_name_is_an_error():
@@ -48,3 +49,15 @@ def test_zero1_shards_only_optimizer_state_and_sp_shards_sequence():
     assert rules.spec(("embed", "mlp")) == P(None, "tensor")
     assert opt_rules.spec(("embed", "mlp")) == P("data", "tensor")
     assert rules.spec(("batch", "act_seq", "act_embed")) == P(("data", "expert"), "tensor", None)
+
+
+def test_plan_names_every_decision():
+    from jaxpar.parallel.data import GradientStrategy
+
+    config = tiny.with_overrides(tiny.llama({"grad_accum": 2}), {"data": 2, "tensor": 4}, parallel={"zero_stage": 1})
+    plan = build(config, jax.devices()).plan
+    assert plan.zero.shard_optimizer_state and not plan.zero.shard_params and plan.zero.stage == 1
+    assert plan.tensor.kv_repeat == 2 and not plan.tensor.kv_heads_sharded  # 2 KV heads, tensor 4
+    assert plan.gradient is GradientStrategy.PER_REPLICA and plan.pipeline is None
+    zero3 = tiny.with_overrides(config, {"data": 8}, parallel={"zero_stage": 3})
+    assert build(zero3, jax.devices()).plan.gradient is GradientStrategy.PLAIN  # FSDP reduces per microbatch

@@ -74,75 +74,64 @@ def text_corpus_bytes(path: str) -> bytes:
     return _join(path, files, None)
 
 
-def _require_path(data_config, kind: str) -> str:
-    path = str(data_config.path or "")
+def source_problems(data_config) -> list[str]:
+    """One-line problems with `config.data` alone; stats paths, reads no corpus."""
+    data, errors = data_config, []
+    source = data.source
+    if source not in SOURCES:
+        errors.append(f"data.source={source!r} is not one of {SOURCES}; set data.source")
+    dtype_name = str(data.token_dtype)
+    if dtype_name not in TOKEN_DTYPES:
+        errors.append(f"data.token_dtype={dtype_name!r} is not one of {TOKEN_DTYPES}; set data.token_dtype")
+    if source == "stdlib" and int(data.max_corpus_bytes) <= 0:
+        errors.append(f"data.max_corpus_bytes={data.max_corpus_bytes} must be positive; set data.max_corpus_bytes")
+    if source not in ("text", "tokens"):
+        return errors
+    path = str(data.path or "")
+    kind = "a text file or folder" if source == "text" else "a flat binary token file"
     if not path:
-        raise ValueError(f"data.path is empty but data.source={data_config.source!r} needs it; set data.path to {kind}")
-    if not os.path.exists(path):
-        raise ValueError(f"data.path={path!r} does not exist; set data.path to {kind}")
-    return path
+        errors.append(f"data.path is empty but data.source={source!r} needs it; set data.path to {kind}")
+    elif not os.path.exists(path):
+        errors.append(f"data.path={path!r} does not exist; set data.path to {kind}")
+    elif source == "tokens" and not os.path.isfile(path):
+        errors.append(f"data.path={path!r} is not a file; set data.path to {kind}")
+    elif source == "tokens" and dtype_name in TOKEN_DTYPES:
+        size, itemsize = os.path.getsize(path), np.dtype(dtype_name).itemsize
+        if size == 0:
+            errors.append(f"data.path={path!r} is empty; set data.path to a non-empty token file")
+        elif size % itemsize:
+            errors.append(
+                f"data.path={path!r} is {size} bytes, not a multiple of {dtype_name}'s {itemsize}; check data.token_dtype"
+            )
+    return errors
 
 
 def load_tokens(data_config) -> np.ndarray:
     """The whole corpus as a 1-D integer array (a read-only np.memmap for "tokens")."""
+    problems = source_problems(data_config)
+    if problems:
+        raise ValueError(problems[0])
     source = data_config.source
     if source == "stdlib":
-        limit = int(data_config.max_corpus_bytes)
-        if limit <= 0:
-            raise ValueError(f"data.max_corpus_bytes={limit} must be positive; set data.max_corpus_bytes")
-        data = stdlib_corpus_bytes(limit)
+        data = stdlib_corpus_bytes(int(data_config.max_corpus_bytes))
         if not data:
             raise ValueError("the stdlib corpus is empty (no .py files found); set data.source='text' and data.path")
         return ByteTokenizer().encode(data)
     if source == "text":
-        path = _require_path(data_config, "a text file or folder")
-        data = text_corpus_bytes(path)
+        data = text_corpus_bytes(data_config.path)
         if not data:
-            raise ValueError(f"data.path={path!r} holds no text; set data.path to a non-empty text file or folder")
+            raise ValueError(f"data.path={data_config.path!r} holds no text; set data.path to a non-empty text file or folder")
         return ByteTokenizer().encode(data)
-    if source == "tokens":
-        path = _require_path(data_config, "a flat binary token file")
-        if not os.path.isfile(path):
-            raise ValueError(f"data.path={path!r} is not a file; set data.path to a flat binary token file")
-        dtype_name = str(data_config.token_dtype)
-        if dtype_name not in TOKEN_DTYPES:
-            raise ValueError(f"data.token_dtype={dtype_name!r} is not one of {TOKEN_DTYPES}; set data.token_dtype")
-        dtype = np.dtype(dtype_name)
-        size = os.path.getsize(path)
-        if size == 0:
-            raise ValueError(f"data.path={path!r} is empty; set data.path to a non-empty token file")
-        if size % dtype.itemsize:
-            raise ValueError(
-                f"data.path={path!r} is {size} bytes, not a multiple of {dtype_name}'s {dtype.itemsize}; "
-                f"check data.token_dtype"
-            )
-        return np.memmap(path, dtype=dtype, mode="r")
-    raise ValueError(f"data.source={source!r} is not one of {SOURCES}; set data.source")
+    return np.memmap(data_config.path, dtype=np.dtype(str(data_config.token_dtype)), mode="r")
 
 
 def validate_data_config(config) -> list[str]:
-    """One-line problems with `config.data` (and its fit with `config.model`); stats paths, reads no corpus."""
-    data = config.data
-    errors = []
-    source = data.source
-    if source not in SOURCES:
-        errors.append(f"data.source={source!r} is not one of {SOURCES}; set data.source")
-    if source in ("text", "tokens"):
-        path = str(data.path or "")
-        if not path:
-            errors.append(f"data.path is empty but data.source={source!r} needs it; set data.path")
-        elif not os.path.exists(path):
-            errors.append(f"data.path={path!r} does not exist; set data.path to an existing file or folder")
-        elif source == "tokens" and not os.path.isfile(path):
-            errors.append(f"data.path={path!r} is not a file; set data.path to a flat binary token file")
-    if str(data.token_dtype) not in TOKEN_DTYPES:
-        errors.append(f"data.token_dtype={data.token_dtype!r} is not one of {TOKEN_DTYPES}; set data.token_dtype")
-    if source == "stdlib" and int(data.max_corpus_bytes) <= 0:
-        errors.append(f"data.max_corpus_bytes={data.max_corpus_bytes} must be positive; set data.max_corpus_bytes")
+    """One-line problems with `config.data` and its fit with `config.model`; reads no corpus."""
+    errors = source_problems(config.data)
     vocab = int(config.model.vocab_size)
-    if source in BYTE_SOURCES and vocab < ByteTokenizer.vocab_size:
+    if config.data.source in BYTE_SOURCES and vocab < ByteTokenizer.vocab_size:
         errors.append(
             f"model.vocab_size={vocab} is below the byte tokenizer's {ByteTokenizer.vocab_size} "
-            f"(data.source={source!r}); set model.vocab_size >= 256"
+            f"(data.source={config.data.source!r}); set model.vocab_size >= 256"
         )
     return errors

@@ -1,5 +1,4 @@
-"""Mixtral checkpoints for `jaxpar.interop.hf`: a layer table and config converters, registered as
-`hf.ARCHITECTURES["mixtral"]` when `hf` is imported.
+"""transformers' MixtralForCausalLM checkpoints: the Mixtral family's adapter (`ADAPTER`).
 
 Two on-disk layouts exist and both load:
 - per expert (real Mixtral checkpoints, and what transformers 5's `save_pretrained` writes, converting
@@ -17,7 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpar.config import mixtral_model_config
-from jaxpar.interop import hf
+from jaxpar.interop.hf_core import (
+    ATTENTION_AND_NORMS,
+    Adapter,
+    decoder_hf_fields,
+    decoder_model_fields,
+    field,
+    reject_unsupported,
+)
 
 PER_EXPERT = "block_sparse_moe.experts.{}.{}.weight"
 ROUTER = "block_sparse_moe.gate.weight"
@@ -27,16 +33,12 @@ FUSED_DOWN = "mlp.experts.down_proj"
 MIXTRAL_DEFAULT_THETA = 1e6  # transformers' MixtralConfig default when config.json has none
 
 
-def _has(get, name: str) -> bool:
-    return name in get.file_of
-
-
 @dataclass(frozen=True)
 class Router:
     """[E, D] router (transformers' `gate`) <-> [D, E]."""
 
     def read(self, get, prefix: str, cfg) -> np.ndarray:
-        name = prefix + (ROUTER if _has(get, prefix + ROUTER) else FUSED_ROUTER)
+        name = prefix + (ROUTER if get.has(prefix + ROUTER) else FUSED_ROUTER)
         return get(name).T
 
     def write(self, w, prefix: str, cfg) -> dict:
@@ -50,7 +52,7 @@ class ExpertStack:
     hf_name: str  # w1 | w3 | w2
 
     def read(self, get, prefix: str, cfg) -> np.ndarray:
-        if _has(get, prefix + PER_EXPERT.format(0, self.hf_name)):
+        if get.has(prefix + PER_EXPERT.format(0, self.hf_name)):
             return np.stack([get(prefix + PER_EXPERT.format(e, self.hf_name)).T for e in range(cfg.num_local_experts)])
         if self.hf_name == "w2":
             return get(prefix + FUSED_DOWN).transpose(0, 2, 1)
@@ -64,8 +66,8 @@ class ExpertStack:
         return {prefix + PER_EXPERT.format(e, self.hf_name): w[e].T for e in range(w.shape[0])}
 
 
-MIXTRAL_LAYER = {
-    **hf.LLAMA_ATTENTION,
+LAYER = {
+    **ATTENTION_AND_NORMS,
     ("mlp", "router"): Router(),
     ("mlp", "experts", "gate"): ExpertStack("w1"),
     ("mlp", "experts", "up"): ExpertStack("w3"),
@@ -73,34 +75,26 @@ MIXTRAL_LAYER = {
 }
 
 
-def _model_config(hf_config: dict):
+def model_config(hf_config: dict):
+    reject_unsupported(hf_config, {"hidden_act": "silu"})
     window = hf_config.get("sliding_window")
     if window is not None and window < hf_config.get("max_position_embeddings", 0):
         raise ValueError(f"config.json sliding_window={window} is not supported (only null: full causal attention)")
     # router_jitter_noise and output_router_logits are ignored: jaxpar adds no router noise.
-    llama = hf._llama_model_config(hf_config).to_dict()
-    has_theta = "rope_theta" in hf_config or "rope_theta" in (hf_config.get("rope_parameters") or {})
-    llama.pop("model_type")
-    llama.update(
-        # MixtralConfig keeps head_dim null; `save` writes it out, so load it explicit either way.
-        head_dim=llama["head_dim"] or llama["hidden_size"] // llama["num_attention_heads"],
-        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)),
-        rope_theta=llama["rope_theta"] if has_theta else MIXTRAL_DEFAULT_THETA,
-    )
+    fields = decoder_model_fields(hf_config, default_eps=1e-5, default_theta=MIXTRAL_DEFAULT_THETA)
+    # MixtralConfig keeps head_dim null; `save` writes it out, so load it explicit either way.
+    fields["head_dim"] = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
     return mixtral_model_config(
-        **llama,
-        num_local_experts=int(hf._field(hf_config, "num_local_experts")),
-        num_experts_per_tok=int(hf._field(hf_config, "num_experts_per_tok")),
+        **fields,
+        num_local_experts=int(field(hf_config, "num_local_experts")),
+        num_experts_per_tok=int(field(hf_config, "num_experts_per_tok")),
         router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", 0.001)),
     )
 
 
-def _hf_config(cfg) -> dict:
-    out = hf._llama_hf_config(cfg)
-    for llama_only in ("attention_bias", "mlp_bias"):
-        out.pop(llama_only)
+def hf_config(cfg) -> dict:
     return dict(
-        out,
+        decoder_hf_fields(cfg),
         num_local_experts=cfg.num_local_experts,
         num_experts_per_tok=cfg.num_experts_per_tok,
         router_aux_loss_coef=cfg.router_aux_loss_coef,
@@ -109,4 +103,4 @@ def _hf_config(cfg) -> dict:
     )
 
 
-hf.ARCHITECTURES["mixtral"] = hf.Architecture("MixtralForCausalLM", _model_config, _hf_config, MIXTRAL_LAYER)
+ADAPTER = Adapter("MixtralForCausalLM", model_config, hf_config, LAYER)

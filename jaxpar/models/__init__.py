@@ -1,8 +1,10 @@
-"""Model registry and the functional face of the NNX models.
+"""The functional face of the NNX models.
 
 Parameters travel as plain nested dicts of arrays (`params`); `logical_axes(cfg)` gives the same
 tree with a tuple of logical names per leaf. `apply` merges params into the module inside the
-traced function, so `jax.jit` / `jax.shard_map` only ever see plain arrays.
+traced function, so `jax.jit` / `jax.shard_map` only ever see plain arrays. Which module a
+`config.model` builds, and its auxiliary losses, come from its family record
+(`jaxpar.models.families`).
 """
 
 from __future__ import annotations
@@ -12,20 +14,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from ml_collections import ConfigDict, FrozenConfigDict
+from ml_collections import FrozenConfigDict
 
-from jaxpar.models.layers import RunOptions, padded_vocab_size
-from jaxpar.models.llama import Llama
-
-# Parameters are created unsharded and placed by jit out_shardings from our own rules table, so
-# Flax must not try to shard them eagerly at creation from their logical names.
-nnx.use_eager_sharding(False)
-
-MODEL_CLASSES = {"llama": Llama}
-
-
-def register(model_type: str, cls) -> None:
-    MODEL_CLASSES[model_type] = cls
+from jaxpar.config import padded_vocab_size
+from jaxpar.models.families import family
+from jaxpar.models.options import RunOptions
 
 
 def frozen(model_config) -> FrozenConfigDict:
@@ -33,9 +26,10 @@ def frozen(model_config) -> FrozenConfigDict:
 
 
 def _build(cfg: FrozenConfigDict, seed: int):
-    if cfg.model_type not in MODEL_CLASSES:
-        raise ValueError(f"model.model_type={cfg.model_type!r} is not one of {sorted(MODEL_CLASSES)}")
-    return MODEL_CLASSES[cfg.model_type](cfg, rngs=nnx.Rngs(params=seed))
+    # Parameters are created unsharded and placed by jit out_shardings from our own rules table,
+    # so Flax must not shard them eagerly at creation from their logical names.
+    with nnx.use_eager_sharding(False):
+        return family(cfg.model_type).module(cfg, rngs=nnx.Rngs(params=seed))
 
 
 @functools.lru_cache(maxsize=32)
@@ -63,30 +57,28 @@ def logical_axes(model_config):
 def init_params(model_config, seed: int):
     """Initial params as a pure function of (config, seed): call under jit with out_shardings to
     create them directly sharded; the values never depend on the mesh."""
-    cfg = frozen(model_config)
-    return nnx.to_pure_dict(nnx.split(_build(cfg, seed))[1])
+    return nnx.to_pure_dict(nnx.split(_build(frozen(model_config), seed))[1])
 
 
-def apply(model_config, params, tokens, opts: RunOptions = RunOptions()):
+def merge(model_config, params):
+    """The model module holding `params` (inside a traced function: a view, not a copy)."""
+    return nnx.merge(graphdef(model_config), params)
+
+
+def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positions=None):
     """(logits, aux) for int tokens [B, S]: fp32 logits [B, S, padded vocab] with padded columns
-    masked, and the model's auxiliary per-layer outputs (see `aux_losses`)."""
-    cfg = frozen(model_config)
+    masked, and the model's auxiliary per-layer outputs (see `aux_losses`). `positions` [B, S]
+    default to 0 .. S-1."""
     params = jax.tree.map(lambda p: p.astype(opts.compute_dtype), params)
-    model = nnx.merge(graphdef(cfg), params)
-    return model(tokens, opts)
-
-
-def has_aux_losses(model_config) -> bool:
-    """Whether the model adds batch-statistics losses (MoE load balancing) to the cross-entropy."""
-    return hasattr(MODEL_CLASSES[model_config.model_type], "aux_losses")
+    return merge(model_config, params)(tokens, opts, positions)
 
 
 def aux_losses(model_config, aux) -> tuple[jnp.ndarray, dict]:
-    """(extra loss to add to cross-entropy, metrics) from `apply`'s aux; zero for dense models."""
-    cls = MODEL_CLASSES[model_config.model_type]
-    if hasattr(cls, "aux_losses"):
-        return cls.aux_losses(frozen(model_config), aux)
-    return jnp.zeros((), jnp.float32), {}
+    """(extra loss to add to the cross-entropy, metrics) from `apply`'s aux; zero for dense models."""
+    losses = family(model_config.model_type).aux_losses
+    if losses is None:
+        return jnp.zeros((), jnp.float32), {}
+    return losses(frozen(model_config), aux)
 
 
 def forward(model_config, params, tokens) -> jnp.ndarray:
@@ -96,16 +88,13 @@ def forward(model_config, params, tokens) -> jnp.ndarray:
 
 
 __all__ = [
-    "ConfigDict",
     "RunOptions",
     "apply",
+    "aux_losses",
     "forward",
     "init_params",
     "logical_axes",
+    "merge",
     "padded_vocab_size",
     "param_shapes",
-    "register",
 ]
-
-# Model families beyond Llama register themselves on import.
-from jaxpar.models import mixtral as _mixtral  # noqa: E402,F401

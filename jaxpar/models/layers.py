@@ -1,49 +1,31 @@
 """Transformer building blocks shared by Llama and Mixtral (Flax NNX).
 
-Every parameter carries logical axis names (`out_sharding` metadata); every activation constraint goes
-through `jaxpar.sharding.constrain` with `act_*` names. Weights are stored in "math" layout
-([in, out], heads split out), converted to/from transformers' [out, in] layout in `interop.hf`.
+Every parameter carries logical axis names (`out_sharding` metadata); every activation constraint
+goes through `jaxpar.sharding.constrain` with `act_*` names. Weights are stored in "math" layout
+([in, out], heads split out), converted to/from transformers' [out, in] layout in `interop`.
+Matmul outputs that remat policies may keep are tagged with `checkpoint_name` (`SAVED_DOTS`);
+each block runs under a `jax.named_scope`, so profiles say which part costs what.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.sharding import Rules, constrain
+from jaxpar.config import head_dim_of, padded_vocab_size
+from jaxpar.models.options import RunOptions
+from jaxpar.parallel.tensor import repeat_kv
+from jaxpar.sharding import constrain
 
-# Stored vocab rows/columns are padded to a multiple of this (zeros, masked in the loss). It is a
-# constant, not a function of the mesh, so parameter shapes and initial values never depend on it.
-VOCAB_PAD_MULTIPLE = 128
-
-
-def padded_vocab_size(vocab_size: int) -> int:
-    return -(-vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
-
-def head_dim_of(cfg) -> int:
-    return cfg.head_dim if cfg.head_dim is not None else cfg.hidden_size // cfg.num_attention_heads
+# Names of the projection outputs (matmuls without batch dims) that the `save_dots` remat policy keeps.
+SAVED_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down", "router_logits")
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """How to run a forward pass: sharding rules (None: no mesh), dtypes, kernels, remat."""
-
-    rules: Rules | None = None
-    compute_dtype: jnp.dtype = jnp.float32
-    attention_impl: str = "xla"
-    remat: str = "none"
-    # Rules for a layer's parameters inside the layer scan (ZeRO-3 gathers them there).
-    gathered_rules: Rules | None = None
-    # `jaxpar.parallel.pipeline.PipelineOptions` when the mesh's pipeline axis is > 1, else None.
-    pipeline: object = None
-
-
-def _normal(rngs: nnx.Rngs, shape, std):
+def normal_init(rngs: nnx.Rngs, shape, std):
     return jax.random.normal(rngs.params(), shape, jnp.float32) * std
 
 
@@ -92,33 +74,24 @@ class Attention(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
         std = cfg.initializer_range
-        self.num_heads, self.num_kv_heads = h, kv
-        self.q = nnx.Param(_normal(rngs, (d, h, hd), std), out_sharding=("embed", "heads", "head_dim"))
-        self.k = nnx.Param(_normal(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
-        self.v = nnx.Param(_normal(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
-        self.o = nnx.Param(_normal(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
+        self.q = nnx.Param(normal_init(rngs, (d, h, hd), std), out_sharding=("embed", "heads", "head_dim"))
+        self.k = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
+        self.v = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
+        self.o = nnx.Param(normal_init(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions):
         rules = opts.rules
-        q = jnp.einsum("bsd,dhk->bshk", x, self.q[...])
-        k = jnp.einsum("bsd,dhk->bshk", x, self.k[...])
-        v = jnp.einsum("bsd,dhk->bshk", x, self.v[...])
-        q = constrain(rules, apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", "head_dim"))
-        k = apply_rope(k, positions, inv_freq)
-        if rules is not None and not rules.table["act_kv_heads"] and rules.table["act_heads"]:
-            # KV heads fewer than (or not divisible by) tensor: give every query head its own copy,
-            # so attention stays sharded by query head (Megatron replicates KV heads the same way).
-            groups = self.num_heads // self.num_kv_heads
-            whole = ("batch", "seq", None, "head_dim")
-            k, v = constrain(rules, k, whole), constrain(rules, v, whole)
-            k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-            kv_names = ("batch", "seq", "act_heads", "head_dim")
-        else:
+        with jax.named_scope("attention"):
+            q = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.q[...]), "q_proj")
+            k = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.k[...]), "k_proj")
+            v = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.v[...]), "v_proj")
+            q = constrain(rules, apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", "head_dim"))
+            k, v = repeat_kv(apply_rope(k, positions, inv_freq), v, opts.plan.tensor, rules)
             kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
-        k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
-        out = causal_attention(q, k, v, _attention_impl(opts, q.dtype))
-        out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
-        return jnp.einsum("bshk,hkd->bsd", out, self.o[...])
+            k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
+            out = causal_attention(q, k, v, opts.attention_impl)
+            out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
+            return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, self.o[...]), "o_proj")
 
 
 def causal_attention(q, k, v, implementation: str):
@@ -129,26 +102,22 @@ def causal_attention(q, k, v, implementation: str):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-def _attention_impl(opts: RunOptions, dtype):
-    if opts.attention_impl == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
-    return opts.attention_impl
-
-
 class MLP(nnx.Module):
     """SwiGLU: gate/up column-parallel, down row-parallel over `tensor`."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, f, std = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
-        self.gate = nnx.Param(_normal(rngs, (d, f), std), out_sharding=("embed", "mlp"))
-        self.up = nnx.Param(_normal(rngs, (d, f), std), out_sharding=("embed", "mlp"))
-        self.down = nnx.Param(_normal(rngs, (f, d), std), out_sharding=("mlp", "embed"))
+        self.gate = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
+        self.up = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
+        self.down = nnx.Param(normal_init(rngs, (f, d), std), out_sharding=("mlp", "embed"))
 
     def __call__(self, x, opts: RunOptions):
-        hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-        hidden = constrain(opts.rules, hidden, ("batch", "seq", "act_mlp"))
-        return hidden @ self.down[...]
+        """(out, aux): the same contract as the MoE block; a dense MLP reports nothing."""
+        with jax.named_scope("mlp"):
+            gate = checkpoint_name(x @ self.gate[...], "mlp_gate")
+            up = checkpoint_name(x @ self.up[...], "mlp_up")
+            hidden = constrain(opts.rules, jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+            return checkpoint_name(hidden @ self.down[...], "mlp_down"), {}
 
 
 class Embedding(nnx.Module):
@@ -156,12 +125,13 @@ class Embedding(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         v, d = cfg.vocab_size, cfg.hidden_size
-        table = _normal(rngs, (v, d), cfg.initializer_range)
+        table = normal_init(rngs, (v, d), cfg.initializer_range)
         table = jnp.pad(table, ((0, padded_vocab_size(v) - v), (0, 0)))
         self.weight = nnx.Param(table, out_sharding=("vocab", "embed"))
 
-    def __call__(self, tokens, opts: RunOptions):
-        return jnp.take(self.weight[...], tokens, axis=0)
+    def __call__(self, tokens):
+        with jax.named_scope("embedding"):
+            return jnp.take(self.weight[...], tokens, axis=0)
 
 
 class LMHead(nnx.Module):
@@ -169,16 +139,17 @@ class LMHead(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         v, d = cfg.vocab_size, cfg.hidden_size
-        w = _normal(rngs, (d, v), cfg.initializer_range)
+        w = normal_init(rngs, (d, v), cfg.initializer_range)
         self.weight = nnx.Param(jnp.pad(w, ((0, 0), (0, padded_vocab_size(v) - v))), out_sharding=("embed", "vocab"))
 
 
 def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions):
     """fp32 logits [B, S, padded V], sharded over vocab; padded columns pushed to -inf-like."""
-    if x.dtype == jnp.float16:
-        # fp16 has too little range for logits, and XLA:CPU has no fp16×fp16→fp32 dot: use fp32.
-        x, weight_dv = x.astype(jnp.float32), weight_dv.astype(jnp.float32)
-    logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
-    logits = constrain(opts.rules, logits, ("batch", "seq", "act_vocab"))
-    column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-    return jnp.where(column < vocab_size, logits, jnp.finfo(jnp.float32).min)
+    with jax.named_scope("lm_head"):
+        if x.dtype == jnp.float16:
+            # fp16 has too little range for logits, and XLA:CPU has no fp16×fp16→fp32 dot: use fp32.
+            x, weight_dv = x.astype(jnp.float32), weight_dv.astype(jnp.float32)
+        logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
+        logits = constrain(opts.rules, logits, ("batch", "seq", "act_vocab"))
+        column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+        return jnp.where(column < vocab_size, logits, jnp.finfo(jnp.float32).min)

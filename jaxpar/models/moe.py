@@ -19,19 +19,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models.layers import RunOptions, _normal
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.models.layers import normal_init
+from jaxpar.models.options import RunOptions
 from jaxpar.parallel.expert import capacity_per_expert, dropped_assignments, moe_ffn
 
 
 class Experts(nnx.Module):
-    """`num_local_experts` SwiGLU MLPs stacked on a leading `expert` axis (split over the expert
+    """`num_local_experts` SwiGLU MLPs stacked on a leading `experts` axis (split over the expert
     mesh axis); their hidden dim is split over `tensor`, as in the dense MLP."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         e, d, f, std = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
-        self.gate = nnx.Param(_normal(rngs, (e, d, f), std), out_sharding=("expert", "embed", "mlp"))
-        self.up = nnx.Param(_normal(rngs, (e, d, f), std), out_sharding=("expert", "embed", "mlp"))
-        self.down = nnx.Param(_normal(rngs, (e, f, d), std), out_sharding=("expert", "mlp", "embed"))
+        self.gate = nnx.Param(normal_init(rngs, (e, d, f), std), out_sharding=("experts", "embed", "mlp"))
+        self.up = nnx.Param(normal_init(rngs, (e, d, f), std), out_sharding=("experts", "embed", "mlp"))
+        self.down = nnx.Param(normal_init(rngs, (e, f, d), std), out_sharding=("experts", "mlp", "embed"))
 
 
 class MoEBlock(nnx.Module):
@@ -40,16 +43,18 @@ class MoEBlock(nnx.Module):
         self.capacity_factor = cfg.capacity_factor
         # Every device routes all of its tokens, so the router's expert dim is not split (None).
         self.router = nnx.Param(
-            _normal(rngs, (cfg.hidden_size, self.num_experts), cfg.initializer_range), out_sharding=("embed", None)
+            normal_init(rngs, (cfg.hidden_size, self.num_experts), cfg.initializer_range), out_sharding=("embed", None)
         )
         self.experts = Experts(cfg, rngs=rngs)
 
     def __call__(self, x, opts: RunOptions):
         """(out [B, S, D], aux): aux holds this layer's whole-batch router statistics."""
-        logits = jnp.einsum("bsd,de->bse", x, self.router[...], preferred_element_type=jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_probs, ids = jax.lax.top_k(probs, self.top_k)
-        weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+        with jax.named_scope("moe_router"):
+            logits = jnp.einsum("bsd,de->bse", x, self.router[...], preferred_element_type=jnp.float32)
+            logits = checkpoint_name(logits, "router_logits")
+            probs = jax.nn.softmax(logits, axis=-1)
+            top_probs, ids = jax.lax.top_k(probs, self.top_k)
+            weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
         capacity = capacity_per_expert(x.shape[1], self.top_k, self.num_experts, self.capacity_factor)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
         out = moe_ffn(

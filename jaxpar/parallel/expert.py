@@ -24,7 +24,14 @@ Two modes:
   [ep, M, D] with M = R·S·min(k, E/ep), the most one device can send another, so nothing is ever
   dropped (dense worst-case buffers, since the CPU backend has no `ragged_all_to_all`). The receiver
   regroups the rows of all sources by local expert (padding last) and runs the experts with
-  `grouped_matmul`: `jax.lax.ragged_dot` on GPU/TPU, a tiled loop on CPU.
+  `grouped_matmul` (`jaxpar.kernels`): `jax.lax.ragged_dot` on GPU/TPU, a tiled loop on CPU.
+
+Collectives: two all-to-alls over `expert` per MoE layer forward (dispatch and return), of
+[R, E, C, D] (capacity) or [ep, M, D] (dropless) per device, and two more in the backward; the
+expert weights' gradients are summed over the batch axes they are replicated on.
+
+Proven equal to a per-token loop by `tests/test_moe.py` and to one device by
+`tests/test_moe_degeneracy.py`.
 
 Not implemented: a `ragged_all_to_all` exchange that sends only the filled part of each block
 (GPU/TPU only; there is no multi-GPU machine here to test it on).
@@ -39,10 +46,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel.grouped_matmul import grouped_matmul
-from jaxpar.sharding import BATCH_AXES
+from jaxpar.axes import EXPERT
+from jaxpar.kernels.grouped_matmul import grouped_matmul
 
-EXPERT_AXIS = "expert"
+
+def checks(model, mesh: dict) -> list[str]:
+    """Experts must split evenly over the expert axis."""
+    experts, ep = model.num_local_experts, mesh[EXPERT]
+    if experts % ep:
+        return [
+            f"model.num_local_experts={experts} is not divisible by mesh.{EXPERT}={ep}; "
+            f"change model.num_local_experts or mesh.{EXPERT}"
+        ]
+    return []
 
 
 def capacity_per_expert(seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -73,16 +89,17 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     )
     if rules is None:
         return local(x, ids, weights, *experts, ep=1, exchange=None)
-    ep = rules.mesh.shape[EXPERT_AXIS]
-    # Manual over data and expert, not expert alone (see the module docstring); tensor stays auto.
-    # The step's per-replica gradient accumulation runs this under vmap(spmd_axis_name="data")
-    # with `data` dropped from the batch rule; jax 0.10.2 then marks values as varying over `data`
-    # and its varying-axes checks fail (even with `data` manual), hence check_vma=False. Gradients
-    # of the replicated expert weights are still summed over `data` by shard_map's transpose.
-    batch_axes = tuple(rules.table["batch"])
-    if EXPERT_AXIS not in batch_axes:
-        raise ValueError(f"expert parallelism needs 'expert' among the batch axes, got {batch_axes}")
-    rows = P(batch_axes)
+    ep = rules.mesh.shape[EXPERT]
+    # Manual over the batch axes (data and expert), not expert alone (see the module docstring);
+    # tensor stays auto. The step's per-replica gradient accumulation runs this under
+    # vmap(spmd_axis_name="data") with `data` dropped from the batch rule; jax 0.10.2 then marks
+    # values as varying over `data` and its varying-axes checks fail (even with `data` manual),
+    # hence check_vma=False. Gradients of the replicated expert weights are still summed over
+    # `data` by shard_map's transpose.
+    rows = rules.spec(("batch",))
+    batch_axes = () if rows[0] is None else rows[0] if isinstance(rows[0], tuple) else (rows[0],)
+    if EXPERT not in batch_axes:
+        raise ValueError(f"expert parallelism needs {EXPERT!r} among the batch axes, got {batch_axes}")
     # The expert weights cross the shard_map boundary in fp32, so the gradient sum over `data`
     # (shard_map's transpose) is an fp32 all-reduce: more accurate than a 16-bit one, and XLA:CPU
     # crashes promoting that 16-bit all-reduce ("Invalid binary instruction opcode copy").
@@ -96,16 +113,16 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     return jax.shard_map(
         per_device,
         mesh=rules.mesh,
-        in_specs=(rows,) * 3 + (P(EXPERT_AXIS),) * 3,
+        in_specs=(rows,) * 3 + (P(EXPERT),) * 3,
         out_specs=rows,
-        axis_names=set(BATCH_AXES) | set(batch_axes),
+        axis_names=set(batch_axes),
         check_vma=False,
     )(x, ids, weights, *experts)
 
 
 def _all_to_all(a, axis: int):
     """Block j of `axis` goes to expert device j; received blocks are indexed by source device."""
-    return jax.lax.all_to_all(a, EXPERT_AXIS, axis, axis, tiled=True)
+    return jax.lax.all_to_all(a, EXPERT, axis, axis, tiled=True)
 
 
 # ---- Per-device computation: this device's rows, all E experts' routing, E / ep local experts ----
@@ -136,26 +153,30 @@ def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
     del matmul_impl
     rows, seq, d = x.shape
     k = ids.shape[-1]
-    flat = ids.reshape(rows, seq * k)
-    order = jnp.argsort(flat, axis=-1, stable=True)  # per row, by expert, then token
-    expert = jnp.take_along_axis(flat, order, axis=-1)
-    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=1)  # [R, E]
-    starts = _exclusive_cumsum(counts)
-    sorted_rows = jnp.take_along_axis(x, (order // k)[..., None], axis=1)  # [R, S·k, D]
-    buffers = jax.vmap(functools.partial(_pack, slots=capacity))(sorted_rows, starts, counts)
-    buffers = buffers.reshape(rows, ep, num_experts // ep, capacity, d)
-    if exchange is not None:
-        buffers = exchange(buffers, 1)  # [R, source device, local expert, C, D]
-    hidden = jax.nn.silu(jnp.einsum("rpecd,edf->rpecf", buffers, gate)) * jnp.einsum("rpecd,edf->rpecf", buffers, up)
-    out = jnp.einsum("rpecf,efd->rpecd", hidden, down)
-    if exchange is not None:
-        out = exchange(out, 1)  # back home: [R, destination device, local expert, C, D] = [R, E, C, D]
-    out = out.reshape(rows, num_experts * capacity, d)
-    rank = jnp.arange(seq * k) - jnp.take_along_axis(starts, expert, axis=-1)  # place within its expert
-    picked = jnp.take_along_axis(out, (expert * capacity + jnp.minimum(rank, capacity - 1))[..., None], axis=1)
-    sorted_out = jnp.where((rank < capacity)[..., None], picked, 0)
-    per_assignment = jnp.take_along_axis(sorted_out, jnp.argsort(order, axis=-1)[..., None], axis=1)
-    return _combine(per_assignment.reshape(rows * seq * k, d), weights)
+    with jax.named_scope("moe_dispatch"):
+        flat = ids.reshape(rows, seq * k)
+        order = jnp.argsort(flat, axis=-1, stable=True)  # per row, by expert, then token
+        expert = jnp.take_along_axis(flat, order, axis=-1)
+        counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=1)  # [R, E]
+        starts = _exclusive_cumsum(counts)
+        sorted_rows = jnp.take_along_axis(x, (order // k)[..., None], axis=1)  # [R, S·k, D]
+        buffers = jax.vmap(functools.partial(_pack, slots=capacity))(sorted_rows, starts, counts)
+        buffers = buffers.reshape(rows, ep, num_experts // ep, capacity, d)
+        if exchange is not None:
+            buffers = exchange(buffers, 1)  # [R, source device, local expert, C, D]
+    with jax.named_scope("moe_experts"):
+        hidden = jax.nn.silu(jnp.einsum("rpecd,edf->rpecf", buffers, gate))
+        hidden = hidden * jnp.einsum("rpecd,edf->rpecf", buffers, up)
+        out = jnp.einsum("rpecf,efd->rpecd", hidden, down)
+    with jax.named_scope("moe_combine"):
+        if exchange is not None:
+            out = exchange(out, 1)  # back home: [R, destination device, local expert, C, D] = [R, E, C, D]
+        out = out.reshape(rows, num_experts * capacity, d)
+        rank = jnp.arange(seq * k) - jnp.take_along_axis(starts, expert, axis=-1)  # place within its expert
+        picked = jnp.take_along_axis(out, (expert * capacity + jnp.minimum(rank, capacity - 1))[..., None], axis=1)
+        sorted_out = jnp.where((rank < capacity)[..., None], picked, 0)
+        per_assignment = jnp.take_along_axis(sorted_out, jnp.argsort(order, axis=-1)[..., None], axis=1)
+        return _combine(per_assignment.reshape(rows * seq * k, d), weights)
 
 
 def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, matmul_impl, ep, exchange):
@@ -163,27 +184,33 @@ def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
     del capacity
     rows, seq, d = x.shape
     k = ids.shape[-1]
-    flat = ids.reshape(-1)  # [N = R·S·k], assignment order
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
-    sorted_rows = x.reshape(rows * seq, d)[order // k]
+    with jax.named_scope("moe_dispatch"):
+        flat = ids.reshape(-1)  # [N = R·S·k], assignment order
+        order = jnp.argsort(flat, stable=True)
+        counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
+        sorted_rows = x.reshape(rows * seq, d)[order // k]
     ffn = functools.partial(_expert_swiglu, gate=gate, up=up, down=down, impl=matmul_impl)
     if exchange is None:
-        sorted_out = ffn(sorted_rows, counts)
+        with jax.named_scope("moe_experts"):
+            sorted_out = ffn(sorted_rows, counts)
     else:
         local_experts = num_experts // ep
         # The most one device can receive from another: each token, at most min(k, E/ep) times.
         slots = rows * seq * min(k, local_experts)
-        device_counts = counts.reshape(ep, local_experts).sum(-1)
-        device_starts = _exclusive_cumsum(device_counts)
-        received = exchange(_pack(sorted_rows, device_starts, device_counts, slots), 0)  # [source, slots, D]
-        received_counts = exchange(counts.reshape(ep, local_experts), 0)  # [source, local expert]
-        out = _received_swiglu(received, received_counts, ffn)
-        out = exchange(out, 0).reshape(ep * slots, d)  # [destination, slots, D], flattened
-        device = flat[order] // local_experts
-        place = jnp.arange(flat.shape[0]) - device_starts[device]
-        sorted_out = out[device * slots + place]
-    return _combine(sorted_out[jnp.argsort(order)], weights)
+        with jax.named_scope("moe_dispatch"):
+            device_counts = counts.reshape(ep, local_experts).sum(-1)
+            device_starts = _exclusive_cumsum(device_counts)
+            received = exchange(_pack(sorted_rows, device_starts, device_counts, slots), 0)  # [source, slots, D]
+            received_counts = exchange(counts.reshape(ep, local_experts), 0)  # [source, local expert]
+        with jax.named_scope("moe_experts"):
+            out = _received_swiglu(received, received_counts, ffn)
+        with jax.named_scope("moe_combine"):
+            out = exchange(out, 0).reshape(ep * slots, d)  # [destination, slots, D], flattened
+            device = flat[order] // local_experts
+            place = jnp.arange(flat.shape[0]) - device_starts[device]
+            sorted_out = out[device * slots + place]
+    with jax.named_scope("moe_combine"):
+        return _combine(sorted_out[jnp.argsort(order)], weights)
 
 
 def _received_swiglu(received, counts, ffn):

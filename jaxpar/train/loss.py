@@ -1,22 +1,21 @@
-"""Next-token cross-entropy on vocab-sharded logits.
+"""The training loss: mean next-token cross-entropy plus the family's auxiliary losses."""
 
-The logsumexp and the label pick are both reductions over the vocab axis, so with logits sharded
-over `tensor` the partitioner all-reduces [B, S] scalars instead of gathering [B, S, V] logits.
-"""
+from __future__ import annotations
+
+import dataclasses
 
 import jax
-import jax.numpy as jnp
+
+from jaxpar import models
+from jaxpar.parallel.tensor import mean_cross_entropy
 
 
-def token_cross_entropy(logits, targets):
-    """Per-token loss [B, S] from fp32 logits [B, S, V] (padded columns already masked)."""
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
-    column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    # A masked sum rather than take_along_axis: a gather on the sharded vocab axis would
-    # make the partitioner collect the whole vocab on every device.
-    label_logit = jnp.sum(jnp.where(column == targets[..., None], logits, 0.0), axis=-1)
-    return log_normalizer - label_logit
-
-
-def mean_cross_entropy(logits, targets):
-    return jnp.mean(token_cross_entropy(logits, targets))
+def model_loss(params, rows, rules, *, model_config, opts, scale):
+    """(loss · scale, (loss, model metrics)) for token rows [B, S+1] (inputs and shifted targets),
+    run with `rules` (the data-parallel path may drop axes from the run options' rules)."""
+    opts = dataclasses.replace(opts, rules=rules)
+    logits, aux = models.apply(model_config, params, rows[:, :-1], opts)
+    with jax.named_scope("loss"):
+        extra, metrics = models.aux_losses(model_config, aux)
+        loss = mean_cross_entropy(logits, rows[:, 1:]) + extra
+    return loss * scale, (loss, metrics)

@@ -12,13 +12,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import models
+from jaxpar.config import DTYPES
 from jaxpar.mesh import make_mesh
-from jaxpar.models.layers import RunOptions
-from jaxpar.parallel.pipeline import pipeline_options
+from jaxpar.models.families import family
+from jaxpar.models.options import RunOptions, resolve_attention_impl
+from jaxpar.parallel.plan import ParallelPlan, make_plan
 from jaxpar.sharding import Rules, opt_state_rules, param_rules
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.optimizer import make_optimizer
-from jaxpar.train.step import DTYPES, TrainState, make_train_step
+from jaxpar.train.step import TrainState, make_train_step
 
 
 @dataclass
@@ -27,6 +29,7 @@ class TrainProgram:
 
     config: Any
     mesh: Mesh
+    plan: ParallelPlan
     rules: Rules  # parameters + activations
     opt_rules: Rules  # optimizer state
     opts: RunOptions
@@ -34,21 +37,19 @@ class TrainProgram:
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]  # jitted; creates the state already sharded
     step: Callable  # jitted (state, batch) -> (state, metrics); donates state
+    step_with_grads: Callable  # the same step also returning the gradients (tests); compiled only if called
     tx: optax.GradientTransformation
     schedule: Callable
 
 
-def run_options(config, rules: Rules | None) -> RunOptions:
-    gathered = None
-    if rules is not None and config.parallel.zero_stage >= 3:
-        gathered = rules.without("data")
+def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
+    compute_dtype = DTYPES[config.train.compute_dtype]
     return RunOptions(
         rules=rules,
-        compute_dtype=DTYPES[config.train.compute_dtype],
-        attention_impl=config.parallel.attention_impl,
+        plan=plan,
+        compute_dtype=compute_dtype,
+        attention_impl=resolve_attention_impl(config.parallel.attention_impl, compute_dtype),
         remat=config.parallel.remat,
-        gathered_rules=gathered,
-        pipeline=None if rules is None else pipeline_options(config, rules.mesh.shape),
     )
 
 
@@ -62,7 +63,9 @@ def _opt_state_shardings(tx, params_shape, opt_param_shardings, mesh):
 
 def build(config, devices=None) -> TrainProgram:
     mesh = make_mesh(config.mesh, devices)
-    rules, opt_rules = param_rules(config, mesh), opt_state_rules(config, mesh)
+    has_aux_losses = family(config.model.model_type).aux_losses is not None
+    plan = make_plan(config, dict(mesh.shape), has_aux_losses=has_aux_losses)
+    rules, opt_rules = param_rules(plan, mesh), opt_state_rules(plan, mesh)
     logical = models.logical_axes(config.model)
     tx, schedule = make_optimizer(config.train, logical)
     param_dtype = DTYPES[config.train.param_dtype]
@@ -88,13 +91,13 @@ def build(config, devices=None) -> TrainProgram:
         params = jax.tree.map(lambda p: p.astype(param_dtype), models.init_params(model_config, seed))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
 
-    opts = run_options(config, rules)
-    grad_shardings = opt_param_shardings if config.parallel.zero_stage >= 1 else None
-    train_step = make_train_step(config, tx, schedule, opts, grad_shardings)
+    opts = run_options(config, rules, plan)
+    train_step = make_train_step(config.model, tx, schedule, opts, opt_param_shardings)
     batch_sharding = rules.sharding(("batch", None))
     return TrainProgram(
         config=config,
         mesh=mesh,
+        plan=plan,
         rules=rules,
         opt_rules=opt_rules,
         opts=opts,
@@ -102,7 +105,16 @@ def build(config, devices=None) -> TrainProgram:
         batch_sharding=batch_sharding,
         init=jax.jit(init_state, out_shardings=state_shardings),
         step=jax.jit(
-            train_step, in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated), donate_argnums=0
+            lambda state, batch: train_step(state, batch)[:2],
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated),
+            donate_argnums=0,
+        ),
+        step_with_grads=jax.jit(
+            train_step,
+            in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, replicated, opt_param_shardings),
+            donate_argnums=0,
         ),
         tx=tx,
         schedule=schedule,

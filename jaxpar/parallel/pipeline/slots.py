@@ -1,15 +1,14 @@
-"""Turns a schedule table into what the SPMD engine indexes each step: branch codes and buffer slots.
+"""Turns a schedule table into what the SPMD engine indexes each step: branches and buffer slots.
 
-Pure numpy, computed once per (schedule, p, m, v). The engine (`jaxpar.parallel.pipeline`) keeps two
-ring-free buffers per rank in its scan carry:
+Pure numpy, computed once per (schedule, p, m, v). The engine (`engine.py`) keeps two buffers per
+rank in its scan carry:
 
   acts[K_a + 1]   stage inputs. The activation a rank receives for step t is written to slot
                   `recv_act[t]`; it stays until the stage's last backward-type action (B, or W
                   when the backward is split) has recomputed from it. This one buffer is both the
                   "received but not yet consumed" mailbox (zb_h1 / interleaved wait several steps)
                   and the 1F1B stash. Within a step the engine runs B/W, then writes the arrival,
-                  then F, so a slot released by this step's B/W takes this step's arrival: the
-                  1F1B stash is min(m, 2(p - r) - 1) on rank r, as `peak_in_flight` counts it.
+                  then F, so a slot released by this step's B/W takes this step's arrival.
   grads[K_g + 1]  output gradients, received from the next stage; written at the start of the
                   step (B may use one at once) and kept until B (or W, which needs it again).
 
@@ -18,9 +17,11 @@ extra last one) is a write-only trash slot for steps where nothing arrives, so t
 branches on writes. Stage 0 reads tokens, not `acts`; the last stage's output gradient is the
 loss's own, so neither needs a slot.
 
-Branch codes. Forward (`f_kind`): 0 idle, 1 first global stage, 2 middle, 3 last. Backward-type
-(`k_kind`; a cell holds at most one of B and W): 0 idle, 1-3 B on a first/middle/last stage, 4-6
-W on a first/middle/last stage.
+Branches. `fwd_branch`: 0 nothing to send (idle, or the last stage, whose F only keeps its input),
+1 run the stage's layers. `back_branch` indexes `SlotPlan.back_branches`: entry 0 is idle, every
+other entry a `BackBranch` naming what one B or W computes — deduplicated, so first and middle
+stages share a branch (they differ only in where the input gradient goes, which the engine
+decides outside the branches).
 """
 
 from __future__ import annotations
@@ -30,24 +31,35 @@ import functools
 
 import numpy as np
 
-from jaxpar.parallel.schedule_check import validate
-from jaxpar.parallel.schedules import B, F, W, Schedule, make_schedule
+from jaxpar.parallel.pipeline.checks import validate
+from jaxpar.parallel.pipeline.schedules import B, F, W, Schedule, make_schedule
 
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
-W_OFFSET = 3  # k_kind of a W = W_OFFSET + its stage kind
 # Per-(step, rank) int32 fields the engine scans over.
 FIELDS = (
     "recv_act", "recv_grad",
-    "f_kind", "f_mb", "f_stage", "f_slot",
-    "k_kind", "k_mb", "k_stage", "k_slot", "k_gslot",
+    "fwd_branch", "fwd_kind", "fwd_mb", "fwd_stage", "fwd_slot",
+    "back_branch", "back_kind", "back_mb", "back_stage", "back_slot", "back_grad_slot",
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class BackBranch:
+    """What one backward-type action differentiates: the last stage (with norm, head and loss),
+    the stage's parameters (full B, or W), its input (full B, split B; W on the first stage,
+    whose input gradient feeds the embedding's weight gradient)."""
+
+    last: bool
+    params: bool
+    inputs: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
     schedule: Schedule
     act_slots: int  # K_a: live stage inputs per rank, at most (buffer has K_a + 1 slots)
     grad_slots: int  # K_g
+    back_branches: tuple  # (None, BackBranch, ...): index 0 idle
     tables: dict  # field -> int32 [T, p]
 
     @property
@@ -57,6 +69,13 @@ class Plan:
 
 def _kind(stage: int, num_stages: int) -> int:
     return FIRST if stage == 0 else LAST if stage == num_stages - 1 else MIDDLE
+
+
+def back_branch(kind: int, is_w: bool, split_backward: bool) -> BackBranch | None:
+    """The branch a B (`is_w` False) or W on a stage of `kind` runs; None when it has nothing to do."""
+    params = is_w or not split_backward
+    inputs = (not is_w and kind != FIRST) or (kind == FIRST and params)
+    return BackBranch(kind == LAST, params, inputs) if params or inputs else None
 
 
 def _colour(intervals: dict, reuse_at_release: bool) -> tuple[dict, int]:
@@ -73,7 +92,7 @@ def _colour(intervals: dict, reuse_at_release: bool) -> tuple[dict, int]:
     return slots, len(free_at)
 
 
-def build_plan(schedule: Schedule) -> Plan:
+def build_slot_plan(schedule: Schedule) -> SlotPlan:
     validate(schedule)
     p, S = schedule.num_ranks, schedule.num_stages
     split = schedule.split_backward
@@ -103,50 +122,32 @@ def build_plan(schedule: Schedule) -> Plan:
         k_grad = max(k_grad, k)
 
     T = schedule.num_steps
-    tab = {f: np.full((T, p), -1, np.int32) for f in FIELDS}
-    tab["recv_act"][:] = k_act  # trash slot
-    tab["recv_grad"][:] = k_grad
-    tab["f_kind"][:] = IDLE
-    tab["k_kind"][:] = IDLE
+    tab = {f: np.zeros((T, p), np.int32) for f in FIELDS}
+    tab["recv_act"][:], tab["fwd_slot"][:], tab["back_slot"][:] = k_act, k_act, k_act  # trash slots
+    tab["recv_grad"][:], tab["back_grad_slot"][:] = k_grad, k_grad
     for r in range(p):
         for (mb, s), (start, _) in act_live[r].items():
             tab["recv_act"][start, r] = act_slot[r][(mb, s)]
         for (mb, s), (start, _) in grad_live[r].items():
             tab["recv_grad"][start, r] = grad_slot[r][(mb, s)]
+    branches = [None]
     for (kind, mb, s), t in when.items():
-        r, pre = s % p, "f" if kind == F else "k"
-        tab[f"{pre}_kind"][t, r] = _kind(s, S) + (W_OFFSET if kind == W else 0)
+        r, pre, stage_kind = s % p, "fwd" if kind == F else "back", _kind(s, S)
+        tab[f"{pre}_kind"][t, r] = stage_kind
         tab[f"{pre}_mb"][t, r] = mb
         tab[f"{pre}_stage"][t, r] = s // p
         tab[f"{pre}_slot"][t, r] = act_slot[r].get((mb, s), k_act)
-        if kind != F:
-            tab[f"{pre}_gslot"][t, r] = grad_slot[r].get((mb, s), k_grad)
-    # Unused indices point at the trash slot / stage 0 / microbatch 0, so every gather is in range.
-    for f in FIELDS:
-        if f.endswith(("_mb", "_stage")):
-            tab[f] = np.maximum(tab[f], 0)
-        elif f.endswith("_slot"):
-            tab[f] = np.where(tab[f] < 0, k_act, tab[f])
-        elif f.endswith("_gslot"):
-            tab[f] = np.where(tab[f] < 0, k_grad, tab[f])
-    return Plan(schedule, k_act, k_grad, tab)
+        if kind == F:
+            tab["fwd_branch"][t, r] = int(stage_kind != LAST)
+        else:
+            tab["back_grad_slot"][t, r] = grad_slot[r].get((mb, s), k_grad)
+            branch = back_branch(stage_kind, kind == W, split)
+            if branch not in branches:
+                branches.append(branch)
+            tab["back_branch"][t, r] = branches.index(branch)
+    return SlotPlan(schedule, k_act, k_grad, tuple(branches), tab)
 
 
 @functools.lru_cache(maxsize=64)
-def plan_for(name: str, p: int, m: int, v: int) -> Plan:
-    return build_plan(make_schedule(name, p, m, v))
-
-
-def stash_depth(plan: Plan) -> list[int]:
-    """Per rank, the most stage inputs held in `acts` at once (arrived, not yet released)."""
-    s = plan.schedule
-    release = W if s.split_backward else B
-    out = []
-    for r in range(s.num_ranks):
-        live = peak = 0
-        for t, row in enumerate(s.grid):
-            live -= sum(1 for a in row[r] if a.kind == release and s.global_stage(r, a.vstage) > 0)
-            live += int(plan.tables["recv_act"][t, r] < plan.act_slots)
-            peak = max(peak, live)
-        out.append(peak)
-    return out
+def slot_plan_for(name: str, p: int, m: int, v: int) -> SlotPlan:
+    return build_slot_plan(make_schedule(name, p, m, v))

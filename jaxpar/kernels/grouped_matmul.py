@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpar.parallel.manual import sum_to, vary_like
+
 TILE = 128
 
 
@@ -53,28 +55,9 @@ def _in_piece(first_row, begin, end, tile):
     return ((rows >= begin) & (rows < end))[:, None]
 
 
-def _varying(a) -> frozenset:
-    """The manual (shard_map) mesh axes `a` varies over; empty outside shard_map."""
-    return frozenset(jax.typeof(a).manual_axis_type.varying)
-
-
-def _varying_like(init, *refs):
-    """`init` marked as varying over the manual mesh axes the refs vary over (inside shard_map a
-    loop carry must keep one type; outside, this is a no-op)."""
-    axes = frozenset().union(*(_varying(r) for r in refs)) - _varying(init)
-    return jax.lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
-
-
-def _reduce_to(cotangent, primal):
-    """Sums a cotangent over the manual axes its primal is invariant over (as JAX's own transpose
-    of an implicit pvary does): e.g. expert weights replicated over `data` get the sum over `data`."""
-    axes = _varying(cotangent) - _varying(primal)
-    return jax.lax.psum(cotangent, tuple(sorted(axes))) if axes else cotangent
-
-
 def _loop_over_pieces(x, sizes, tile, init, step, *refs):
     """Runs `step(acc, rows [tile, K] masked to the piece, first_row, group) -> acc` per active piece."""
-    init = _varying_like(init, x, sizes, *refs)
+    init = vary_like(init, x, sizes, *refs)
     padded = -(-x.shape[0] // tile) * tile
     x = jnp.pad(x, ((0, padded - x.shape[0]), (0, 0)))
     begin, end, group, tile_index, active = _pieces(sizes, padded, tile)
@@ -128,7 +111,7 @@ def _tiled_bwd(tile, residuals, dy):
     x, w, sizes = residuals
     dx = _forward(dy, jnp.swapaxes(w, 1, 2), sizes, tile)
     dw = _weight_grad(x, dy, sizes, tile, w.shape[0]).astype(w.dtype)
-    return _reduce_to(dx, x), _reduce_to(dw, w), None
+    return sum_to(dx, x), sum_to(dw, w), None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)

@@ -1,10 +1,10 @@
 """Checks for pipeline schedule tables: `validate` (dependencies, coverage, cell shape) and
-`peak_in_flight` (stash depth per rank). See `jaxpar.parallel.schedules` for the table semantics.
+`peak_in_flight` (stash depth per rank). See `schedules.py` for the table semantics.
 """
 
 from __future__ import annotations
 
-from jaxpar.parallel.schedules import B, F, KINDS, W, Action, Schedule
+from jaxpar.parallel.pipeline.schedules import B, F, KINDS, W, Action, Schedule
 
 _MAX_SHOWN = 8
 

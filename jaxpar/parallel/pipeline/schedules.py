@@ -16,19 +16,21 @@ Stages: p ranks each hold v virtual stages, S = v * p global stages. Local virtu
 rank r is global stage s = u * p + r (rank s % p, local index s // p), so stage s feeds stage s + 1
 on rank (r + 1) % p. With v > 1 the last rank feeds rank 0, so both ppermutes are rings.
 
-Checks (`validate`, `peak_in_flight`) live in `jaxpar.parallel.schedule_check`.
+`render` prints a table as a grid and `parse` reads such a grid back, so tests can state tables
+literally. Checks (`validate`, `peak_in_flight`) live in `checks.py`; `slots.py` turns a table
+into what the engine indexes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Iterable
 
 import numpy as np
 
 F, B, W = "F", "B", "W"
 KINDS = (F, B, W)
-ARRAY_KEYS = ("fwd_mb", "fwd_stage", "bwd_mb", "bwd_stage", "w_mb", "w_stage")
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 
 
@@ -79,27 +81,6 @@ class Schedule:
 
     def global_stage(self, rank: int, vstage: int) -> int:
         return vstage * self.num_ranks + rank
-
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """int32 arrays shaped [T, p], -1 where a cell has no such action.
-
-        `fwd_*` describe the F, `bwd_*` the B and `w_*` the W of each cell (`w_*` stay -1 when the
-        backward is not split); `*_stage` is the local virtual stage index. Run `validate` first.
-        """
-        shape = (self.num_steps, self.num_ranks)
-        out = {key: np.full(shape, -1, np.int32) for key in ARRAY_KEYS}
-        prefix = {F: "fwd", B: "bwd", W: "w"}
-        for t, row in enumerate(self.grid):
-            for r, cell in enumerate(row):
-                for action in cell:
-                    key = prefix[action.kind]
-                    if out[f"{key}_mb"][t, r] != -1:
-                        raise ValueError(f"step {t}, rank {r}: two {action.kind} actions in one cell")
-                    out[f"{key}_mb"][t, r] = action.mb
-                    out[f"{key}_stage"][t, r] = action.vstage
-        if np.any((out["bwd_mb"] >= 0) & (out["w_mb"] >= 0)):
-            raise ValueError("a cell holds both B and W; at most one backward-type action per cell")
-        return out
 
     def __str__(self) -> str:
         return render(self)
@@ -331,3 +312,34 @@ def render(schedule: Schedule) -> str:
     for k, name in enumerate(names):
         lines.append(" ".join([name.ljust(head)] + [col[k].rjust(w) for col, w in zip(columns, widths)]))
     return "\n".join(lines)
+
+
+_HEADER = re.compile(r"^(\S+): p=(\d+) m=(\d+) v=(\d+), (\d+) steps(, B split.*)?$")
+_ACTION = re.compile(r"([FBW])(\d+)(?:\.(\d+))?")
+
+
+def parse(text: str) -> Schedule:
+    """The inverse of `render`: a Schedule from its printed grid (the `cost` row is ignored).
+
+    Cells are `.` (idle) or concatenated actions such as `F3`, `F3B1`, or `F3.1B0.0` (microbatch
+    `.` virtual stage) when v > 1.
+    """
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
+    head = _HEADER.match(lines[0].strip())
+    if not head:
+        raise ValueError(f"not a schedule header: {lines[0]!r}")
+    name, p, m, v, steps, split = head.groups()
+    p, m, v, steps = int(p), int(m), int(v), int(steps)
+    grid = [[() for _ in range(p)] for _ in range(steps)]
+    for r in range(p):
+        row = next((line.split() for line in lines[1:] if line.split()[0] == f"r{r}"), None)
+        if row is None or len(row) != steps + 1:
+            raise ValueError(f"rank r{r}: expected a row with {steps} cells")
+        for t, label in enumerate(row[1:]):
+            if label == ".":
+                continue
+            actions = _ACTION.findall(label)
+            if "".join(f"{k}{mb}" + (f".{u}" if u else "") for k, mb, u in actions) != label:
+                raise ValueError(f"step {t}, rank r{r}: cannot read cell {label!r}")
+            grid[t][r] = tuple(Action(k, int(mb), int(u or 0)) for k, mb, u in actions)
+    return Schedule(name, p, m, v, bool(split), grid)

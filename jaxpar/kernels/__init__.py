@@ -1,0 +1,1 @@
+"""Compute kernels with a backend-dependent implementation (e.g. the MoE grouped matmul)."""

@@ -1,0 +1,45 @@
+"""Typing of values inside `jax.shard_map`: which manual mesh axes a value varies over.
+
+Inside a shard_map with `check_vma`, a loop carry or a `lax.switch` branch result must keep one
+type, so a value that starts replicated but becomes per-device is marked varying first
+(`jax.lax.pcast(..., to="varying")`; jax 0.10 has no `pvary`). Outside shard_map every helper
+here is the identity.
+"""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over (jax 0.10's name for the old `.vma`)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def manual_axes() -> tuple:
+    """The manual axes of the mesh being traced in (empty outside shard_map)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual)
+
+
+def mark_varying(x, axes):
+    """`x` marked varying over `axes` too (those it already varies over are skipped)."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_like(x, *refs):
+    """`x` marked varying over every manual axis the refs vary over."""
+    return mark_varying(x, frozenset().union(*(varying_axes(r) for r in refs)))
+
+
+def vary_everywhere(x):
+    """`x` marked varying over every manual axis of the current shard_map."""
+    return mark_varying(x, manual_axes())
+
+
+def sum_to(cotangent, primal):
+    """Sums a cotangent over the manual axes its primal is invariant over (as JAX's own transpose
+    of an implicit pvary does): e.g. weights replicated over `data` get the sum over `data`."""
+    axes = varying_axes(cotangent) - varying_axes(primal)
+    return jax.lax.psum(cotangent, tuple(sorted(axes))) if axes else cotangent

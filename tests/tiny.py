@@ -1,0 +1,45 @@
+"""The tiny configs the tests build on: one place instead of a near-copy per test file."""
+
+from __future__ import annotations
+
+import copy
+
+from jaxpar.axes import MESH_AXES
+from jaxpar.config import base_config, llama_model_config, mixtral_model_config
+
+# 8 query heads over 2 KV heads (fewer than tensor = 4 or 8: replicated), vocab 250 (padded to 256).
+LLAMA = dict(
+    vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+)
+MIXTRAL = dict(
+    LLAMA, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.05,
+    router_z_loss_coef=0.01,
+)
+TRAIN = dict(global_batch_size=16, seq_len=16, steps=3, learning_rate=1e-2, warmup_steps=0)
+
+
+def _config(model_section, train: dict | None):
+    c = base_config()
+    c.model = model_section
+    c.train.update({**TRAIN, **(train or {})})
+    return c
+
+
+def llama(train: dict | None = None, **model):
+    """A 2-layer Llama config (override any `config.model` key; `train` overrides `config.train`)."""
+    return _config(llama_model_config(**{**LLAMA, **model}), train)
+
+
+def mixtral(train: dict | None = None, **model):
+    """A 2-layer Mixtral with 8 experts, top-2, nonzero load-balancing and z-loss coefficients."""
+    return _config(mixtral_model_config(**{**MIXTRAL, **model}), train)
+
+
+def with_overrides(config, mesh: dict, **sections):
+    """A copy of `config` with mesh sizes (unnamed axes → 1) and `section={key: value}` overrides."""
+    config = copy.deepcopy(config)
+    config.mesh.update({name: mesh.get(name, 1) for name in MESH_AXES})
+    for section, values in sections.items():
+        config[section].update(values)
+    return config
