@@ -32,11 +32,13 @@ class Accumulator(NamedTuple):
 
 
 def chunk_size(length: int, limit: int) -> int:
-    """Largest divisor of `length` that is at most `limit` and at most half of `length`: at least
-    two chunks, so in the load-balanced layout (two sequence pieces per rank) chunks never straddle
-    the pieces and the fully masked piece pairs are skipped (one chunk would do twice the work)."""
-    for size in range(min(length // 2 if length > 1 else 1, max(limit, 1)), 0, -1):
-        if length % size == 0:
+    """Largest divisor of half of `length` (of `length` if odd) that is at most `limit`: the two
+    halves of a rank's tokens are two separate pieces in the load-balanced layout, and chunks
+    that never straddle them let the fully masked piece pairs be skipped (one chunk over both
+    pieces would do twice the causal work). Lengths with few divisors give small chunks."""
+    whole = length // 2 if length % 2 == 0 else length
+    for size in range(min(whole, max(limit, 1)), 0, -1):
+        if whole % size == 0:
             return size
     return 1
 

@@ -100,12 +100,12 @@ def flash_attention_local(q, k, v, q_pos, kv_pos, *, scale=None, block_q=DEFAULT
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _flash_attention(q, k, v, q_pos, kv_pos, scale, block_q, block_kv):
-    return _forward(q, q_pos, k.shape[2], _single(k, v, kv_pos), scale=scale, block_q=block_q, block_kv=block_kv,
-                    skip_masked_blocks=False)[0]
+    return _flash_fwd(q, k, v, q_pos, kv_pos, scale, block_q, block_kv)[0]
 
 
 def _flash_fwd(q, k, v, q_pos, kv_pos, scale, block_q, block_kv):
-    out, lse = _forward(q, q_pos, k.shape[2], _single(k, v, kv_pos), scale=scale, block_q=block_q, block_kv=block_kv,
+    blocks = _single(k, v, kv_pos)
+    out, lse = _forward(q, q_pos, k.shape[2], blocks, scale=scale, block_q=block_q, block_kv=block_kv,
                         skip_masked_blocks=False)
     return out, (q, k, v, q_pos, kv_pos, out, lse)
 

@@ -42,15 +42,22 @@ def context_attention(
     block_q: int = DEFAULT_BLOCK,
     block_kv: int = DEFAULT_BLOCK,
 ):
-    """Causal attention with the sequence sharded over `context_axis`.
+    """Causal attention with the sequence sharded over `context_axis`; call under jit.
 
-    q [B, S, Hq, D], k / v [B, S, Hkv, D] (Hq a multiple of Hkv), positions int32 [B, S]: each
-    token's true position (the mask is key position <= query position, whatever the order). S is
-    sharded over `context_axis`, heads over `head_axis`, batch over `batch_axes`, which the
-    shard_map makes manual too: left to the partitioner, a batch sharded over an Auto axis is
-    all-gathered in front of every all-gather / all-to-all over `context` (Shardy, jax 0.10.2,
-    measured; a sharding constraint inside does not help), and the ring's skip predicates become
-    all-reduces. Other mesh axes stay Auto. Returns [B, S, Hq, D] laid out like q. `scale` defaults to 1/sqrt(D); `block_q` / `block_kv` bound the local score chunks.
+    q [B, S, Hq, D], k / v [B, S, Hkv, D] (Hq a multiple of Hkv), positions int32 [B, S] or [S]
+    (shared by every row): each token's true position; the mask is key position <= query
+    position, whatever the sequence order. Returns [B, S, Hq, D] laid out like q.
+
+    The shard_map is manual over `context_axis`, `head_axis` (heads sharded over it; skipped if
+    the mesh has no such axis), `batch_axes` (the batch dimension sharded over them) and
+    `vmapped_axes`; every other mesh axis stays Auto. The batch axes must be manual: left to the
+    partitioner, a batch sharded over an Auto axis is all-gathered in front of every all-gather /
+    all-to-all over `context` (Shardy, jax 0.10.2, measured; a sharding constraint inside does not
+    help). `vmapped_axes`: the spmd_axis_name of a vmap around this call (the train step's
+    per-replica accumulation uses "data"): vmap adds it to the specs but not to the manual axes,
+    and the lowering then fails on a shape mismatch, so it must be named here.
+
+    `scale` defaults to 1/sqrt(D); `block_q` / `block_kv` bound the local score chunks.
     """
     if impl not in IMPLS:
         raise ValueError(f"context attention impl {impl!r}: expected one of {sorted(IMPLS)}")
@@ -69,15 +76,16 @@ def context_attention(
             f"divisible by mesh.{context_axis}={c}; use impl ring or all_gather"
         )
     if positions.shape not in ((b, s), (s,)):
-        raise ValueError(f"context attention: positions {positions.shape} must be [batch, seq] = {(b, s)} or [seq]")
+        raise ValueError(f"context attention: positions {positions.shape} must be [batch, seq] {(b, s)} or [seq]")
 
     batch = tuple(batch_axes) or None
     spec = P(batch, context_axis, heads, None)
     local = functools.partial(IMPLS[impl], axis_name=context_axis, scale=scale, block_q=block_q, block_kv=block_kv)
+    pos_spec = P(batch, context_axis) if positions.ndim == 2 else P(context_axis)
     sharded = jax.shard_map(
         lambda q, k, v, pos: local(q, k, v, pos, pos),
         mesh=mesh,
-        in_specs=(spec, spec, spec, P(batch, context_axis) if positions.ndim == 2 else P(context_axis)),
+        in_specs=(spec, spec, spec, pos_spec),
         out_specs=spec,
         axis_names=frozenset({context_axis, *batch_axes, *vmapped_axes} | ({heads} if heads else set())),
         # Under the train step's vmap(spmd_axis_name="data") jax 0.10.2's varying-axes checks
