@@ -196,7 +196,7 @@ def _ring_fwd(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv):
 
 def _ring_bwd(axis_name, scale, block_q, block_kv, res, d_out):
     """The K/V blocks go round the ring again, each with its dK/dV accumulator (fp32); after c
-    steps one more permute brings every accumulator home to the rank that owns the block."""
+    steps (c - 1 permutes) one more permute of dK/dV alone brings each accumulator home."""
     q, k, v, q_pos, kv_pos, out, lse = res
     c, perm = _ring_perm(axis_name)
     dq, grads = _backward(q, q_pos, out, lse, d_out, k.shape[2], scale=scale, block_q=block_q)
