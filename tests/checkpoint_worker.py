@@ -59,7 +59,24 @@ def source_config():
     return config
 
 
+def target_program(mesh: dict, num_devices: int):
+    """The source model built for restoring onto another mesh (ZeRO-0) over the first devices."""
+    from jaxpar.train.setup import build
+    from tests.reference import with_overrides
+
+    config = with_overrides(source_config(), mesh, parallel={"zero_stage": 0})
+    return build(config, jax.devices()[:num_devices])
+
+
+def target_abstract(program):
+    from jaxpar.checkpoint import abstract_state
+
+    return abstract_state(jax.eval_shape(program.init), program.state_shardings)
+
+
 def save_multiprocess(directory: str, out: str) -> None:
+    """Saves steps 3 and 4, damages 4 (a data file of process 1's store removed), then restores in
+    these two processes onto tensor 8: both must fall back to 3 together and get the saved values."""
     from jax.experimental import multihost_utils
 
     from jaxpar.checkpoint import Checkpoints, check_shared_storage
@@ -72,10 +89,21 @@ def save_multiprocess(directory: str, out: str) -> None:
     state = perturbed(program.init())
     with Checkpoints(directory, every_steps=1) as checkpoints:
         checkpoints.save(3, state, data_state={"step": 3}, config=config.to_json_best_effort())
+        checkpoints.save(4, perturbed(state), data_state={"step": 4}, config=config.to_json_best_effort())
         checkpoints.wait()
-    gathered = multihost_utils.process_allgather(state, tiled=True)
+    gathered = jax.tree.leaves(multihost_utils.process_allgather(state, tiled=True))
     if jax.process_index() == 0:
-        np.savez(out, **dict(zip(leaf_names(state), (np.asarray(x) for x in jax.tree.leaves(gathered)))))
+        np.savez(out, **dict(zip(leaf_names(state), (np.asarray(x) for x in gathered))))
+        store = os.path.join(directory, "4", "state", "ocdbt.process_1", "d")
+        os.remove(max((os.path.join(store, f) for f in os.listdir(store)), key=os.path.getsize))
+    multihost_utils.sync_global_devices("damaged step 4")
+
+    with Checkpoints(directory, every_steps=1) as checkpoints:
+        restored = checkpoints.restore(None, target_abstract(target_program({"tensor": 8}, 8)))
+    assert restored.step == 3 and len(restored.notes) == 1 and "/4 is unreadable" in restored.notes[0], restored.notes
+    for got, want in zip(jax.tree.leaves(multihost_utils.process_allgather(restored.state, tiled=True)), gathered):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    print(f"2-process restore fell back to step 3: {restored.notes[0]}", flush=True)
 
 
 def shared_check(prefix: str) -> None:

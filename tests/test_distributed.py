@@ -14,7 +14,8 @@ import pytest
 from jaxpar import distributed
 from jaxpar.checkpoint import Checkpoints
 from jaxpar.checkpoint.integrity import leaf_names
-from tests.test_checkpoint import assert_on_shardings, target_abstract, target_program
+from tests.checkpoint_worker import target_abstract, target_program
+from tests.test_checkpoint import assert_on_shardings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
@@ -72,13 +73,18 @@ def test_two_processes_save_one_process_restores(tmp_path):
     directory, reference = str(tmp_path / "checkpoints"), str(tmp_path / "reference.npz")
     start = time.perf_counter()
     done = launch([sys.executable, WORKER, "save_multiprocess", directory, reference])
-    print(f"2 processes x 4 devices: check + build + init + save took {time.perf_counter() - start:.1f}s")
+    print(f"2 processes x 4 devices (check, build, save 2 steps, damage, restore): {time.perf_counter() - start:.1f}s")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    # Every process wrote its own shards: Orbax keeps one OCDBT store per process.
-    assert sorted(d for d in os.listdir(os.path.join(directory, "3", "state")) if d.startswith("ocdbt.process_")) == [
+    assert (
+        "[0] 2-process restore fell back to step 3" in done.stdout and "[1] 2-process restore fell back" in done.stdout
+    )
+    # Every process wrote its own shards (Orbax keeps one OCDBT store per process), and fingerprints.
+    step3 = os.path.join(directory, "3")
+    assert sorted(d for d in os.listdir(os.path.join(step3, "state")) if d.startswith("ocdbt.process_")) == [
         "ocdbt.process_0",
         "ocdbt.process_1",
     ]
+    assert os.path.isdir(os.path.join(step3, "integrity")) and os.path.isdir(os.path.join(directory, "4.unreadable"))
 
     target = target_program({"tensor": 8}, 8)
     with Checkpoints(directory, every_steps=1, read_only=True) as checkpoints:
