@@ -1,0 +1,70 @@
+"""Is a checkpoint's saved config compatible with the config of the run that wants to resume from it?
+
+The model section must match exactly (same architecture, same parameter shapes and meaning). How the
+run is laid out (mesh, parallel), how long it runs (train.steps) and where it checkpoints may change
+freely: restoring onto a different mesh is supported. Other differences (data, batch size, seed,
+learning-rate schedule, ...) are allowed but reported, since the resumed run then no longer equals
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from jaxpar.checkpoint.errors import CheckpointError
+
+MUST_MATCH = ("model",)
+FREE = ("mesh", "parallel", "checkpoint", "train.steps", "train.log_every")
+_ABSENT = object()
+
+
+def as_dict(config: str | Mapping[str, Any]) -> dict:
+    """A config given as JSON text or a mapping, as a plain JSON-compatible dict."""
+    if isinstance(config, str):
+        return json.loads(config)
+    return json.loads(json.dumps(dict(config), default=str))
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _under(name: str, sections) -> bool:
+    return any(name == s or name.startswith(s + ".") for s in sections)
+
+
+def _describe(names, saved, current) -> str:
+    missing = "<absent>"
+    return ", ".join(f"{n} (saved {saved.get(n, missing)!r}, now {current.get(n, missing)!r})" for n in names)
+
+
+def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint: str) -> list[str]:
+    """Raises CheckpointError (one line) if the model sections differ; returns one-line notes for the
+    other differing keys that change what an uninterrupted run would have done."""
+    saved_flat, current_flat = _flatten(as_dict(saved)), _flatten(as_dict(current))
+    differing = sorted(
+        n for n in saved_flat.keys() | current_flat.keys() if saved_flat.get(n, _ABSENT) != current_flat.get(n, _ABSENT)
+    )
+    model = [n for n in differing if _under(n, MUST_MATCH)]
+    if model:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was saved with a different model: {_describe(model, saved_flat, current_flat)}; "
+            f"resuming needs the same config.model"
+        )
+    noted = [n for n in differing if not _under(n, FREE)]
+    if not noted:
+        return []
+    note = (
+        f"config differs from checkpoint {checkpoint} in {_describe(noted, saved_flat, current_flat)}: "
+        f"the resumed run will not equal an uninterrupted one"
+    )
+    return [note]

@@ -1,0 +1,336 @@
+"""Checkpoints of a training run on (shared) storage, over Orbax's CheckpointManager.
+
+One checkpoint per saved step `S`, in `<dir>/S/`, holds four Orbax items:
+- `state`: the TrainState pytree (step, params, optimizer state, loss-scale arrays) via StandardSave:
+  every process writes the shards it owns (OCDBT + zarr), nothing is gathered on one host;
+- `data`: the data iterator's state (JSON; for `BatchIterator` that is {"step": k});
+- `config`: the run's config (JSON), compared with the resuming run's by `compare_configs`;
+- `integrity`: per-leaf content fingerprints (see `integrity.py`), checked on restore.
+There is no separate RNG state: parameter init is a function of `train.seed`, the data order a pure
+function of (seed, step), and the training step draws no randomness, so the saved step is all of it.
+Static (non-array) pytree fields such as `LossScale.dynamic/period` are not saved; a restore takes
+them from the abstract state it is given.
+
+Completeness follows Orbax: a save is written to `<dir>/S.orbax-checkpoint-tmp/` and renamed to
+`<dir>/S/` by process 0 only after every process has committed, so an interrupted save (crash,
+kill -9) leaves a `*.orbax-checkpoint-tmp` directory that is never listed as a step. Opening a
+`Checkpoints` reports such directories (and, unless read-only, removes them). A complete checkpoint
+whose files were later damaged (missing, truncated, flipped bits) fails its restore with a one-line
+reason; `restore(None, ...)` then moves it aside to `<dir>/S.unreadable` and falls back to the next
+older one, so the run loses at most the steps since that one.
+
+Multi-process: every process calls every method (Orbax synchronizes internally). Restore failures
+are caught inside the Orbax item handlers, before Orbax's post-restore barrier, and the verdict is
+agreed by a tiny all-gather, so every process falls back together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from jaxpar.checkpoint.config_check import as_dict
+from jaxpar.checkpoint.errors import CheckpointError
+from jaxpar.checkpoint.integrity import fingerprints, leaf_names, mismatches
+
+log = logging.getLogger(__name__)
+
+STATE, DATA, CONFIG, INTEGRITY = "state", "data", "config", "integrity"
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any  # the abstract state's pytree, every leaf a jax.Array on the abstract leaf's sharding
+    data_state: dict
+    config: dict
+    path: str
+    notes: tuple[str, ...]  # one line per newer checkpoint that was unreadable and skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unreadable:
+    """What a tolerant handler returns instead of raising (see `_tolerant`)."""
+
+    reason: str
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    # TensorStore errors arrive wrapped; the innermost cause says what is wrong with which file.
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = (str(error).strip().splitlines() or [""])[0]
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{type(error).__name__}: {text}"
+
+
+def _tolerant(handler_class):
+    """A subclass of an Orbax handler whose restore returns `_Unreadable` instead of raising.
+
+    Orbax's Checkpointer runs a cross-process barrier after the handlers' restore; a process that
+    raised before it would leave the others waiting there. Catching inside the handler lets every
+    process reach the barrier; the verdicts are combined afterwards.
+    """
+
+    class Tolerant(handler_class):
+        def restore(self, directory, args=None):
+            try:
+                return super().restore(directory, args=args)
+            except Exception as e:  # noqa: BLE001 - any read failure makes the checkpoint unreadable
+                return _Unreadable(_one_line(e))
+
+    Tolerant.__name__ = Tolerant.__qualname__ = f"Tolerant{handler_class.__name__}"
+    return Tolerant
+
+
+_TolerantStandard = _tolerant(ocp.StandardCheckpointHandler)
+_TolerantJson = _tolerant(ocp.JsonCheckpointHandler)
+
+
+def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    state = _TolerantStandard()
+    registry.add(STATE, ocp.args.StandardSave, state)
+    registry.add(STATE, ocp.args.StandardRestore, state)
+    for item in (DATA, CONFIG, INTEGRITY):
+        json_handler = _TolerantJson()
+        registry.add(item, ocp.args.JsonSave, json_handler)
+        registry.add(item, ocp.args.JsonRestore, json_handler)
+    return registry
+
+
+def abstract_state(shapes, shardings):
+    """The restore target: `shapes` (e.g. `jax.eval_shape(program.init)`) with each leaf's sharding
+    from `shardings` (e.g. `program.state_shardings`, possibly of another mesh than the saving run's)."""
+    return jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, shardings
+    )
+
+
+def _check_global_arrays(state) -> None:
+    multi = jax.process_count() > 1
+    for name, leaf in zip(leaf_names(state), jax.tree.leaves(state)):
+        if not isinstance(leaf, jax.Array):
+            raise CheckpointError(
+                f"checkpoint: state leaf {name} is a {type(leaf).__name__}, not a jax.Array; put it on the mesh"
+            )
+        if multi and leaf.is_fully_addressable:
+            # Orbax fails on these in multi-process saves ("Cannot serialize host local jax.Array").
+            raise CheckpointError(
+                f"checkpoint: state leaf {name} lives on this process only (sharding {leaf.sharding}); "
+                f"a multi-process save needs global arrays, e.g. replicated over the mesh"
+            )
+
+
+def _agree(ok: bool) -> bool:
+    """True iff `ok` on every process."""
+    if jax.process_count() == 1:
+        return ok
+    flags = multihost_utils.process_allgather(np.asarray([ok], np.int32), tiled=True)
+    return bool(np.asarray(flags).all())
+
+
+class Checkpoints:
+    """Saves and restores a run's checkpoints in `directory` (shared by all processes).
+
+    `every_steps`: `save` writes when `step % every_steps == 0` (0: only forced saves).
+    `keep`: how many of the newest complete checkpoints survive (None: all).
+    `async_save`: `save` returns once the arrays are copied to host memory; files are written in
+    the background (call `wait()` before reading them, `close()` at the end).
+    `read_only`: never saves, removes or renames anything (for evaluation next to a live run).
+    `verify`: fingerprint the state on save and check it on restore.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        every_steps: int,
+        keep: int | None = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+        verify: bool = True,
+    ):
+        if every_steps < 0:
+            raise CheckpointError(f"checkpoint.every_steps={every_steps} must be >= 0 (0: only the final save)")
+        if keep is not None and keep < 1:
+            raise CheckpointError(f"checkpoint.keep={keep} must be >= 1 (or None to keep every checkpoint)")
+        # Orbax needs an absolute path: a relative one fails only later, in the background commit thread.
+        self.directory = os.path.abspath(directory)
+        self.every_steps, self.keep, self.read_only, self.verify = int(every_steps), keep, read_only, verify
+        if read_only and not os.path.isdir(self.directory):
+            raise CheckpointError(f"checkpoint.dir={self.directory} does not exist")
+        self.incomplete = self._find_incomplete()
+        removal = "" if read_only else "; Orbax removes it in the background"
+        self.notes: list[str] = [
+            f"ignored incomplete checkpoint {path} (a save that never finished){removal}" for path in self.incomplete
+        ]
+        for note in self.notes:
+            self._warn(note)
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep),
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handler_registry())
+        self._pending: int | None = None  # the step of the last async save, until known finished
+
+    # -- listing ---------------------------------------------------------------------------
+
+    def _find_incomplete(self) -> tuple[str, ...]:
+        if not os.path.isdir(self.directory):
+            return ()
+        names = ocp.path.step.tmp_checkpoints(self.directory)
+        return tuple(
+            os.path.join(self.directory, name) for name in sorted(names, key=ocp.path.step.step_from_checkpoint_name)
+        )
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first (an in-flight async save is not one yet)."""
+        steps = sorted(self._manager.all_steps())
+        if self._pending is not None:
+            if self._manager.is_saving_in_progress():
+                steps = [s for s in steps if s != self._pending]  # Orbax lists it before finalizing
+            else:
+                self._pending = None
+        return steps
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def should_save(self, step: int, force: bool = False) -> bool:
+        if self.read_only or step in self._manager.all_steps():
+            return False  # Orbax never overwrites a step
+        return force or (self.every_steps > 0 and step % self.every_steps == 0)
+
+    def save(self, step: int, state, *, data_state: Mapping, config: str | Mapping, force: bool = False) -> bool:
+        """Saves `state` (a pytree of global jax.Arrays) as step `step` if due (or `force`); returns
+        whether it did. Asynchronous: the state may be donated or changed once this returns."""
+        if not self.should_save(step, force):
+            return False
+        _check_global_arrays(state)
+        items = {
+            STATE: ocp.args.StandardSave(state),
+            DATA: ocp.args.JsonSave(dict(data_state)),
+            CONFIG: ocp.args.JsonSave(as_dict(config)),
+        }
+        if self.verify:
+            items[INTEGRITY] = ocp.args.JsonSave({"fingerprints": fingerprints(state)})
+        saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if saved:
+            self._pending = step
+        return saved
+
+    def wait(self) -> None:
+        """Blocks until every started save is complete on storage."""
+        self._manager.wait_until_finished()
+        self._pending = None
+
+    def close(self) -> None:
+        self._manager.close()
+        self._pending = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- restoring -------------------------------------------------------------------------
+
+    def restore(self, step: int | None, abstract_state) -> Restored:
+        """Step `step` (None: the newest readable one) restored onto the shardings of
+        `abstract_state` (a pytree of ShapeDtypeStructs with `sharding=`, any mesh): each process
+        reads only the shards its devices hold.
+
+        An unreadable checkpoint raises CheckpointError naming it when `step` is given; with
+        `step=None` it is reported in `Restored.notes`, moved aside (unless read-only) and the next
+        older one is tried."""
+        self.wait()
+        candidates = [step] if step is not None else sorted(self.all_steps(), reverse=True)
+        if not candidates:
+            raise CheckpointError(f"checkpoint.dir={self.directory} holds no complete checkpoint")
+        if step is not None and step not in self.all_steps():
+            raise CheckpointError(f"checkpoint {self.path(step)} does not exist (complete steps: {self.all_steps()})")
+        notes = []
+        for candidate in candidates:
+            restored, reason = self._try_restore(candidate, abstract_state)
+            if restored is not None:
+                return dataclasses.replace(restored, notes=tuple(notes))
+            message = f"checkpoint {self.path(candidate)} is unreadable ({reason})"
+            if step is not None:
+                raise CheckpointError(message)
+            if not self.read_only:
+                message += f"; moved it to {self._quarantine(candidate)}"
+            self._warn(message)
+            notes.append(message)
+        raise CheckpointError(f"no readable checkpoint in checkpoint.dir={self.directory}: " + " | ".join(notes))
+
+    def _try_restore(self, step: int, abstract_state) -> tuple[Restored | None, str]:
+        path = self.path(step)
+        has_integrity = os.path.isdir(os.path.join(path, INTEGRITY))
+        items = {
+            STATE: ocp.args.StandardRestore(abstract_state),
+            DATA: ocp.args.JsonRestore(),
+            CONFIG: ocp.args.JsonRestore(),
+        }
+        if has_integrity:
+            items[INTEGRITY] = ocp.args.JsonRestore()
+        reason = ""
+        try:
+            result = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # noqa: BLE001 - e.g. an item directory missing (same on every process)
+            result, reason = None, _one_line(e)
+        if result is not None:
+            reason = "; ".join(
+                f"{item}: {result[item].reason}" for item in items if isinstance(result[item], _Unreadable)
+            )
+        if not _agree(not reason):
+            return None, reason or "unreadable on another process"
+        if has_integrity and self.verify:
+            # A collective over all processes; its replicated result gives every process the same verdict.
+            bad = mismatches(result[INTEGRITY]["fingerprints"], fingerprints(result[STATE]))
+            if bad:
+                return (
+                    None,
+                    f"content differs from its saved fingerprints in {len(bad)} leaves, e.g. {', '.join(bad[:3])}",
+                )
+        restored = Restored(
+            step=step, state=result[STATE], data_state=result[DATA], config=result[CONFIG], path=path, notes=()
+        )
+        return restored, ""
+
+    def _quarantine(self, step: int) -> str:
+        """Renames an unreadable checkpoint out of Orbax's sight (kept for inspection) and returns the new path."""
+        target = self.path(step) + UNREADABLE_SUFFIX
+        if os.path.exists(target):
+            target += f"-{int(time.time())}"
+        if jax.process_index() == 0:
+            os.rename(self.path(step), target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"jaxpar-checkpoint-quarantine-{step}")
+        self._manager.reload()
+        return target
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        if jax.process_index() == 0:
+            log.warning(message)

@@ -1,0 +1,219 @@
+"""Text → the flat binary `tokens` format that `data.source="tokens"` memory-maps.
+
+The output is one flat array of `uint16` / `uint32` token ids (native byte order, no header): each
+document's ids followed by the tokenizer's EOS id (if it has one). A sidecar `FILE.json` records the
+dtype, vocabulary size, token count and tokenizer, so a run can refuse a model whose vocab_size is
+too small for the file or a `data.token_dtype` that misreads it (`token_file_problems`).
+
+Documents: every text file is one document; in a `.jsonl` file every line is one (its "text"
+field). Large text files are read and tokenized in chunks cut after a newline, so a token never
+spans a chunk boundary: a tokenizer that merges across a newline (e.g. "\\n\\n" as one token) may
+split such a pair into two tokens at a chunk boundary, one place per `CHUNK_BYTES` of text.
+The file is written as FILE.partial and renamed when complete, the sidecar last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+from tqdm.auto import tqdm
+
+DTYPES = ("uint16", "uint32")
+CHUNK_BYTES = 4 << 20  # text per tokenizer call; bounds memory for multi-GB files
+BATCH_PIECES = 64  # chunks/documents per batched (multi-threaded) tokenizer call
+SIDECAR_FORMAT = "jaxpar-tokens-v1"
+
+
+class PrepareError(ValueError):
+    """Bad input to prepare_data; the message is one line naming the flag or file."""
+
+
+def choose_dtype(vocab_size: int, requested: str | None = None) -> str:
+    """`requested` if it holds every id below `vocab_size`, else an error; None: the smallest that does."""
+    if requested is None:
+        return next(name for name in DTYPES if vocab_size - 1 <= np.iinfo(name).max)
+    if requested not in DTYPES:
+        raise PrepareError(f"--dtype={requested} is not one of {DTYPES}")
+    if vocab_size - 1 > np.iinfo(requested).max:
+        raise PrepareError(
+            f"--dtype={requested} holds ids up to {np.iinfo(requested).max} but the tokenizer has {vocab_size} tokens; "
+            f"use --dtype=uint32 or leave --dtype unset"
+        )
+    return requested
+
+
+def load_tokenizer(path: str):
+    """A transformers tokenizer from a local directory (never the hub)."""
+    if not os.path.isdir(path):
+        raise PrepareError(
+            f"--tokenizer={path} is not a directory; point it at a saved tokenizer (tokenizer.json etc.)"
+        )
+    # Imported here: transformers takes seconds to import and only this entry point needs it.
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PrepareError(f"--tokenizer={path} holds no loadable tokenizer ({type(e).__name__}: {first})") from None
+
+
+def input_files(inputs: list[str]) -> list[str]:
+    """Files named in `inputs`, folders expanded (recursively, sorted, hidden entries skipped)."""
+    if not inputs:
+        raise PrepareError("--input is empty; give text files or folders")
+    files = []
+    for entry in inputs:
+        if os.path.isfile(entry):
+            files.append(entry)
+        elif os.path.isdir(entry):
+            found = []
+            for dirpath, dirnames, filenames in os.walk(entry):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                found += [os.path.join(dirpath, n) for n in filenames if not n.startswith(".")]
+            files += sorted(found)
+        else:
+            raise PrepareError(f"--input={entry} does not exist")
+    if not files:
+        raise PrepareError(f"--input={','.join(inputs)} holds no files")
+    return files
+
+
+def _pieces(path: str) -> Iterator[tuple[str, bool, int]]:
+    """(text, ends a document, bytes read) for one input file."""
+    if path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError):
+                        raise PrepareError(
+                            f'--input file {path} line {number} is not a JSON object with a "text" field'
+                        ) from None
+                    yield text, True, len(line)
+                else:
+                    yield "", False, len(line)
+        return
+    if os.path.getsize(path) == 0:
+        return  # no document, not an EOS-only one
+    with open(path, "rb") as f:
+        pending = b""
+        while True:
+            block = f.read(CHUNK_BYTES)
+            data = pending + block
+            if not block:
+                yield data.decode("utf-8", errors="replace"), True, len(data)
+                return
+            cut = data.rfind(b"\n") + 1  # keep a trailing partial line (and any split UTF-8 character)
+            if cut == 0:
+                pending = data
+                continue
+            pending = data[cut:]
+            yield data[:cut].decode("utf-8", errors="replace"), False, cut
+
+
+def sidecar_path(token_file: str) -> str:
+    return token_file + ".json"
+
+
+def prepare(
+    tokenizer_path: str, inputs: list[str], output: str, dtype: str | None = None, progress: bool = True
+) -> dict:
+    """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json."""
+    files = input_files(inputs)
+    tokenizer = load_tokenizer(tokenizer_path)
+    vocab_size = len(tokenizer)  # includes added special tokens
+    dtype = choose_dtype(vocab_size, dtype)
+    eos = tokenizer.eos_token_id
+    if os.path.dirname(os.path.abspath(output)) and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
+        raise PrepareError(f"--output={output}: its folder does not exist")
+    partial = output + ".partial"
+    num_tokens = num_documents = 0
+    largest = -1
+    bar = tqdm(
+        total=sum(os.path.getsize(f) for f in files), unit="B", unit_scale=True, desc="tokenize", disable=not progress
+    )
+
+    def flush(batch, out):
+        nonlocal num_tokens, num_documents, largest
+        encoded = tokenizer([text for text, _, _ in batch], add_special_tokens=False)["input_ids"]
+        for ids, (_, ends, nbytes) in zip(encoded, batch):
+            if ends and eos is not None:
+                ids = ids + [eos]
+            num_documents += ends
+            if ids:
+                array = np.asarray(ids, dtype=np.int64)
+                largest = max(largest, int(array.max()))
+                array.astype(dtype).tofile(out)
+                num_tokens += len(ids)
+            bar.update(nbytes)
+
+    with open(partial, "wb") as out:
+        batch = []
+        for path in files:
+            for piece in _pieces(path):
+                batch.append(piece)
+                if len(batch) >= BATCH_PIECES:
+                    flush(batch, out)
+                    batch = []
+        if batch:
+            flush(batch, out)
+    bar.close()
+    if num_tokens == 0:
+        os.remove(partial)
+        raise PrepareError(f"--input={','.join(inputs)} holds no text")
+    if largest >= vocab_size:  # a tokenizer whose ids exceed len(tokenizer) would break the vocab check
+        os.remove(partial)
+        raise PrepareError(f"--tokenizer={tokenizer_path} produced id {largest} >= its {vocab_size} tokens")
+    os.replace(partial, output)
+    sidecar = {
+        "format": SIDECAR_FORMAT,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "num_tokens": num_tokens,
+        "num_documents": num_documents,
+        "eos_token_id": eos,
+        "tokenizer": os.path.abspath(tokenizer_path),
+        "num_input_files": len(files),
+    }
+    with open(sidecar_path(output), "w") as f:
+        json.dump(sidecar, f, indent=2)
+    return sidecar
+
+
+def token_file_problems(path: str, token_dtype: str, vocab_size: int) -> list[str]:
+    """One-line problems of a `tokens` file against `data.token_dtype` and `model.vocab_size`, from its
+    sidecar (none if it has no sidecar: then nothing is known about it)."""
+    side = sidecar_path(path)
+    if not os.path.isfile(side):
+        return []
+    try:
+        with open(side) as f:
+            meta = json.load(f)
+        saved_dtype, saved_vocab, count = str(meta["dtype"]), int(meta["vocab_size"]), int(meta["num_tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [
+            f"data.path={path!r} has an unreadable sidecar {side} ({type(e).__name__}); "
+            f"regenerate it with scripts/prepare_data.py"
+        ]
+    problems = []
+    if saved_dtype != token_dtype:
+        problems.append(
+            f"data.token_dtype={token_dtype!r} but {side} says the file holds {saved_dtype}; "
+            f"set data.token_dtype={saved_dtype!r}"
+        )
+    if saved_vocab > vocab_size:
+        problems.append(
+            f"model.vocab_size={vocab_size} is smaller than the {saved_vocab} tokens of the tokenizer that wrote "
+            f"data.path={path!r}; set model.vocab_size >= {saved_vocab}"
+        )
+    if os.path.isfile(path) and os.path.getsize(path) != count * np.dtype(saved_dtype).itemsize:
+        problems.append(
+            f"data.path={path!r} is {os.path.getsize(path)} bytes but {side} says {count} {saved_dtype} tokens; "
+            f"regenerate it"
+        )
+    return problems

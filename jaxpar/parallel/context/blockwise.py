@@ -1,0 +1,170 @@
+"""Flash-attention style kernels on one device: a query block attends to one key/value block.
+
+Everything here is local (no collectives), so the ring / all-gather / all-to-all wrappers can call it
+once per key/value block they hold. Queries and keys are cut into chunks (`block_q`, `block_kv`) so
+the largest score array is [B, Hkv, G, block_q, block_kv] whatever the sequence length; a chunk pair
+whose every key position lies after every query position is skipped by `lax.cond` (no collective
+inside the branches). The causal mask is `kv_pos <= q_pos` from the carried true positions, never
+from array indices, so any sequence order (e.g. the load-balanced one) works.
+
+Layout: the GQA group G = Hq / Hkv is split out of the query heads, q [B, S, Hkv, G, D]. Softmax
+statistics, outputs and gradients accumulate in fp32; matmul inputs stay in the input dtype
+(`preferred_element_type=float32`), as flash attention does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+class Accumulator(NamedTuple):
+    """Online-softmax state per query chunk: output sum o [nq, B, Hkv, G, cq, D], running max m
+    and running sum l [nq, B, Hkv, G, cq] (all fp32)."""
+
+    o: jax.Array
+    m: jax.Array
+    l: jax.Array
+
+
+def chunk_size(length: int, limit: int) -> int:
+    """Largest divisor of half of `length` (of `length` if odd) that is at most `limit`: the two
+    halves of a rank's tokens are two separate pieces in the load-balanced layout, and chunks
+    that never straddle them let the fully masked piece pairs be skipped (one chunk over both
+    pieces would do twice the causal work). Lengths with few divisors give small chunks."""
+    whole = length // 2 if length % 2 == 0 else length
+    for size in range(min(whole, max(limit, 1)), 0, -1):
+        if whole % size == 0:
+            return size
+    return 1
+
+
+def varying(x):
+    """`x` marked varying over every manual mesh axis. Zeros made inside a shard_map start
+    invariant, but the accumulators they start become varying after one block of work, and a
+    scan carry or the two branches of a cond must agree (check_vma). jax 0.10.2 has no public
+    getter for one value's varying axes, so use all manual axes: the attention inputs vary over
+    all of them in every caller (context, heads, and the pipeline axis in the pipeline engine)."""
+    axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def split_chunks(x, size: int, axis: int = 1):
+    """[..., S, ...] -> [S/size, ..., size, ...]: the chunk index moves to the front."""
+    shape = x.shape[:axis] + (x.shape[axis] // size, size) + x.shape[axis + 1 :]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def merge_chunks(x, axis: int = 1):
+    """Inverse of `split_chunks`."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
+
+
+def all_masked(q_pos, kv_pos):
+    """True when no query (any batch row) may see any key: the block's work can be skipped."""
+    return jnp.all(jnp.min(kv_pos, axis=1) > jnp.max(q_pos, axis=1))
+
+
+def _scores(q, k, q_pos, kv_pos, scale):
+    """Masked scores [B, Hkv, G, cq, ck] in fp32 (-inf where the key is after the query)."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=F32) * scale
+    visible = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def init_accumulator(q_chunks):
+    """Empty state for q_chunks [nq, B, cq, Hkv, G, D]."""
+    nq, b, cq, hkv, g, d = q_chunks.shape
+    o = jnp.zeros((nq, b, hkv, g, cq, d), F32)
+    m = jnp.full((nq, b, hkv, g, cq), -jnp.inf, F32)
+    l = jnp.zeros((nq, b, hkv, g, cq), F32)
+    return Accumulator(*(varying(x) for x in (o, m, l)))
+
+
+def _update(acc: Accumulator, q, k, v, q_pos, kv_pos, scale) -> Accumulator:
+    """One query chunk × one key chunk of the online softmax."""
+    s = _scores(q, k, q_pos, kv_pos, scale)
+    m_new = jnp.maximum(acc.m, jnp.max(s, axis=-1))
+    # A row that has seen no visible key yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])
+    alpha = jnp.exp(acc.m - m_safe)
+    pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v, preferred_element_type=F32)
+    return Accumulator(alpha[..., None] * acc.o + pv, m_new, alpha * acc.l + jnp.sum(p, axis=-1))
+
+
+def forward_block(acc: Accumulator, q_chunks, qpos_chunks, k, v, kv_pos, *, scale, block_kv) -> Accumulator:
+    """Folds one key/value block (k, v [B, Sk, Hkv, D], kv_pos [B, Sk]) into the accumulator of the
+    query chunks q_chunks [nq, B, cq, Hkv, G, D] (positions qpos_chunks [nq, B, cq])."""
+    ck = chunk_size(k.shape[1], block_kv)
+    kv = (split_chunks(k, ck), split_chunks(v, ck), split_chunks(kv_pos, ck))
+
+    def one_query_chunk(args):
+        acc_i, q_i, qpos_i = args
+
+        def one_key_chunk(a, kv_j):
+            k_j, v_j, kvpos_j = kv_j
+            a = jax.lax.cond(
+                all_masked(qpos_i, kvpos_j),
+                lambda a: a,
+                lambda a: _update(a, q_i, k_j, v_j, qpos_i, kvpos_j, scale),
+                a,
+            )
+            return a, None
+
+        return jax.lax.scan(one_key_chunk, acc_i, kv)[0]
+
+    return jax.lax.map(one_query_chunk, (acc, q_chunks, qpos_chunks))
+
+
+def finalize(acc: Accumulator):
+    """Output chunks [nq, B, cq, Hkv, G, D] (fp32) and log-sum-exp [nq, B, Hkv, G, cq].
+    A row that saw no key at all gets output 0 and lse +inf (its backward terms are then 0)."""
+    seen = acc.l > 0
+    o = acc.o / jnp.where(seen, acc.l, 1.0)[..., None]
+    lse = jnp.where(seen, acc.m + jnp.log(jnp.where(seen, acc.l, 1.0)), jnp.inf)
+    return jnp.moveaxis(o, -2, 2), lse
+
+
+def backward_block(dq_chunks, q_chunks, qpos_chunks, do_chunks, lse, delta, k, v, kv_pos, *, scale, block_kv):
+    """Gradient contributions of one key/value block, recomputing its scores chunk by chunk.
+    Inputs as in `forward_block`, plus the output cotangent do_chunks (layout of q_chunks), the
+    forward's lse and delta = rowsum(do · o) [nq, B, Hkv, G, cq]. Returns (dq_chunks + this
+    block's part, dk, dv) with dk / dv [B, Sk, Hkv, D] fp32 for this block only."""
+    ck = chunk_size(k.shape[1], block_kv)
+    kv = (split_chunks(k, ck), split_chunks(v, ck), split_chunks(kv_pos, ck))
+
+    def one_key_chunk(dq_all, kv_j):
+        k_j, v_j, kvpos_j = kv_j
+        zeros = jnp.zeros(k_j.shape, F32)
+        dkv0 = (varying(zeros), varying(zeros))
+
+        def one_query_chunk(dkv, per_q):
+            dq_i, q_i, qpos_i, do_i, lse_i, delta_i = per_q
+
+            def work(dkv, dq_i):
+                dk_j, dv_j = dkv
+                s = _scores(q_i, k_j, qpos_i, kvpos_j, scale)
+                p = jnp.exp(s - lse_i[..., None])
+                dv_j = dv_j + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do_i.dtype), do_i, preferred_element_type=F32)
+                dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_i, v_j, preferred_element_type=F32)
+                ds = p * (dp - delta_i[..., None]) * scale
+                dq_i = dq_i + jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(k_j.dtype), k_j, preferred_element_type=F32)
+                dk_j = dk_j + jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q_i.dtype), q_i, preferred_element_type=F32)
+                return (dk_j, dv_j), dq_i
+
+            return jax.lax.cond(
+                all_masked(qpos_i, kvpos_j), lambda dkv, dq_i: (dkv, dq_i), work, dkv, dq_i
+            )
+
+        per_q = (dq_all, q_chunks, qpos_chunks, do_chunks, lse, delta)
+        (dk_j, dv_j), dq_all = jax.lax.scan(one_query_chunk, dkv0, per_q)
+        return dq_all, (dk_j, dv_j)
+
+    dq_chunks, (dk, dv) = jax.lax.scan(one_key_chunk, dq_chunks, kv)
+    return dq_chunks, merge_chunks(dk), merge_chunks(dv)

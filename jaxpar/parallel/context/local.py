@@ -1,0 +1,259 @@
+"""Per-device causal attention for a sequence sharded over one manual mesh axis.
+
+Call these inside a `shard_map` that is manual over `axis_name` (and over whatever shards heads).
+Each gets this rank's q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] and the true positions q_pos [B, Sq],
+kv_pos [B, Sk] (int32; or [Sq], [Sk] when every row has the same positions) and returns this
+rank's output [B, Sq, Hq, D] in q's dtype. Shared positions keep the skip predicates free of any
+batch reduction: no all-reduce over an Auto batch axis, and under vmap the `lax.cond`s stay
+conds (a batched predicate turns a cond into a select that runs both branches).
+
+Every variant is a `jax.custom_vjp` that saves only this rank's inputs, the output and the
+log-sum-exp, and recomputes the scores in the backward (flash attention): no score block and no
+gathered or received K/V block is kept for the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.parallel.context import blockwise as bw
+
+DEFAULT_BLOCK = 512  # query / key chunk: the largest score array is [B, Hkv, G, 512, 512] fp32
+
+
+def _rows(pos):
+    """Positions as [B or 1, S]: a row of 1 broadcasts over the batch."""
+    return pos[None] if pos.ndim == 1 else pos
+
+
+def _scale(scale, head_dim):
+    return head_dim**-0.5 if scale is None else scale
+
+
+def _query_chunks(q, q_pos, num_kv_heads, block_q):
+    """q [B, S, Hq, D] -> [nq, B, cq, Hkv, G, D]; q_pos [B, S] -> [nq, B, cq]."""
+    b, s, hq, d = q.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"attention: {hq} query heads are not a multiple of {num_kv_heads} key/value heads")
+    cq = bw.chunk_size(s, block_q)
+    q5 = q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
+    return bw.split_chunks(q5, cq), bw.split_chunks(q_pos, cq)
+
+
+def _unchunk(x_chunks, like):
+    """[nq, B, cq, Hkv, G, D] -> [B, S, Hq, D] in like's dtype."""
+    return bw.merge_chunks(x_chunks).reshape(like.shape).astype(like.dtype)
+
+
+def _forward(q, q_pos, num_kv_heads, kv_blocks, *, scale, block_q, block_kv, skip_masked_blocks):
+    """Runs the online softmax over `kv_blocks(fold, acc)`, a function that calls `fold(acc, k, v,
+    kv_pos)` for each key/value block in turn. Returns (out, lse chunks)."""
+    q_chunks, qpos_chunks = _query_chunks(q, q_pos, num_kv_heads, block_q)
+    scale = _scale(scale, q.shape[-1])
+
+    def fold(acc, k, v, kv_pos):
+        def work(acc):
+            return bw.forward_block(acc, q_chunks, qpos_chunks, k, v, kv_pos, scale=scale, block_kv=block_kv)
+
+        if not skip_masked_blocks:
+            return work(acc)
+        return jax.lax.cond(bw.all_masked(q_pos, kv_pos), lambda acc: acc, work, acc)
+
+    acc = kv_blocks(fold, bw.init_accumulator(q_chunks))
+    o_chunks, lse = bw.finalize(acc)
+    return _unchunk(o_chunks, q), lse
+
+
+def _backward(q, q_pos, out, lse, d_out, num_kv_heads, *, scale, block_q):
+    """What every backward needs: query-side chunks, delta = rowsum(do · o) and a zero dq."""
+    q_chunks, qpos_chunks = _query_chunks(q, q_pos, num_kv_heads, block_q)
+    do_chunks, _ = _query_chunks(d_out.astype(q.dtype), q_pos, num_kv_heads, block_q)
+    o_chunks, _ = _query_chunks(out, q_pos, num_kv_heads, block_q)
+    delta = jnp.sum(do_chunks.astype(bw.F32) * o_chunks.astype(bw.F32), axis=-1)  # [nq, B, cq, Hkv, G]
+    delta = jnp.moveaxis(delta, 2, -1)  # -> lse layout [nq, B, Hkv, G, cq]
+    dq = bw.varying(jnp.zeros(q_chunks.shape, bw.F32))
+    scale = _scale(scale, q.shape[-1])
+
+    def grads(dq, k, v, kv_pos, block_kv):
+        return bw.backward_block(
+            dq, q_chunks, qpos_chunks, do_chunks, lse, delta, k, v, kv_pos, scale=scale, block_kv=block_kv
+        )
+
+    return dq, grads
+
+
+def _single(k, v, kv_pos):
+    """A key/value source with one block (see `_forward`)."""
+    return lambda fold, acc: fold(acc, k, v, kv_pos)
+
+
+# ---------------------------------------------------------------- plain local flash attention
+
+
+def flash_attention_local(q, k, v, q_pos, kv_pos, *, scale=None, block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK):
+    """Causal attention of q against k / v on one device, chunked (no collective)."""
+    return _flash_attention(q, k, v, _rows(q_pos), _rows(kv_pos), scale, block_q, block_kv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash_attention(q, k, v, q_pos, kv_pos, scale, block_q, block_kv):
+    return _flash_fwd(q, k, v, q_pos, kv_pos, scale, block_q, block_kv)[0]
+
+
+def _flash_fwd(q, k, v, q_pos, kv_pos, scale, block_q, block_kv):
+    blocks = _single(k, v, kv_pos)
+    out, lse = _forward(q, q_pos, k.shape[2], blocks, scale=scale, block_q=block_q, block_kv=block_kv,
+                        skip_masked_blocks=False)
+    return out, (q, k, v, q_pos, kv_pos, out, lse)
+
+
+def _flash_bwd(scale, block_q, block_kv, res, d_out):
+    q, k, v, q_pos, kv_pos, out, lse = res
+    dq, grads = _backward(q, q_pos, out, lse, d_out, k.shape[2], scale=scale, block_q=block_q)
+    dq, dk, dv = grads(dq, k, v, kv_pos, block_kv)
+    return _unchunk(dq, q), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_flash_attention.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------- all-gather K/V
+
+
+def _gather(x, axis_name):
+    return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _all_gather_attention(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv):
+    return _all_gather_fwd(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv)[0]
+
+
+def _all_gather_fwd(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv):
+    blocks = _single(_gather(k, axis_name), _gather(v, axis_name), _gather(kv_pos, axis_name))
+    out, lse = _forward(q, q_pos, k.shape[2], blocks, scale=scale, block_q=block_q, block_kv=block_kv,
+                        skip_masked_blocks=False)
+    return out, (q, k, v, q_pos, kv_pos, out, lse)  # the local K/V only: regathered in the backward
+
+
+def _all_gather_bwd(axis_name, scale, block_q, block_kv, res, d_out):
+    q, k, v, q_pos, kv_pos, out, lse = res
+    dq, grads = _backward(q, q_pos, out, lse, d_out, k.shape[2], scale=scale, block_q=block_q)
+    dq, dk_all, dv_all = grads(dq, _gather(k, axis_name), _gather(v, axis_name), _gather(kv_pos, axis_name), block_kv)
+    # The transpose of the gather: every rank's contribution to each K/V shard, summed onto its owner.
+    dk, dv = (jax.lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True) for g in (dk_all, dv_all))
+    return _unchunk(dq, q), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_all_gather_attention.defvjp(_all_gather_fwd, _all_gather_bwd)
+
+
+def all_gather_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
+                               block_kv=DEFAULT_BLOCK):
+    """Keeps this rank's queries, all-gathers K, V (Hkv heads only) and their positions over
+    `axis_name`; the backward re-gathers them and reduce-scatters dK, dV."""
+    return _all_gather_attention(q, k, v, _rows(q_pos), _rows(kv_pos), axis_name, scale, block_q, block_kv)
+
+
+# ---------------------------------------------------------------- ring
+
+
+def _ring_perm(axis_name):
+    c = jax.lax.axis_size(axis_name)
+    return c, [(i, (i + 1) % c) for i in range(c)]
+
+
+def _ring_blocks(k, v, kv_pos, axis_name):
+    """Step t folds the block of rank (r - t) mod c; c - 1 collective-permutes, none inside the cond."""
+    c, perm = _ring_perm(axis_name)
+
+    def run(fold, acc):
+        def step(carry, _):
+            acc, kv = carry
+            # Send first: the permute does not depend on this step's work, so they may overlap.
+            incoming = jax.lax.ppermute(kv, axis_name, perm)
+            return (fold(acc, *kv), incoming), None
+
+        (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, kv_pos)), length=c - 1)
+        return fold(acc, *kv)
+
+    return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring_attention(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv):
+    return _ring_fwd(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv)[0]
+
+
+def _ring_fwd(q, k, v, q_pos, kv_pos, axis_name, scale, block_q, block_kv):
+    out, lse = _forward(q, q_pos, k.shape[2], _ring_blocks(k, v, kv_pos, axis_name), scale=scale, block_q=block_q,
+                        block_kv=block_kv, skip_masked_blocks=True)
+    return out, (q, k, v, q_pos, kv_pos, out, lse)
+
+
+def _ring_bwd(axis_name, scale, block_q, block_kv, res, d_out):
+    """The K/V blocks go round the ring again, each with its dK/dV accumulator (fp32); after c
+    steps (c - 1 permutes) one more permute of dK/dV alone brings each accumulator home."""
+    q, k, v, q_pos, kv_pos, out, lse = res
+    c, perm = _ring_perm(axis_name)
+    dq, grads = _backward(q, q_pos, out, lse, d_out, k.shape[2], scale=scale, block_q=block_q)
+    zeros = bw.varying(jnp.zeros(k.shape, bw.F32))
+
+    def fold(dq, kv, dkv):
+        def work(args):
+            dq, dk, dv = args
+            dq, dk_block, dv_block = grads(dq, *kv, block_kv)
+            return dq, dk + dk_block, dv + dv_block
+
+        skip = bw.all_masked(q_pos, kv[2])
+        return jax.lax.cond(skip, lambda args: args, work, (dq, *dkv))
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        dq, *dkv = fold(dq, kv, dkv)
+        kv, dkv = jax.lax.ppermute((kv, tuple(dkv)), axis_name, perm)
+        return (dq, kv, dkv), None
+
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, (k, v, kv_pos), (zeros, zeros)), length=c - 1)
+    dq, *dkv = fold(dq, kv, dkv)
+    dk, dv = jax.lax.ppermute(tuple(dkv), axis_name, perm)
+    return _unchunk(dq, q), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
+                         block_kv=DEFAULT_BLOCK):
+    """K/V blocks (with positions) travel round the ranks of `axis_name` by `ppermute` while each
+    rank keeps an online-softmax accumulator; blocks wholly after this rank's queries are skipped."""
+    return _ring_attention(q, k, v, _rows(q_pos), _rows(kv_pos), axis_name, scale, block_q, block_kv)
+
+
+# ---------------------------------------------------------------- all-to-all (Ulysses)
+
+
+def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
+                               block_kv=DEFAULT_BLOCK):
+    """Swaps the sharded dimension from sequence to heads (all-to-all), attends over whole
+    sequences for 1/c of the heads, swaps back. Local query and key/value head counts must be
+    divisible by c. The all-to-alls are linear: autodiff transposes them into all-to-alls."""
+    c = jax.lax.axis_size(axis_name)
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % c or hkv % c:
+        raise ValueError(
+            f"context attention all_to_all: {hq} query and {hkv} key/value heads per device must both be "
+            f"divisible by mesh.context={c}; use impl ring or all_gather"
+        )
+
+    def to_heads(x):  # [B, S/c, H, D] -> [B, S, H/c, D]; contiguous head groups keep GQA pairs together
+        return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+    out = _flash_attention(
+        to_heads(q), to_heads(k), to_heads(v), _gather(_rows(q_pos), axis_name), _gather(_rows(kv_pos), axis_name),
+        scale, block_q, block_kv,
+    )
+    return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)

@@ -1,0 +1,112 @@
+"""The global-view entry point (`context_attention`) and causal load balancing of the sequence."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.parallel.context.local import (
+    DEFAULT_BLOCK,
+    all_gather_attention_local,
+    all_to_all_attention_local,
+    ring_attention_local,
+)
+
+# Mesh axis names (the main tree is moving these to jaxpar/axes.py; this worktree has none yet).
+CONTEXT = "context"
+TENSOR = "tensor"
+
+IMPLS = {
+    "all_gather": all_gather_attention_local,
+    "ring": ring_attention_local,
+    "all_to_all": all_to_all_attention_local,
+}
+
+
+def context_attention(
+    q,
+    k,
+    v,
+    positions,
+    *,
+    mesh,
+    impl: str,
+    context_axis: str = CONTEXT,
+    head_axis: str | None = TENSOR,
+    batch_axes: tuple[str, ...] = (),
+    vmapped_axes: tuple[str, ...] = (),
+    scale: float | None = None,
+    block_q: int = DEFAULT_BLOCK,
+    block_kv: int = DEFAULT_BLOCK,
+):
+    """Causal attention with the sequence sharded over `context_axis`; call under jit.
+
+    q [B, S, Hq, D], k / v [B, S, Hkv, D] (Hq a multiple of Hkv), positions int32 [B, S] or [S]
+    (shared by every row): each token's true position; the mask is key position <= query
+    position, whatever the sequence order. Returns [B, S, Hq, D] laid out like q.
+
+    The shard_map is manual over `context_axis`, `head_axis` (heads sharded over it; skipped if
+    the mesh has no such axis), `batch_axes` (the batch dimension sharded over them) and
+    `vmapped_axes`; every other mesh axis stays Auto. The batch axes must be manual: left to the
+    partitioner, a batch sharded over an Auto axis is all-gathered in front of every all-gather /
+    all-to-all over `context` (Shardy, jax 0.10.2, measured; a sharding constraint inside does not
+    help). `vmapped_axes`: the spmd_axis_name of a vmap around this call (the train step's
+    per-replica accumulation uses "data"): vmap adds it to the specs but not to the manual axes,
+    and the lowering then fails on a shape mismatch, so it must be named here.
+
+    `scale` defaults to 1/sqrt(D); `block_q` / `block_kv` bound the local score chunks.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"context attention impl {impl!r}: expected one of {sorted(IMPLS)}")
+    c = mesh.shape[context_axis]
+    heads = head_axis if head_axis in mesh.axis_names else None
+    t = mesh.shape[heads] if heads else 1
+    b, s, hq, _ = q.shape
+    hkv = k.shape[2]
+    if s % c:
+        raise ValueError(f"context attention: sequence length {s} is not divisible by mesh.{context_axis}={c}")
+    if hq % t or hkv % t:
+        raise ValueError(f"context attention: {hq} query / {hkv} key-value heads not divisible by mesh.{heads}={t}")
+    if impl == "all_to_all" and ((hq // t) % c or (hkv // t) % c):
+        raise ValueError(
+            f"context attention all_to_all: {hq // t} query and {hkv // t} key/value heads per device must be "
+            f"divisible by mesh.{context_axis}={c}; use impl ring or all_gather"
+        )
+    if positions.shape not in ((b, s), (s,)):
+        raise ValueError(f"context attention: positions {positions.shape} must be [batch, seq] {(b, s)} or [seq]")
+
+    batch = tuple(batch_axes) or None
+    spec = P(batch, context_axis, heads, None)
+    local = functools.partial(IMPLS[impl], axis_name=context_axis, scale=scale, block_q=block_q, block_kv=block_kv)
+    pos_spec = P(batch, context_axis) if positions.ndim == 2 else P(context_axis)
+    sharded = jax.shard_map(
+        lambda q, k, v, pos: local(q, k, v, pos, pos),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, pos_spec),
+        out_specs=spec,
+        axis_names=frozenset({context_axis, *batch_axes, *vmapped_axes} | ({heads} if heads else set())),
+        # Under the train step's vmap(spmd_axis_name="data") jax 0.10.2's varying-axes checks
+        # fail ("pvary is a invariant->variant collective"), as in parallel/expert.py.
+        check_vma=False,
+    )
+    return sharded(q, k, v, positions)
+
+
+def load_balance_order(seq_len: int, c: int) -> np.ndarray:
+    """Permutation of range(seq_len) (new position i holds old token order[i]) such that,
+    sharded contiguously over c ranks, rank r holds chunks r and 2c-1-r of 2c equal chunks: every
+    rank then has the same causal work (the Megatron / Llama 3 layout)."""
+    if seq_len % (2 * c):
+        raise ValueError(
+            f"train.seq_len={seq_len} must be divisible by 2 x mesh.context = {2 * c} for causal load balancing"
+        )
+    chunks = np.arange(seq_len).reshape(2 * c, seq_len // (2 * c))
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * c - 1 - r]]) for r in range(c)])
+
+
+def load_balance_inverse(seq_len: int, c: int) -> np.ndarray:
+    """Inverse of `load_balance_order`: x_balanced[..., inverse] restores the original order."""
+    return np.argsort(load_balance_order(seq_len, c))

@@ -1,0 +1,40 @@
+"""Tokenize text into the flat binary `tokens` format for `data.source="tokens"`.
+
+  python scripts/prepare_data.py --tokenizer=/path/to/tokenizer_dir --input=corpus_dir \
+      [--input=more.jsonl ...] --output=/data/corpus.bin [--dtype=uint16|uint32]
+
+Writes OUTPUT (token ids, documents separated by the tokenizer's EOS) and OUTPUT.json (dtype,
+vocab_size, num_tokens, ...). Train on it with --config.data.source=tokens
+--config.data.path=OUTPUT --config.data.token_dtype=<the dtype printed at the end>.
+"""
+
+import sys
+
+from absl import app, flags
+
+from jaxpar.data.prepare import DTYPES, PrepareError, prepare, sidecar_path
+
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "Local directory of a transformers tokenizer.")
+_INPUT = flags.DEFINE_multi_string("input", None, "Text file, .jsonl file or folder (repeatable; commas also split).")
+_OUTPUT = flags.DEFINE_string("output", None, "Token file to write (its sidecar goes to OUTPUT.json).")
+_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Token dtype; default: the smallest that holds the vocabulary.")
+_PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+flags.mark_flags_as_required(["tokenizer", "input", "output"])
+
+
+def main(argv):
+    del argv
+    inputs = [part for entry in _INPUT.value for part in entry.split(",") if part]
+    try:
+        meta = prepare(_TOKENIZER.value, inputs, _OUTPUT.value, _DTYPE.value, progress=_PROGRESS.value)
+    except PrepareError as e:
+        sys.exit(f"prepare_data: {e}")
+    print(
+        f"wrote {meta['num_tokens']} tokens ({meta['num_documents']} documents, vocab {meta['vocab_size']}) as "
+        f"{meta['dtype']} to {_OUTPUT.value} and {sidecar_path(_OUTPUT.value)}; train with --config.data.source=tokens "
+        f"--config.data.path={_OUTPUT.value} --config.data.token_dtype={meta['dtype']}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
