@@ -51,10 +51,9 @@ def perturbed(state):
 
 def source_config():
     """The tiny test model at data 2 x tensor 4 with ZeRO-1 and fp16 (dynamic loss scale)."""
-    from tests.reference import with_overrides
-    from tests.test_degeneracy import tiny_config
+    from tests import tiny
 
-    config = with_overrides(tiny_config(), {"data": 2, "tensor": 4}, parallel={"zero_stage": 1})
+    config = tiny.with_overrides(tiny.llama(), {"data": 2, "tensor": 4}, parallel={"zero_stage": 1})
     config.train.compute_dtype = "float16"
     return config
 
@@ -62,7 +61,7 @@ def source_config():
 def target_program(mesh: dict, num_devices: int):
     """The source model built for restoring onto another mesh (ZeRO-0) over the first devices."""
     from jaxpar.train.setup import build
-    from tests.reference import with_overrides
+    from tests.tiny import with_overrides
 
     config = with_overrides(source_config(), mesh, parallel={"zero_stage": 0})
     return build(config, jax.devices()[:num_devices])

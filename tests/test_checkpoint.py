@@ -21,7 +21,7 @@ from jaxpar.checkpoint import CheckpointError, Checkpoints, check_shared_storage
 from jaxpar.checkpoint.integrity import fingerprints
 from jaxpar.train.setup import build
 from tests.checkpoint_worker import kill_state, perturbed, source_config, target_abstract, target_program
-from tests.reference import with_overrides
+from tests.tiny import with_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "checkpoint_worker.py")

@@ -44,7 +44,7 @@ from jaxpar.checkpoint.integrity import fingerprints, leaf_names, mismatches
 
 log = logging.getLogger(__name__)
 
-STATE, DATA, CONFIG, INTEGRITY = "state", "data", "config", "integrity"
+STATE, DATA, CONFIG, INTEGRITY = "state", "data_iterator", "config", "integrity"
 UNREADABLE_SUFFIX = ".unreadable"
 
 

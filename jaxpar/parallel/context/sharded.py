@@ -8,16 +8,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.axes import CONTEXT, TENSOR
 from jaxpar.parallel.context.local import (
     DEFAULT_BLOCK,
     all_gather_attention_local,
     all_to_all_attention_local,
     ring_attention_local,
 )
-
-# Mesh axis names (the main tree is moving these to jaxpar/axes.py; this worktree has none yet).
-CONTEXT = "context"
-TENSOR = "tensor"
 
 IMPLS = {
     "all_gather": all_gather_attention_local,
