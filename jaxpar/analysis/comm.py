@@ -10,6 +10,8 @@ all-to-all (n-1)/n · size, collective-permute size (a sender sends its buffer o
 link is wire bytes / the link's unidirectional per-device bandwidth.
 
 What each parallelism causes (D hidden, a = tokens · D activation bytes per step on one device):
+Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 on XLA:CPU).
+
 - tensor (Megatron, `jaxpar.sharding` rules): per layer, forward 2 all-reduces of a (attention
   and MLP outputs, row-parallel), backward 2 (their inputs' gradients); remat full recomputes the
   attention one (the recompute skips the MLP's down projection). The vocab-parallel embedding all-reduces a once; the LM head's input gradient
@@ -50,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
-from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
+from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
 from jaxpar.analysis.memory import ParamCounts, moe_rows_per_token, param_counts
 
 
@@ -119,7 +121,7 @@ def tensor_collectives(layout: Layout) -> list[Planned]:
     if layout.t == 1 or layout.p > 1:  # inside pipeline stages: `pipeline_collectives`
         return []
     axes, low = (TENSOR,), lowering_for(layout)
-    act = layout.tokens * layout.hidden * layout.compute_bytes
+    act = layout.tokens * layout.hidden * layout.activation_bytes
     L = layout.layers_per_device
     # Remat full recomputes each layer's forward in the backward, but not the MLP's down
     # projection (its output only feeds the layer output, which the backward does not need), so
@@ -193,7 +195,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         out += _embedding_by_all_to_all(layout, zero_axes, forward=False)
         return out
     # ZeRO-3: per layer inside the scan, per microbatch.
-    L, m, cb = layout.layers_per_device, layout.microbatches, layout.compute_bytes
+    L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
     gathers = 1 if layout.remat == "none" else 2
     layer = counts.layer_gathered - counts.experts
     out += [
@@ -212,7 +214,7 @@ def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Pla
     """With the table sharded over data along its hidden dim (ZeRO-3), or its gradient wanted so
     (ZeRO-1), the partitioner moves activations [tokens, D] by all-to-all instead of moving the
     table, and all-gathers the token ids it needs."""
-    act = layout.tokens * layout.hidden * (layout.compute_bytes if forward else 4)
+    act = layout.tokens * layout.hidden * (layout.activation_bytes if forward else 4)
     ids = layout.global_batch // layout.e * layout.seq * 4
     out = [
         Planned(ALL_GATHER, axes, ids, 1, "ZeRO: token ids for the embedding"),
@@ -230,7 +232,7 @@ def expert_collectives(layout: Layout) -> list[Planned]:
     if not layout.is_moe or layout.e == 1:
         return []
     axes, L = (EXPERT,), layout.layers_per_device
-    buffer = layout.tokens * moe_rows_per_token(layout) * layout.hidden * layout.compute_bytes
+    buffer = layout.tokens * moe_rows_per_token(layout) * layout.hidden * layout.activation_bytes
     fwd_passes = 1 if layout.remat == "none" else 2  # the exchange is not a dot: save_dots recomputes it
     counts = layout.e * (layout.experts // layout.e) * 4
     return [
@@ -249,7 +251,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     from jaxpar.parallel.schedules import make_schedule
 
     schedule = make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
-    mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.compute_bytes
+    mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes
     out = [
         Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * schedule.num_steps, "PP: activations and gradients per time step"),
         Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared, 1, "PP: shared (embedding / head / norm) gradients"),
@@ -258,7 +260,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         # Inside every stage action the layers' TP collectives run on microbatches: F runs the
         # chunk forward, B recomputes it and runs the backward (so forwards count twice).
         L = layout.layers_per_device
-        act = layout.tokens * layout.hidden * layout.compute_bytes
+        act = layout.tokens * layout.hidden * layout.activation_bytes
         low = lowering_for(layout)
         per_bwd = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
         out.append(Planned(ALL_REDUCE, (TENSOR,), act, L * (2 * 2 + per_bwd), "PP+TP: stage layers (in branches)"))
@@ -311,14 +313,3 @@ def wire_bytes_by_axes(planned: list[Planned], mesh: dict) -> dict[tuple[str, ..
             out[p.axes] = out.get(p.axes, 0.0) + p.wire_bytes(mesh)
     return out
 
-
-__all__ = [
-    "CONTEXT",
-    "IDEAL",
-    "Planned",
-    "XLA_CPU",
-    "XlaLowering",
-    "planned_collectives",
-    "wire_bytes",
-    "wire_bytes_by_axes",
-]

@@ -167,8 +167,10 @@ class Layout:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes per element of saved activations: XLA:CPU keeps 16-bit activations in fp32
-        (measured: bf16 stash on data=8 matched the fp32 count, not half of it)."""
+        """Bytes per element of compute-dtype values in buffers and collectives. XLA:CPU keeps
+        16-bit values in fp32 (measured, bf16 compute: the data=8 stash matched the fp32 count, and
+        every 16-bit collective — TP all-reduces, ZeRO-3 gathers, EP all-to-alls, PP permutes —
+        moved exactly twice the bf16 bytes)."""
         return 4 if self.target == "cpu" else self.compute_bytes
 
     @property
