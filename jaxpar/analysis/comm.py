@@ -37,8 +37,10 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
 - context: not implemented in jaxpar yet (`context_collectives` raises for mesh.context > 1).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
-Megatron/ZeRO count above (what XLA's GPU/TPU pipelines aim for with their reduce-scatter
-creation and all-reduce reassociation passes; not checked on a GPU in this project yet).
+Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
+in its "collective-optimizations" pipeline (xla/service/gpu/gpu_compiler.cc), which turn
+all-reduce + dynamic-slice into reduce-scatter and sum partial all-reduces first; not yet checked
+on a GPU in this project.
 `XLA_CPU` is what XLA:CPU emits, measured on 8 emulated devices: partitioner-made
 reduce-scatters stay all-reduce + dynamic-slice, the backward's per-projection partial input
 gradients are all-reduced separately (q, k, v: 3; gate, up: 2) instead of summed first, and with
@@ -185,14 +187,17 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         return out
     # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
     data, zero_axes = _axes(layout, DATA), batch
-    embed_bytes = 4 * counts.embedding
+    # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1 accum2).
+    by_all_to_all = k == 1 and layout.microbatches == 1
+    embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
         out += [
             Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
             Planned(ALL_GATHER, data, layout.param_bytes * counts.embedding, 1, "ZeRO-1: updated embedding"),
         ]
-        out += _embedding_by_all_to_all(layout, zero_axes, forward=False)
+        if by_all_to_all:
+            out += _embedding_by_all_to_all(layout, zero_axes, forward=False)
         return out
     # ZeRO-3: per layer inside the scan, per microbatch.
     L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
