@@ -1,0 +1,12 @@
+"""Cost analysis for jaxpar layouts: an analytic model, and what XLA actually compiles to check it.
+
+- `hlo`: the HLO reader (collectives, replica groups, loops, branches, mesh axes).
+- `hlo_flops`: matmul FLOPs of compiled HLO with loop trip counts applied.
+- `compiled`: AOT-compile jaxpar's train step on abstract inputs; memory, FLOPs, collectives.
+- `hardware`: accelerator profiles (A100, H100, H200, TPU v5p) and link assignment per mesh axis.
+- `layout`: a config resolved into model dims, mesh and parallel knobs.
+- `memory`, `comm`, `cost_model`: per-device memory, collectives per axis, FLOPs, step time.
+- `fidelity`: the model next to the compiled program.
+
+Nothing is imported here, so `import jaxpar.analysis.hlo` stays free of jaxpar's model code.
+"""

@@ -1,0 +1,320 @@
+"""The collectives jaxpar's training step causes, per step and mesh axis, analytically.
+
+Byte convention (shared with the compiled-HLO side, `jaxpar.analysis.compiled`): every
+collective has a *size*, the full buffer it moves per device —
+  all-reduce, all-to-all, collective-permute: the buffer;
+  all-gather: the gathered result;   reduce-scatter: the operand before scattering —
+and its *wire bytes* are what one participating device sends with bandwidth-optimal ring
+algorithms over a group of n: all-reduce 2(n-1)/n · size, all-gather / reduce-scatter /
+all-to-all (n-1)/n · size, collective-permute size (a sender sends its buffer once). Time on a
+link is wire bytes / the link's unidirectional per-device bandwidth.
+
+What each parallelism causes (D hidden, a = tokens · D activation bytes per step on one device):
+Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 on XLA:CPU).
+
+- tensor (Megatron, `jaxpar.sharding` rules): per layer, forward 2 all-reduces of a (attention
+  and MLP outputs, row-parallel), backward 2 (their inputs' gradients); remat full recomputes the
+  attention one (the recompute skips the MLP's down projection). The vocab-parallel embedding all-reduces a once; the LM head's input gradient
+  (fp32) once; the loss reduces three [tokens] fp32 vectors. With sequence parallelism each
+  all-reduce becomes an all-gather + reduce-scatter pair of the same a.
+- data / expert-as-data (batch axes): gradients all-reduced over the batch axes once per step
+  (per-replica accumulation) or once per microbatch (MoE, ZeRO-3: plain accumulation). ZeRO-1:
+  reduce-scatter of the gradients over data, then all-gather of the updated parameters (param
+  dtype); the embedding's gradient instead moves its cotangent activations by all-to-all (and
+  the token ids by all-gather). ZeRO-3: each layer's weights all-gathered (compute dtype) inside
+  the layer scan, again in the backward unless remat is none (then the gathered weights are
+  saved, see `jaxpar.analysis.memory`), and each layer's gradient reduce-scattered, per
+  microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
+  lookup all-to-alls its activations (and all-gathers token ids) forward and backward.
+- expert (`jaxpar.parallel.expert`): per MoE layer, forward two all-to-alls of the dispatch
+  buffer (tokens · rows-per-token · D; dropless buffers are worst-case sized) plus one of the
+  per-expert counts, backward two more; remat full / save_dots recompute the forward ones. Expert
+  weight gradients are all-reduced over data; everything else over data and expert.
+- pipeline (`jaxpar.parallel.pipeline`): per time step of the schedule table, two
+  collective-permutes of one microbatch's activations [mb, S, D] (forward activations, backward
+  gradients); after the engine the shared (embedding / head / norm) gradients are all-reduced
+  over pipeline, then all gradients over the batch axes once.
+- context: not implemented in jaxpar yet (`context_collectives` raises for mesh.context > 1).
+
+`XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
+Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
+in its "collective-optimizations" pipeline (xla/service/gpu/gpu_compiler.cc), which turn
+all-reduce + dynamic-slice into reduce-scatter and sum partial all-reduces first; not yet checked
+on a GPU in this project.
+`XLA_CPU` is what XLA:CPU emits, measured on 8 emulated devices: partitioner-made
+reduce-scatters stay all-reduce + dynamic-slice, the backward's per-projection partial input
+gradients are all-reduced separately (q, k, v: 3; gate, up: 2) instead of summed first, and with
+sequence parallelism each backward use of a gathered output gradient gathers it again (4, not 2).
+Known inefficiencies of jaxpar found by comparing with compiled HLO are priced too, in
+`jaxpar_quirks` (each says what it is): they are what jaxpar does today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
+from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
+from jaxpar.analysis.memory import ParamCounts, moe_rows_per_token, param_counts
+
+
+def wire_bytes(kind: str, size: float, group: int) -> float:
+    """Bytes one participating device sends for one collective of `size` over `group` devices."""
+    if group <= 1:
+        return 0.0
+    if kind == ALL_REDUCE:
+        return 2 * (group - 1) / group * size
+    if kind == COLLECTIVE_PERMUTE:
+        return float(size)
+    if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
+        return (group - 1) / group * size
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaLowering:
+    reduce_scatter_as_all_reduce: bool  # partitioner reduce-scatters stay all-reduce + slice
+    attention_input_grad_all_reduces: int  # per layer backward: q, k, v partials reduced apart
+    mlp_input_grad_all_reduces: int  # gate and up
+    sp_backward_gathers: int  # per layer, SP: output-gradient gathers (one per use on CPU)
+
+
+IDEAL = XlaLowering(False, 1, 1, 2)
+XLA_CPU = XlaLowering(True, 3, 2, 4)
+
+
+def lowering_for(layout: Layout) -> XlaLowering:
+    return XLA_CPU if layout.target == "cpu" else IDEAL
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """`count` collectives of one kind per step over `axes`, each moving `size` bytes."""
+
+    kind: str
+    axes: tuple[str, ...]
+    size: float
+    count: float
+    what: str
+    quirk: bool = False  # a known jaxpar inefficiency (see `jaxpar_quirks`)
+
+    def group(self, mesh: dict) -> int:
+        n = 1
+        for a in self.axes:
+            n *= mesh[a]
+        return 2 if self.kind == COLLECTIVE_PERMUTE else n
+
+    def wire_bytes(self, mesh: dict) -> float:
+        return self.count * wire_bytes(self.kind, self.size, self.group(mesh))
+
+
+def _axes(layout: Layout, *names) -> tuple[str, ...]:
+    return tuple(a for a in names if layout.mesh[a] > 1)
+
+
+def _scatter(layout: Layout) -> str:
+    return ALL_REDUCE if lowering_for(layout).reduce_scatter_as_all_reduce else REDUCE_SCATTER
+
+
+# ---- tensor ----------------------------------------------------------------------------------
+
+
+def tensor_collectives(layout: Layout) -> list[Planned]:
+    if layout.t == 1 or layout.p > 1:  # inside pipeline stages: `pipeline_collectives`
+        return []
+    axes, low = (TENSOR,), lowering_for(layout)
+    act = layout.tokens * layout.hidden * layout.activation_bytes
+    L = layout.layers_per_device
+    # Remat full recomputes each layer's forward in the backward, but not the MLP's down
+    # projection (its output only feeds the layer output, which the backward does not need), so
+    # one more exchange per layer (measured: tensor=4 remat full).
+    recomputed = L if layout.remat == "full" else 0
+    out = []
+    if layout.sequence_parallel:
+        # Megatron SP: each block entry gathers the sequence, each exit reduce-scatters it.
+        scatter = _scatter(layout)
+        bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
+        out += [
+            Planned(ALL_GATHER, axes, act, 2 * L + recomputed, "SP: gather sequence before attention / MLP (fwd)"),
+            Planned(scatter, axes, act, 2 * L + recomputed, "SP: scatter attention / MLP outputs (fwd)"),
+            Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, "SP: gather output gradients (bwd)"),
+            Planned(scatter, axes, act, bwd_scatters * L, "SP: scatter input gradients (bwd)"),
+            Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"),
+        ]
+    else:
+        out += [
+            Planned(ALL_REDUCE, axes, act, 2 * L + recomputed, "TP: attention and MLP outputs (fwd, row-parallel)"),
+            Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, "TP: attention input gradient (bwd)"),
+        ]
+        if not layout.is_moe:
+            out.append(Planned(ALL_REDUCE, axes, act, L * low.mlp_input_grad_all_reduces, "TP: MLP input gradient (bwd)"))
+    head_dx = layout.tokens * layout.hidden * 4
+    out += [
+        Planned(ALL_REDUCE, axes, act, 1, "TP: vocab-parallel embedding lookup"),
+        Planned(ALL_REDUCE, axes, head_dx, 1, "TP: LM head input gradient (fp32)"),
+        Planned(ALL_REDUCE, axes, layout.tokens * 4, 3, "TP: vocab-parallel loss (max, sum, label logit)"),
+    ]
+    return out
+
+
+# ---- data, ZeRO ---------------------------------------------------------------------------------
+
+
+def _reductions_per_step(layout: Layout) -> int:
+    """How often gradients are reduced over the batch axes per step: once with per-replica
+    accumulation (dense, ZeRO 0/1, data > 1) or the pipeline engine, else per microbatch."""
+    if layout.p > 1 or layout.microbatches == 1:
+        return 1
+    per_replica = layout.d > 1 and layout.zero_stage < 3 and not layout.is_moe
+    return 1 if per_replica else layout.microbatches
+
+
+def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
+    batch = layout.batch_axes
+    if not batch:
+        return []
+    out = []
+    k = _reductions_per_step(layout)
+    grads = 4 * counts.as_params
+    if layout.is_moe and layout.e > 1:
+        # Expert weights live on one expert rank: their gradients reduce over data only.
+        expert_grads = 4 * counts.experts * layout.layers_per_device
+        if layout.d > 1:
+            out.append(Planned(ALL_REDUCE, _axes(layout, DATA), expert_grads, k, "DP: expert weight gradients"))
+        grads -= expert_grads
+    if layout.zero_stage == 0:
+        out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
+        return out
+    # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
+    data, zero_axes = _axes(layout, DATA), batch
+    # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1 accum2).
+    by_all_to_all = k == 1 and layout.microbatches == 1
+    embed_bytes = 4 * counts.embedding if by_all_to_all else 0
+    if layout.zero_stage == 1:
+        out += [
+            Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
+            Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
+            Planned(ALL_GATHER, data, layout.param_bytes * counts.embedding, 1, "ZeRO-1: updated embedding"),
+        ]
+        if by_all_to_all:
+            out += _embedding_by_all_to_all(layout, zero_axes, forward=False)
+        return out
+    # ZeRO-3: per layer inside the scan, per microbatch.
+    L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
+    gathers = 1 if layout.remat == "none" else 2
+    layer = counts.layer_gathered - counts.experts
+    out += [
+        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd, and bwd unless remat none)"),
+        Planned(_scatter(layout), data, cb * layer, L * m, "ZeRO-3: layer gradients"),
+        Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
+        Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
+    ]
+    if layout.e > 1 and not layout.is_moe:
+        out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
+    out += _embedding_by_all_to_all(layout, data, forward=True)
+    return out
+
+
+def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Planned]:
+    """With the table sharded over data along its hidden dim (ZeRO-3), or its gradient wanted so
+    (ZeRO-1), the partitioner moves activations [tokens, D] by all-to-all instead of moving the
+    table, and all-gathers the token ids it needs."""
+    act = layout.tokens * layout.hidden * (layout.activation_bytes if forward else 4)
+    ids = layout.global_batch // layout.e * layout.seq * 4
+    out = [
+        Planned(ALL_GATHER, axes, ids, 1, "ZeRO: token ids for the embedding"),
+        Planned(ALL_TO_ALL, axes, layout.tokens * layout.hidden * 4, 1, "ZeRO: embedding gradient by all-to-all"),
+    ]
+    if forward:
+        out.append(Planned(ALL_TO_ALL, axes, act, 1, "ZeRO-3: embedding lookup by all-to-all"))
+    return out
+
+
+# ---- expert ------------------------------------------------------------------------------------
+
+
+def expert_collectives(layout: Layout) -> list[Planned]:
+    if not layout.is_moe or layout.e == 1:
+        return []
+    axes, L = (EXPERT,), layout.layers_per_device
+    buffer = layout.tokens * moe_rows_per_token(layout) * layout.hidden * layout.activation_bytes
+    fwd_passes = 1 if layout.remat == "none" else 2  # the exchange is not a dot: save_dots recomputes it
+    counts = layout.e * (layout.experts // layout.e) * 4
+    return [
+        Planned(ALL_TO_ALL, axes, buffer, 2 * L * fwd_passes, "EP: dispatch and return (fwd)"),
+        Planned(ALL_TO_ALL, axes, buffer, 2 * L, "EP: dispatch and return (bwd)"),
+        Planned(ALL_TO_ALL, axes, counts, L * fwd_passes * layout.microbatches, "EP: per-expert counts"),
+    ]
+
+
+# ---- pipeline -----------------------------------------------------------------------------------
+
+
+def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
+    if layout.p == 1:
+        return []
+    from jaxpar.parallel.schedules import make_schedule
+
+    schedule = make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes
+    out = [
+        Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * schedule.num_steps, "PP: activations and gradients per time step"),
+        Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared, 1, "PP: shared (embedding / head / norm) gradients"),
+    ]
+    if layout.t > 1:
+        # Inside every stage action the layers' TP collectives run on microbatches: F runs the
+        # chunk forward, B recomputes it and runs the backward (so forwards count twice).
+        L = layout.layers_per_device
+        act = layout.tokens * layout.hidden * layout.activation_bytes
+        low = lowering_for(layout)
+        per_bwd = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
+        out.append(Planned(ALL_REDUCE, (TENSOR,), act, L * (2 * 2 + per_bwd), "PP+TP: stage layers (in branches)"))
+        out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * schedule.num_steps, "PP+TP: embedding lookups each step"))
+    return out
+
+
+def context_collectives(layout: Layout) -> list[Planned]:
+    """Placeholder: jaxpar has no context parallelism yet. Ring attention would add, per layer,
+    (c - 1) collective-permutes of each device's K and V shard forward and twice that backward."""
+    if layout.c > 1:
+        raise NotImplementedError(f"mesh.context={layout.c}: context parallelism is not modelled (not in jaxpar yet)")
+    return []
+
+
+# ---- jaxpar's known inefficiencies -------------------------------------------------------------
+
+
+def jaxpar_quirks(layout: Layout) -> list[Planned]:
+    """Collectives jaxpar causes today beyond the design, found in compiled HLO (see the report
+    in tests/test_analysis.py): each is a candidate fix in jaxpar."""
+    out = []
+    if layout.is_moe and layout.batch_axes:
+        # `lax.top_k` on batch-sharded router probabilities: the partitioner gathers the whole
+        # batch's [B, S, E] probabilities on every device (and every device runs top-k on all).
+        probs = layout.global_batch * layout.seq * layout.experts * 4
+        passes = 1 if layout.remat == "none" else 2
+        out.append(
+            Planned(ALL_GATHER, layout.batch_axes, probs, layout.layers_per_device * passes, "router top-k gathers the global batch", True)
+        )
+    return out
+
+
+def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> list[Planned]:
+    counts = counts or param_counts(layout)
+    return (
+        tensor_collectives(layout)
+        + data_collectives(layout, counts)
+        + expert_collectives(layout)
+        + pipeline_collectives(layout, counts)
+        + context_collectives(layout)
+        + jaxpar_quirks(layout)
+    )
+
+
+def wire_bytes_by_axes(planned: list[Planned], mesh: dict) -> dict[tuple[str, ...], float]:
+    out: dict[tuple[str, ...], float] = {}
+    for p in planned:
+        if p.axes:
+            out[p.axes] = out.get(p.axes, 0.0) + p.wire_bytes(mesh)
+    return out
+

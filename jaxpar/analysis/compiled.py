@@ -1,0 +1,148 @@
+"""What XLA actually compiles for jaxpar's training step: memory, FLOPs and collectives per device.
+
+`compile_step(config)` builds the real program (`jaxpar.train.setup.build`), traces the state
+with `jax.eval_shape(program.init)` and a `ShapeDtypeStruct` batch, and AOT-compiles
+`program.step.lower(state, batch)`: nothing is allocated, so a 70B-shaped config compiles on a
+laptop (host RAM only holds the compiler's own data). On this project's test machines the
+devices are emulated CPU devices (`--xla_force_host_platform_device_count`).
+
+Collective bytes use the convention of `jaxpar.analysis.comm.wire_bytes` (per participating
+device, ring algorithms), the same the analytic model uses, so the two compare directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxpar.analysis import hlo
+from jaxpar.analysis.comm import wire_bytes
+from jaxpar.analysis.hlo_flops import matmul_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Per-device bytes from `memory_analysis()`."""
+
+    argument: int
+    output: int
+    alias: int  # outputs written into donated arguments
+    temp: int
+    peak: int  # XLA's own peak estimate (`peak_memory_in_bytes`)
+
+    @property
+    def live_total(self) -> int:
+        """Arguments + non-aliased outputs + temporaries: every byte the step needs at once at most."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+@dataclasses.dataclass(frozen=True)
+class CommTotal:
+    """All collectives of one kind over one set of mesh axes, per step."""
+
+    kind: str
+    axes: tuple[str, ...]
+    group_size: int
+    instructions: int
+    executions: int  # instructions × their per-step executions
+    size_bytes: int  # sum of size × executions (see `hlo.Collective.size_bytes`)
+    wire_bytes: float  # per participating device (`comm.wire_bytes`)
+    in_branch: bool  # some of them sit in a conditional branch: counts are upper bounds
+    partial_axes: bool  # some groups are a sub-axis of these axes
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    mesh: Mesh
+    compile_seconds: float
+    memory: CompiledMemory
+    reported_flops: float  # cost_analysis()["flops"]: while bodies counted once
+    hlo_matmul_flops: float  # every dot with loop trip counts applied (hlo_flops)
+    matmul_flops_upper_bound: bool  # some dots sit in conditional branches
+    collectives: list[hlo.Collective]
+    hlo_text: str | None
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.devices.size
+
+    def comm_totals(self) -> list[CommTotal]:
+        """Collectives summed by (kind, mesh axes), biggest wire bytes first."""
+        groups = defaultdict(list)
+        for c in self.collectives:
+            groups[(c.kind, hlo.mesh_axes_of(c, self.mesh))].append(c)
+        totals = []
+        for (kind, axes), members in groups.items():
+            n = members[0].group_size(self.num_devices)
+            size = sum(c.size_bytes(self.num_devices) * c.executions for c in members)
+            totals.append(
+                CommTotal(
+                    kind=kind,
+                    axes=axes,
+                    group_size=n,
+                    instructions=len(members),
+                    executions=sum(c.executions for c in members),
+                    size_bytes=size,
+                    wire_bytes=sum(
+                        wire_bytes(kind, c.size_bytes(self.num_devices), c.group_size(self.num_devices)) * c.executions
+                        for c in members
+                    ),
+                    in_branch=any(c.in_branch for c in members),
+                    partial_axes=not all(hlo.spans_whole_axes(c, self.mesh) for c in members),
+                )
+            )
+        return sorted(totals, key=lambda t: -t.wire_bytes)
+
+    def wire_bytes_by_axes(self) -> dict[tuple[str, ...], float]:
+        out = defaultdict(float)
+        for t in self.comm_totals():
+            out[t.axes] += t.wire_bytes
+        return dict(out)
+
+
+def abstract_inputs(program, config):
+    """(state, batch) as ShapeDtypeStructs carrying the program's shardings; nothing allocated."""
+    state = jax.eval_shape(program.init)
+    state = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, program.state_shardings
+    )
+    rows, width = config.train.global_batch_size, config.train.seq_len + 1
+    batch = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=program.batch_sharding)
+    return state, batch
+
+
+def compile_step(config, devices=None, *, keep_text: bool = False) -> CompiledStep:
+    """AOT-compiles jaxpar's train step for `config` on `devices` (default: all)."""
+    from jaxpar.train.setup import build  # late: keeps `import jaxpar.analysis` light
+
+    start = time.perf_counter()
+    program = build(config, devices)
+    state, batch = abstract_inputs(program, config)
+    compiled = program.step.lower(state, batch).compile()
+    seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    text = compiled.as_text()
+    flops, upper = matmul_flops(text)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return CompiledStep(
+        mesh=program.mesh,
+        compile_seconds=seconds,
+        memory=CompiledMemory(
+            argument=stats.argument_size_in_bytes,
+            output=stats.output_size_in_bytes,
+            alias=stats.alias_size_in_bytes,
+            temp=stats.temp_size_in_bytes,
+            peak=stats.peak_memory_in_bytes,
+        ),
+        reported_flops=float(cost.get("flops", 0.0)),
+        hlo_matmul_flops=flops,
+        matmul_flops_upper_bound=upper,
+        collectives=hlo.collectives(text),
+        hlo_text=text if keep_text else None,
+    )

@@ -1,0 +1,188 @@
+"""A jaxpar config resolved into the numbers the cost model needs: model dims, mesh, parallel knobs.
+
+Mesh axis names come from `jaxpar.config.MESH_AXES` (this worktree has no `jaxpar/axes.py` yet);
+the constants below unpack it so no module here spells an axis name as a string literal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.config import MESH_AXES
+from jaxpar.mesh import resolve_mesh_shape
+from jaxpar.models.layers import head_dim_of, padded_vocab_size
+from jaxpar.sharding import kv_heads_shardable
+
+DATA, PIPELINE, CONTEXT, EXPERT, TENSOR = MESH_AXES
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# What the program is compiled for. "gpu" / "tpu": the lowering jaxpar uses there (ragged_dot
+# experts, native 16-bit activations, reduce-scatter for partitioner-made reductions). "cpu": the
+# emulated devices this project tests on, whose lowering differs in ways the model prices
+# (`jaxpar.analysis.comm.XLA_CPU`, the tiled grouped matmul, fp32 activation buffers).
+TARGETS = ("gpu", "tpu", "cpu")
+
+
+class LayoutError(ValueError):
+    """A config the cost model cannot price (one line, naming the key)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    config: object  # the ConfigDict it came from (models.param_shapes needs config.model)
+    mesh: dict  # axis name -> size, resolved
+    # model
+    model_type: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int  # padded, as stored
+    experts: int  # 0 for dense
+    top_k: int
+    capacity_factor: float
+    # batch
+    global_batch: int
+    seq: int
+    grad_accum: int
+    # parallel
+    zero_stage: int
+    remat: str
+    sequence_parallel: bool
+    schedule: str
+    microbatches: int  # pipeline microbatches (p > 1), else grad_accum
+    virtual_stages: int
+    compute_bytes: int
+    param_bytes: int
+    target: str = "gpu"
+
+    @classmethod
+    def from_config(
+        cls, config, num_devices: int | None = None, mesh: dict | None = None, target: str = "gpu"
+    ) -> "Layout":
+        """`mesh`: resolved axis sizes; else `config.mesh` resolved for `num_devices` devices."""
+        if target not in TARGETS:
+            raise LayoutError(f"target={target!r} is not one of {TARGETS}")
+        if mesh is None:
+            if num_devices is None:
+                sizes = {name: int(config.mesh[name]) for name in MESH_AXES}
+                if any(s == -1 for s in sizes.values()):
+                    raise LayoutError("mesh: an axis is -1; pass num_devices (or a resolved mesh) to price it")
+                num_devices = math.prod(sizes.values())
+            mesh = resolve_mesh_shape(config.mesh, num_devices)
+        mesh = {name: int(mesh.get(name, 1)) for name in MESH_AXES}
+        model, train, parallel = config.model, config.train, config.parallel
+        for key in ("compute_dtype", "param_dtype"):
+            if train[key] not in _DTYPE_BYTES:
+                raise LayoutError(f"train.{key}={train[key]!r} is not one of {tuple(_DTYPE_BYTES)}")
+        moe = model.model_type == "mixtral"
+        p = mesh[PIPELINE]
+        return cls(
+            config=config,
+            mesh=mesh,
+            model_type=model.model_type,
+            layers=model.num_hidden_layers,
+            hidden=model.hidden_size,
+            ffn=model.intermediate_size,
+            heads=model.num_attention_heads,
+            kv_heads=model.num_key_value_heads,
+            head_dim=head_dim_of(model),
+            vocab=padded_vocab_size(model.vocab_size),
+            experts=model.num_local_experts if moe else 0,
+            top_k=model.num_experts_per_tok if moe else 0,
+            capacity_factor=float(model.capacity_factor) if moe else 0.0,
+            global_batch=train.global_batch_size,
+            seq=train.seq_len,
+            grad_accum=train.grad_accum,
+            zero_stage=parallel.zero_stage,
+            remat=parallel.remat,
+            sequence_parallel=bool(parallel.sequence_parallel),
+            schedule=parallel.pipeline_schedule,
+            microbatches=(parallel.num_microbatches or p) if p > 1 else train.grad_accum,
+            virtual_stages=parallel.virtual_stages if p > 1 else 1,
+            compute_bytes=_DTYPE_BYTES[train.compute_dtype],
+            param_bytes=_DTYPE_BYTES[train.param_dtype],
+            target=target,
+        )
+
+    # --- mesh shorthands ---
+    @property
+    def d(self) -> int:
+        return self.mesh[DATA]
+
+    @property
+    def p(self) -> int:
+        return self.mesh[PIPELINE]
+
+    @property
+    def c(self) -> int:
+        return self.mesh[CONTEXT]
+
+    @property
+    def e(self) -> int:
+        return self.mesh[EXPERT]
+
+    @property
+    def t(self) -> int:
+        return self.mesh[TENSOR]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes (size > 1) the batch rows are split over: data and expert."""
+        return tuple(a for a in (DATA, EXPERT) if self.mesh[a] > 1)
+
+    @property
+    def replicas(self) -> int:
+        return self.d * self.e
+
+    @property
+    def rows(self) -> int:
+        """Batch rows one device holds per step (all microbatches together)."""
+        return self.global_batch // self.replicas
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one device processes per step, before any tensor / sequence split."""
+        return self.rows * self.seq
+
+    @property
+    def kv_sharded(self) -> bool:
+        return kv_heads_shardable(self.kv_heads, self.t)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+    @property
+    def layers_per_device(self) -> int:
+        return self.layers // self.p
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per element of compute-dtype values in buffers and collectives. XLA:CPU keeps
+        16-bit values in fp32 (measured, bf16 compute: the data=8 stash matched the fp32 count, and
+        every 16-bit collective — TP all-reduces, ZeRO-3 gathers, EP all-to-alls, PP permutes —
+        moved exactly twice the bf16 bytes)."""
+        return 4 if self.target == "cpu" else self.compute_bytes
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return self.config.train.compute_dtype
+
+    def describe(self) -> str:
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
+        extra = [f"zero{self.zero_stage}" if self.zero_stage else "", "sp" if self.sequence_parallel else ""]
+        extra.append(f"remat={self.remat}")
+        if self.p > 1:
+            extra.append(f"{self.schedule} m={self.microbatches}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        elif self.grad_accum > 1:
+            extra.append(f"accum={self.grad_accum}")
+        return " ".join([mesh] + [x for x in extra if x])

@@ -1,0 +1,314 @@
+"""Per-device memory of jaxpar's training step, analytically.
+
+State (parameters, AdamW's two moments) is exact: every leaf of the model's parameter tree is
+sharded by the same rules table jaxpar uses (`jaxpar.sharding.build_table`). Everything else is a
+count of the buffers the step keeps, per device:
+
+  grads          fp32 gradients as the step holds them: sharded like the parameters, or like the
+                 optimizer state under ZeRO >= 1 (XLA reduces each layer's gradient inside the
+                 backward loop and keeps only its shard).
+  stash          what the layer scan saves for the backward, per layer and token
+                 (`saved_per_token_layer`): the residuals JAX saves under the remat policy —
+                 none: every intermediate autodiff needs; save_dots: the projection outputs;
+                 full: the layer input. Counted from the block's structure; the test suite
+                 checks the count against `jax`'s own list of saved residuals.
+  zero3_saved    ZeRO-3 with remat none: the scan saves each layer's *gathered* weights for the
+                 backward, so every layer's full weights stay live (a jaxpar memory bug: ZeRO-3
+                 only saves parameter memory with remat full / save_dots).
+  param_cast     a compute-dtype copy of the parameters when it differs from the param dtype
+                 (`models.apply` casts them once; the copy is a residual of the whole step).
+  working        one layer's backward at a time: its full residuals (times a factor measured on
+                 XLA:CPU: x1.0 none, x0.8 save_dots, x1.3 full — recompute holds the recomputed
+                 residuals and their cotangents), the layer's unsharded fp32 weight gradients, and
+                 one vocab-table gradient; or the loss phase: ~4 fp32 [tokens, vocab/t] buffers,
+                 whichever is larger.
+
+Peak = state + max(backward phase, optimizer phase). The backward phase holds grads, stash,
+zero3_saved, param_cast and the working set; the optimizer phase holds two gradient-sized fp32
+buffers (the gradients and the clipped update, measured: temp = 2 x grads exactly on XLA:CPU
+when it dominates). Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
+models read low.
+
+Pipeline (p > 1) and MoE layers are priced by `pipeline_memory` / the MoE residual terms below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import jax
+
+from jaxpar import models
+from jaxpar.analysis.layout import DATA, Layout
+from jaxpar.sharding import build_table
+
+# Backward working set of one layer, in multiples of the layer's remat-none residuals; measured on
+# XLA:CPU (single device and data=8, fp32, 4 layers): none 1.00, save_dots 0.74-0.81, full 1.28.
+WORKING_FACTOR = {"none": 1.0, "save_dots": 0.8, "full": 1.3}
+# MoE layers hold their dispatch buffers (send, receive, return) and their cotangents on top:
+# measured 1.7-3.0 (ep 2-8, all remat policies, XLA:CPU's tiled expert matmuls); 2.2 is the middle.
+MOE_WORKING_FACTOR = 2.2
+# fp32 [tokens, vocab/t] buffers live while the loss and its gradient are computed (exp, masked
+# logits, label mask, the logits' cotangent; JAX's saved-residual list shows three plus bools).
+LOSS_BUFFERS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device. `peak` is the model's prediction of the step's live maximum."""
+
+    params: int
+    optimizer: int
+    grads: int
+    stash: int
+    zero3_saved: int
+    param_cast: int
+    working: int
+    pipeline_buffers: int = 0
+
+    @property
+    def state(self) -> int:
+        return self.params + self.optimizer
+
+    @property
+    def backward_phase(self) -> int:
+        return self.grads + self.stash + self.zero3_saved + self.param_cast + self.working + self.pipeline_buffers
+
+    @property
+    def optimizer_phase(self) -> int:
+        return 2 * self.grads
+
+    @property
+    def temp(self) -> int:
+        return max(self.backward_phase, self.optimizer_phase)
+
+    @property
+    def peak(self) -> int:
+        return self.state + self.temp
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)] + [("peak", self.peak)]
+
+
+# ---- parameters under the rules table ------------------------------------------------------------
+
+
+def _table(layout: Layout, zero_on_params: bool) -> dict:
+    mesh = types.SimpleNamespace(shape=layout.mesh)  # build_table only reads mesh.shape
+    return build_table(layout.config, mesh, zero_on_params=zero_on_params)
+
+
+def _shard_elements(shape, names, table, mesh, drop=()) -> int:
+    total = 1
+    for dim, name in zip(shape, names):
+        axes = [a for a in (table[name] if name is not None else ()) if a not in drop]
+        total *= -(-dim // math.prod(mesh[a] for a in axes))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """Parameter elements per device under the three layouts the step uses."""
+
+    as_params: int  # sharded like the parameters (ZeRO-3: over data too)
+    as_optimizer: int  # sharded like the optimizer state (ZeRO >= 1: over data)
+    layer_gathered: int  # one layer's weights with the data split removed (what ZeRO-3 gathers)
+    shared: int  # embedding / head / final norm, as parameters
+    total: int  # unsharded
+    embedding: int  # the token table, without the data split
+    head: int  # the LM head (0 when tied), without the data split
+    experts: int  # one layer's expert weights, without the data split (0 for dense)
+
+
+def param_counts(layout: Layout) -> ParamCounts:
+    shapes, logical = models.param_shapes(layout.config.model), models.logical_axes(layout.config.model)
+    params_table = _table(layout, zero_on_params=layout.zero_stage >= 3)
+    opt_table = _table(layout, zero_on_params=layout.zero_stage >= 1)
+    mesh = layout.mesh
+    as_params = as_opt = layer = shared = total = embedding = head = experts = 0
+    for (path, leaf), names in zip(
+        jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+    ):
+        shape, keys = leaf.shape, [getattr(k, "key", str(k)) for k in path]
+        total += math.prod(shape)
+        here = _shard_elements(shape, names, params_table, mesh)
+        as_params += here
+        as_opt += _shard_elements(shape, names, opt_table, mesh)
+        if keys[0] == "layers":
+            # Per layer: drop the stacked dim (split over pipeline when p > 1) and the data split.
+            one = _shard_elements(shape[1:], names[1:], params_table, mesh, drop=(DATA,))
+            layer += one
+            experts += one if "experts" in keys else 0
+        else:
+            shared += here
+            whole = _shard_elements(shape, names, params_table, mesh, drop=(DATA,))
+            embedding += whole if keys[0] == "embed" else 0
+            head += whole if keys[0] == "lm_head" else 0
+    return ParamCounts(as_params, as_opt, layer, shared, total, embedding, head, experts)
+
+
+# ---- activations ------------------------------------------------------------------------------------
+
+
+def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
+    """Bytes one decoder layer saves for the backward, per token, on one device (see module doc).
+
+    Splits: heads / ffn over tensor; KV heads over tensor when divisible (else replicated);
+    hidden-sized values over tensor along the sequence with sequence parallelism."""
+    remat = remat or layout.remat
+    t, cb = layout.t, layout.activation_bytes
+    ts = t if layout.sequence_parallel else 1
+    tk = t if layout.kv_sharded else 1
+    D, H, hd, S = layout.hidden, layout.heads, layout.head_dim, layout.seq
+    kv = layout.kv_heads * hd / tk
+    q = H * hd / t
+    mlp = _mlp_saved_per_token(layout, remat)
+    if remat == "full":
+        return cb * D / ts
+    if remat == "save_dots":
+        return cb * (q + 2 * kv + D / ts) + mlp
+    if remat != "none":
+        raise ValueError(f"parallel.remat={remat!r} is not one of ('none', 'full', 'save_dots')")
+    # none, per JAX's residual list: 4 hidden-sized values in the compute dtype plus 2 in fp32
+    # (RMSNorm works in fp32), q (grouped), k, v, roped q and k, scores and probabilities (one of
+    # them fp32), softmax statistics.
+    compute = 4 * D / ts + 2 * q + 2 * kv + H * S / t
+    fp32 = 2 * D / ts + H * S / t + 2 * H / t + 4 / ts
+    return cb * compute + 4 * fp32 + mlp
+
+
+def _mlp_saved_per_token(layout: Layout, remat: str) -> float:
+    cb, t = layout.activation_bytes, layout.t
+    ts = t if layout.sequence_parallel else 1
+    F = layout.ffn / t
+    if layout.is_moe:
+        return _moe_saved_per_token(layout, remat)
+    if remat == "none":
+        return cb * 6 * F  # gate, up, their activations, the product, and its cotangent's input
+    if remat == "save_dots":
+        return cb * (2 * F + layout.hidden / ts)  # gate and up outputs, down output
+    return 0.0
+
+
+def moe_rows_per_token(layout: Layout) -> float:
+    """Expert-buffer rows one device holds per local token: dropless buffers are sized for the
+    worst case, min(k, E/ep) rows per token from each of ep sources; capacity buffers hold
+    C = ceil(S·k/E·factor) slots per expert per sequence."""
+    E, k, ep = layout.experts, layout.top_k, layout.e
+    if layout.capacity_factor > 0:
+        capacity = max(1, min(layout.seq, math.ceil(layout.seq * k / E * layout.capacity_factor)))
+        return E * capacity / layout.seq
+    return ep * min(k, E // ep) if ep > 1 else k
+
+
+def moe_matmul_rows_per_token(layout: Layout) -> float:
+    """Rows the expert matmuls compute per local token. On CPU the dropless path runs
+    `grouped_matmul`'s tiled loop: at most rows/TILE + E/ep + 1 tiles of TILE rows per layer."""
+    rows = moe_rows_per_token(layout)
+    if layout.target != "cpu" or layout.capacity_factor > 0:
+        return rows
+    from jaxpar.parallel.grouped_matmul import TILE
+
+    per_layer = rows * layout.tokens / layout.microbatches
+    tile = min(TILE, -(-int(per_layer) // 8) * 8)
+    tiles = -(-int(per_layer) // tile) + layout.experts // layout.e + 1
+    return tiles * tile / (layout.tokens / layout.microbatches)
+
+
+def _moe_saved_per_token(layout: Layout, remat: str) -> float:
+    cb, t, D, E = layout.activation_bytes, layout.t, layout.hidden, layout.experts
+    F = layout.ffn / t
+    rows = moe_rows_per_token(layout)
+    router = 4 * E  # fp32 router logits
+    if remat == "none":
+        # Per JAX's residual list: six row-sized buffers per dispatched row (received rows,
+        # gate / up outputs and activations, outputs), the k outputs gathered back per token,
+        # router probabilities and top-k choices.
+        return cb * (rows * (2 * D + 4 * F) + layout.top_k * D) + router + 4 * (2 * layout.top_k + 4)
+    if remat == "save_dots":
+        # The grouped matmuls' three outputs per computed row, and the combined output.
+        return cb * (moe_matmul_rows_per_token(layout) * 3 * F + D) + router
+    return 0.0
+
+
+def estimate_memory(layout: Layout) -> MemoryEstimate:
+    if layout.p > 1:
+        return pipeline_memory(layout)
+    counts = param_counts(layout)
+    pb, cb = layout.param_bytes, layout.compute_bytes
+    params = counts.as_params * pb
+    optimizer = 2 * counts.as_optimizer * pb
+    grads = 4 * (counts.as_optimizer if layout.zero_stage >= 1 else counts.as_params)
+    if layout.microbatches > 1:
+        # The accumulation scan carries the running sum and each microbatch's fresh gradients.
+        # Per-replica accumulation (ZeRO 0/1, dense) keeps them unsharded over data until the
+        # one reduction after the loop; ZeRO-3 keeps them sharded (measured: data8 accum4,
+        # zero1 accum2 within 3%).
+        grads = 2 * 4 * (counts.as_optimizer if layout.zero_stage >= 3 else counts.as_params)
+    micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
+    stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
+    zero3 = layout.zero_stage >= 3
+    zero3_saved = layout.layers * counts.layer_gathered * cb if zero3 and layout.remat == "none" else 0
+    param_cast = counts.as_params * cb if cb != pb else 0
+    working = _working_set(layout, counts, micro_tokens, layout.layers)
+    return MemoryEstimate(
+        params=params,
+        optimizer=optimizer,
+        grads=grads,
+        stash=int(stash),
+        zero3_saved=zero3_saved,
+        param_cast=param_cast,
+        working=int(working),
+    )
+
+
+def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk_layers: int) -> float:
+    """max(one layer's backward, the loss) for `micro_tokens` tokens at once (see module doc)."""
+    t = layout.t
+    layer_residuals = micro_tokens * saved_per_token_layer(layout, "none")
+    factor = MOE_WORKING_FACTOR if layout.is_moe else WORKING_FACTOR[layout.remat]
+    if chunk_layers == 1:
+        factor = 0.0  # XLA unrolls a one-layer scan: its residuals are the stash (measured: pp8)
+    # The layer's unsharded fp32 weight gradients. (ZeRO-3's re-gathered weights for the
+    # recompute do not add to it: measured, data=8 remat full within 2% without them.)
+    layer = factor * layer_residuals + 4 * counts.layer_gathered
+    table_grad = 4 * layout.vocab * layout.hidden / t
+    loss = LOSS_BUFFERS * 4 * micro_tokens * layout.vocab / t
+    return max(layer + table_grad, loss)
+
+
+# ---- pipeline ------------------------------------------------------------------------------------
+
+
+def pipeline_memory(layout: Layout) -> MemoryEstimate:
+    """The pipeline engine per rank (`jaxpar.parallel.pipeline`): layers / p of the state; the
+    activation buffers of its scan carry (acts [K_a+1], grads [K_g+1], two in-flight, each
+    [mb, S, D] in the compute dtype, mb = rows per microbatch); fp32 gradient accumulators for the
+    rank's layers and for the shared (embedding / head) parameters; and one stage backward at a
+    time, which recomputes the rank's layers (Lc of them) from the stashed input under the
+    configured remat policy."""
+    from jaxpar.parallel.pipeline_plan import plan_for
+
+    counts = param_counts(layout)
+    pb, cb = layout.param_bytes, layout.compute_bytes
+    plan = plan_for(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    mb_tokens = layout.tokens / layout.microbatches
+    act = mb_tokens * layout.hidden * cb
+    buffers = (plan.act_slots + 1 + plan.grad_slots + 1 + 2) * act
+    grads = 4 * (counts.as_optimizer if layout.zero_stage >= 1 else counts.as_params)
+    accumulators = 4 * counts.as_params  # engine carry: layer grads + shared grads, fp32
+    chunk_layers = layout.layers // (layout.p * layout.virtual_stages)
+    stage = chunk_layers * mb_tokens * saved_per_token_layer(layout)
+    working = _working_set(layout, counts, mb_tokens, chunk_layers)
+    return MemoryEstimate(
+        params=counts.as_params * pb,
+        optimizer=2 * counts.as_optimizer * pb,
+        grads=grads,
+        stash=int(stage),
+        zero3_saved=0,
+        param_cast=counts.as_params * cb if cb != pb else 0,
+        working=int(working),
+        pipeline_buffers=int(buffers + accumulators),
+    )

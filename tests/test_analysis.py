@@ -1,0 +1,233 @@
+"""The analytic cost model (`jaxpar.analysis`) against independent references.
+
+- State bytes against the real program's shardings (`setup.bytes_per_device`).
+- Saved activations per layer against JAX's own list of saved residuals.
+- Per mode, against what XLA compiles for jaxpar's real train step on 8 emulated devices:
+  predicted peak memory within 15% of the compiled live bytes (arguments + outputs - aliased +
+  temporaries; XLA:CPU's `peak_memory_in_bytes` only reports arguments), predicted wire bytes per
+  mesh axis within 10%, matmul FLOPs within 2% (trip counts applied to every dot), and no
+  collective the model does not plan carrying more than 0.5% of the step's bytes.
+
+Sizes (fp32): hidden 256, ffn 640, 8 heads of 32, 4 KV heads, vocab 512, 4 layers (8 for the
+pipeline), seq 64, 4 rows per device (32 for data=8, 8 for data=2 x tensor=4). Chosen so the terms
+the model prices dominate: state and gradients ~45%, the layer stash and one layer's working set
+~45%, logits and the small buffers the model ignores (norm statistics, masks, scalars) <= 2%.
+Measured on this machine (jax 0.10.2): memory within 2%, bytes per axis within 0.1%, FLOPs exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import print_saved_residuals
+
+from jaxpar import models
+from jaxpar.analysis import hardware as hw
+from jaxpar.analysis.comm import context_collectives, planned_collectives
+from jaxpar.analysis.cost_model import estimate
+from jaxpar.analysis.fidelity import compare
+from jaxpar.analysis.hlo import DTYPE_BYTES
+from jaxpar.analysis.layout import Layout
+from jaxpar.analysis.memory import estimate_memory, saved_per_token_layer
+from jaxpar.config import base_config, llama_model_config, mixtral_model_config
+from jaxpar.models.layers import RunOptions
+from jaxpar.train.loss import mean_cross_entropy
+from jaxpar.train.setup import build, bytes_per_device
+from tests.reference import with_overrides
+
+MODEL = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=32, max_position_embeddings=128,
+)
+
+
+def llama(batch: int, **model):
+    c = base_config()
+    c.model = llama_model_config(**{**MODEL, **model})
+    c.train.update(global_batch_size=batch, seq_len=64, warmup_steps=0)
+    return c
+
+
+def mixtral(batch: int):
+    c = base_config()
+    c.model = mixtral_model_config(**{**MODEL, "intermediate_size": 384}, num_local_experts=8, num_experts_per_tok=2)
+    c.train.update(global_batch_size=batch, seq_len=64, warmup_steps=0)
+    return c
+
+
+# ---- exact parts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_state_bytes_match_the_programs_shardings(zero_stage):
+    config = with_overrides(llama(32), {"data": 4, "tensor": 2}, parallel={"zero_stage": zero_stage})
+    program = build(config, jax.devices())
+    state = jax.eval_shape(program.init)
+    memory = estimate_memory(Layout.from_config(config, 8))
+    assert memory.params == bytes_per_device(state.params, program.state_shardings.params)
+    mu, nu = state.opt_state[1][0].mu, state.opt_state[1][0].nu
+    shardings = program.state_shardings.opt_state[1][0]
+    assert memory.optimizer == bytes_per_device(mu, shardings.mu) + bytes_per_device(nu, shardings.nu)
+
+
+_RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\] output of")  # e.g. "f32[4,2,64,256] output of scan"
+
+
+@pytest.mark.parametrize("remat", ["none", "save_dots", "full"])
+def test_saved_activations_match_jax_residuals(remat):
+    """The per-layer stash the model counts equals what JAX saves for the layer scan's backward
+    (one device, fp32): the residuals stacked over the 4 layers."""
+    config = llama(3)
+    config.parallel.remat = remat
+    # 3 x 64 tokens: per-layer values that are not per token (norm weights, 256) do not divide.
+    layers, batch, seq = MODEL["num_hidden_layers"], 3, 64
+    params = models.param_shapes(config.model)
+    tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+
+    def loss(p, t):
+        logits, _ = models.apply(config.model, p, t[:, :-1], RunOptions(remat=remat))
+        return mean_cross_entropy(logits, t[:, 1:])
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(loss, params, tokens)
+    stacked = 0
+    for line in printed.getvalue().splitlines():
+        match = _RESIDUAL.match(line.strip())
+        if match and "scan" in line:
+            shape = [int(d) for d in match.group(2).split(",") if d]
+            if shape[:1] == [layers] and math.prod(shape[1:]) % (batch * seq) == 0:  # per layer, per token
+                stacked += math.prod(shape) * DTYPE_BYTES[match.group(1)]
+    assert stacked > 0, printed.getvalue()[:500]
+    layout = Layout.from_config(config, mesh={})
+    assert stacked / (layers * batch * seq) == pytest.approx(saved_per_token_layer(layout), rel=1e-9)
+
+
+# ---- against compiled HLO ----------------------------------------------------------------------
+
+CASES = {
+    "data8": (llama(32), {"data": 8}, {}),
+    "zero1": (llama(32), {"data": 8}, {"zero_stage": 1}),
+    "zero3_remat_full": (llama(32), {"data": 8}, {"zero_stage": 3, "remat": "full"}),
+    "tensor4": (llama(8), {"data": 2, "tensor": 4}, {}),
+    "tensor4_remat_full": (llama(8), {"data": 2, "tensor": 4}, {"remat": "full"}),
+    "expert4_mixtral": (mixtral(16), {"data": 2, "expert": 4}, {}),
+    "pipeline4_1f1b": (llama(32, num_hidden_layers=8), {"data": 2, "pipeline": 4}, {"num_microbatches": 4}),
+}
+
+
+def _fidelity(name):
+    config, mesh, parallel = CASES[name]
+    return compare(with_overrides(config, mesh, parallel=parallel))
+
+
+def _check(fidelity, *, flops: bool = True):
+    report = fidelity.table()
+    print(report)
+    assert abs(fidelity.memory_error) <= 0.15, report
+    for row in fidelity.axis_bytes():
+        if row.compiled > 0.001 * sum(r.compiled for r in fidelity.axis_bytes()):
+            assert abs(row.error) <= 0.10, report
+    assert not fidelity.unexpected(min_fraction=0.005), report
+    if flops:
+        assert abs(fidelity.flops_error) <= 0.02, report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("pipeline")])
+def test_model_matches_compiled_step(name):
+    _check(_fidelity(name))
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_matches_compiled_step():
+    fidelity = _fidelity("pipeline4_1f1b")
+    # Stage work sits in `lax.switch` branches; the HLO count takes every branch every time
+    # step, an upper bound, so FLOPs are only checked to stay below it.
+    _check(fidelity, flops=False)
+    assert fidelity.compiled.matmul_flops_upper_bound
+    assert fidelity.estimate.flops_per_device < fidelity.compiled.hlo_matmul_flops
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxpar bug (sequence parallelism): q/k projections all-gather their weights over tensor and "
+    "RoPE runs on sequence-sharded q/k, which are then all-to-all'd to head sharding; and the embedding "
+    "table is all-gathered over tensor and its full gradient all-reduced over tensor and data. "
+    "Constraining q/k to head sharding right after the projections removes the first (checked).",
+)
+def test_sequence_parallel_matches_compiled_step():
+    config = with_overrides(llama(8), {"data": 2, "tensor": 4}, parallel={"sequence_parallel": True})
+    _check(compare(config))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxpar bug: ZeRO-3 with remat none saves each layer's gathered weights as scan residuals, so "
+    "every layer's full weights stay live until the backward (remat full / save_dots do not).",
+)
+def test_zero3_without_remat_does_not_keep_gathered_weights():
+    config = with_overrides(llama(32), {"data": 8}, parallel={"zero_stage": 3, "remat": "none"})
+    fidelity = compare(config)
+    memory = fidelity.estimate.memory
+    assert memory.zero3_saved > 0.15 * memory.peak  # the test can tell the difference
+    intended = memory.peak - memory.zero3_saved
+    assert fidelity.compiled.memory.live_total <= 1.05 * intended, fidelity.table()
+
+
+# ---- hardware and time -----------------------------------------------------------------------------
+
+
+def test_innermost_axes_within_a_node_use_nvlink():
+    mesh = {"data": 4, "pipeline": 2, "context": 1, "expert": 1, "tensor": 4}  # 32 A100s, 8 per node
+    a100 = hw.A100_80G
+    assert hw.link_bandwidth(a100, mesh, ("tensor",)) == a100.intra_node_bandwidth
+    assert hw.link_bandwidth(a100, mesh, ("pipeline",)) == a100.intra_node_bandwidth  # 2 x 4 = 8 devices
+    assert hw.link_bandwidth(a100, mesh, ("data",)) == a100.inter_node_bandwidth
+    assert hw.link_bandwidth(a100, mesh, ("data", "tensor")) == a100.inter_node_bandwidth
+    assert hw.link_bandwidth(hw.TPU_V5P, mesh, ("data",)) == hw.TPU_V5P.intra_node_bandwidth
+
+
+def test_step_time_adds_compute_bubble_and_link_time():
+    config = with_overrides(llama(64, num_hidden_layers=8), {"data": 2, "pipeline": 2, "tensor": 2})
+    config.parallel.num_microbatches = 4
+    est = estimate(config, "h100-80g", num_devices=8)
+    peak = hw.H100_80G.peak("float32")
+    assert est.time.compute == pytest.approx(est.flops_per_device / peak)
+    # 1F1B, p=2, m=4: bubble (p-1)/(m+p-1) = 1/5 of the total, i.e. 1/4 of the compute.
+    assert est.time.bubble == pytest.approx(est.time.compute / 4)
+    expected = sum(p.wire_bytes(est.layout.mesh) for p in est.collectives if p.axes) / hw.H100_80G.intra_node_bandwidth
+    assert est.time.comm == pytest.approx(expected)  # all 8 devices share a node
+    assert est.time.seconds == pytest.approx(est.time.compute + est.time.bubble + est.time.comm)
+
+
+def test_70b_adamw_state_does_not_fit_eight_a100s():
+    """The source article trains Llama-3-70B on 8 A100-80G with TP4 x PP2. With fp32 parameters
+    and AdamW moments that is 12 bytes per parameter of state alone: 70.6e9 x 12 / 8 = 106 GB per
+    device, over the 80 GiB of an A100, whatever the 8-way layout."""
+    from configs.llama3_70b import get_config
+
+    config = get_config()
+    config.mesh.update(data=1, pipeline=2, tensor=4)
+    config.parallel.update(zero_stage=0, sequence_parallel=False)
+    config.train.update(global_batch_size=8, seq_len=4096)
+    est = estimate(config, "a100-80g", num_devices=8)
+    params = sum(math.prod(s.shape) for s in jax.tree.leaves(models.param_shapes(config.model)))
+    assert 70e9 < params < 71.5e9
+    assert est.memory.state >= params * 12 / 8 * 0.99
+    assert not est.fits
+
+
+def test_context_parallelism_is_a_placeholder():
+    config = with_overrides(llama(8), {"data": 4, "context": 2})
+    with pytest.raises(NotImplementedError, match="mesh.context=2"):
+        context_collectives(Layout.from_config(config, 8))
+    assert planned_collectives(Layout.from_config(with_overrides(llama(8), {"data": 8}), 8))
