@@ -84,7 +84,7 @@ def constrain(rules: Rules | None, x, names):
     return x if rules is None else rules.constrain(x, names)
 
 
-def _table(plan, *, zero_on_params: bool) -> dict:
+def rules_table(plan, *, zero_on_params: bool) -> dict:
     tensor = plan.tensor
     zero = (DATA,) if zero_on_params else ()
     return {
@@ -112,8 +112,8 @@ def _table(plan, *, zero_on_params: bool) -> dict:
 
 
 def param_rules(plan, mesh: Mesh) -> Rules:
-    return Rules(mesh, _table(plan, zero_on_params=plan.zero.shard_params))
+    return Rules(mesh, rules_table(plan, zero_on_params=plan.zero.shard_params))
 
 
 def opt_state_rules(plan, mesh: Mesh) -> Rules:
-    return Rules(mesh, _table(plan, zero_on_params=plan.zero.shard_optimizer_state))
+    return Rules(mesh, rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state))

@@ -36,10 +36,10 @@ from jaxpar.analysis.hlo import DTYPE_BYTES
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import estimate_memory, saved_per_token_layer
 from jaxpar.config import base_config, llama_model_config, mixtral_model_config
-from jaxpar.models.layers import RunOptions
+from jaxpar.models.options import RunOptions
 from jaxpar.train.loss import mean_cross_entropy
 from jaxpar.train.setup import build, bytes_per_device
-from tests.reference import with_overrides
+from tests.tiny import with_overrides
 
 MODEL = dict(
     vocab_size=512, hidden_size=256, intermediate_size=640, num_hidden_layers=4, num_attention_heads=8,

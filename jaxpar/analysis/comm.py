@@ -56,6 +56,7 @@ import dataclasses
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
 from jaxpar.analysis.memory import ParamCounts, moe_rows_per_token, param_counts
+from jaxpar.parallel.pipeline.schedules import make_schedule
 
 
 def wire_bytes(kind: str, size: float, group: int) -> float:
@@ -253,7 +254,6 @@ def expert_collectives(layout: Layout) -> list[Planned]:
 def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.p == 1:
         return []
-    from jaxpar.parallel.schedules import make_schedule
 
     schedule = make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
     mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes

@@ -29,6 +29,7 @@ from jaxpar.analysis.comm import Planned, planned_collectives
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
 from jaxpar.flops import train_flops_per_step
+from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,6 @@ def step_time(layout: Layout, flops: float, collectives: list[Planned], hardware
     compute = flops / (hardware.peak(layout.compute_dtype_name) * efficiency)
     fraction = 0.0
     if layout.p > 1:
-        from jaxpar.parallel.schedules import bubble_fraction, make_schedule
 
         fraction = bubble_fraction(make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages))
     comm: dict = {}

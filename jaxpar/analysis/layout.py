@@ -1,20 +1,14 @@
-"""A jaxpar config resolved into the numbers the cost model needs: model dims, mesh, parallel knobs.
-
-Mesh axis names come from `jaxpar.config.MESH_AXES` (this worktree has no `jaxpar/axes.py` yet);
-the constants below unpack it so no module here spells an axis name as a string literal.
-"""
+"""A jaxpar config resolved into the numbers the cost model needs: model dims, mesh, parallel knobs."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from jaxpar.config import MESH_AXES
+from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.mesh import resolve_mesh_shape
-from jaxpar.models.layers import head_dim_of, padded_vocab_size
-from jaxpar.sharding import kv_heads_shardable
+from jaxpar.config import head_dim_of, padded_vocab_size
 
-DATA, PIPELINE, CONTEXT, EXPERT, TENSOR = MESH_AXES
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -155,7 +149,7 @@ class Layout:
 
     @property
     def kv_sharded(self) -> bool:
-        return kv_heads_shardable(self.kv_heads, self.t)
+        return self.kv_heads % self.t == 0
 
     @property
     def is_moe(self) -> bool:

@@ -1,7 +1,7 @@
 """Per-device memory of jaxpar's training step, analytically.
 
 State (parameters, AdamW's two moments) is exact: every leaf of the model's parameter tree is
-sharded by the same rules table jaxpar uses (`jaxpar.sharding.build_table`). Everything else is a
+sharded by the same rules table jaxpar uses (`jaxpar.sharding.rules_table`). Everything else is a
 count of the buffers the step keeps, per device:
 
   grads          fp32 gradients as the step holds them: sharded like the parameters, or like the
@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import jax
 
 from jaxpar import models
 from jaxpar.analysis.layout import DATA, Layout
-from jaxpar.sharding import build_table
+from jaxpar.kernels.grouped_matmul import TILE
+from jaxpar.parallel.pipeline.slots import slot_plan_for
+from jaxpar.models.families import family
+from jaxpar.parallel.plan import make_plan
+from jaxpar.sharding import rules_table
 
 # Backward working set of one layer, in multiples of the layer's remat-none residuals; measured on
 # XLA:CPU (single device and data=8, fp32, 4 layers): none 1.00, save_dots 0.74-0.81, full 1.28.
@@ -96,8 +99,9 @@ class MemoryEstimate:
 
 
 def _table(layout: Layout, zero_on_params: bool) -> dict:
-    mesh = types.SimpleNamespace(shape=layout.mesh)  # build_table only reads mesh.shape
-    return build_table(layout.config, mesh, zero_on_params=zero_on_params)
+    config = layout.config
+    plan = make_plan(config, layout.mesh, has_aux_losses=family(config.model.model_type).aux_losses is not None)
+    return rules_table(plan, zero_on_params=zero_on_params)
 
 
 def _shard_elements(shape, names, table, mesh, drop=()) -> int:
@@ -209,7 +213,6 @@ def moe_matmul_rows_per_token(layout: Layout) -> float:
     rows = moe_rows_per_token(layout)
     if layout.target != "cpu" or layout.capacity_factor > 0:
         return rows
-    from jaxpar.parallel.grouped_matmul import TILE
 
     per_layer = rows * layout.tokens / layout.microbatches
     tile = min(TILE, -(-int(per_layer) // 8) * 8)
@@ -289,11 +292,9 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     rank's layers and for the shared (embedding / head) parameters; and one stage backward at a
     time, which recomputes the rank's layers (Lc of them) from the stashed input under the
     configured remat policy."""
-    from jaxpar.parallel.pipeline_plan import plan_for
-
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
-    plan = plan_for(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    plan = slot_plan_for(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
     mb_tokens = layout.tokens / layout.microbatches
     act = mb_tokens * layout.hidden * cb
     buffers = (plan.act_slots + 1 + plan.grad_slots + 1 + 2) * act
