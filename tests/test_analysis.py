@@ -156,24 +156,12 @@ def test_pipeline_matches_compiled_step():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxpar bug (sequence parallelism): q/k projections all-gather their weights over tensor and "
-    "RoPE runs on sequence-sharded q/k, which are then all-to-all'd to head sharding; and the embedding "
-    "table is all-gathered over tensor and its full gradient all-reduced over tensor and data. "
-    "Constraining q/k to head sharding right after the projections removes the first (checked).",
-)
 def test_sequence_parallel_matches_compiled_step():
     config = with_overrides(llama(8), {"data": 2, "tensor": 4}, parallel={"sequence_parallel": True})
     _check(compare(config))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxpar bug: ZeRO-3 with remat none saves each layer's gathered weights as scan residuals, so "
-    "every layer's full weights stay live until the backward (remat full / save_dots do not).",
-)
 def test_zero3_without_remat_does_not_keep_gathered_weights():
     config = with_overrides(llama(32), {"data": 8}, parallel={"zero_stage": 3, "remat": "none"})
     fidelity = compare(config)

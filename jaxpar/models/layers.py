@@ -82,13 +82,17 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, inv_freq, opts: RunOptions):
         rules = opts.rules
         with jax.named_scope("attention"):
+            # Each projection is constrained to its head layout at once: left free, under sequence
+            # parallelism the partitioner gathered the weights, ran RoPE on sequence-split q/k and
+            # then all-to-all'd them to split heads (found by comparing with jaxpar.analysis).
             q = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.q[...]), "q_proj")
+            q = constrain(rules, q, ("batch", "seq", "act_heads", "head_dim"))
             k = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.k[...]), "k_proj")
             v = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.v[...]), "v_proj")
-            q = constrain(rules, apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", "head_dim"))
-            k, v = repeat_kv(apply_rope(k, positions, inv_freq), v, opts.plan.tensor, rules)
+            k, v = repeat_kv(k, v, opts.plan.tensor, rules)
             kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
             k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
             out = causal_attention(q, k, v, opts.attention_impl)
             out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
             return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, self.o[...]), "o_proj")

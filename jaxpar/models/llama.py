@@ -23,7 +23,7 @@ from jaxpar.models.layers import (
     rope_inverse_frequencies,
 )
 from jaxpar.models.options import RunOptions
-from jaxpar.parallel.zero import gather_layer
+from jaxpar.parallel.zero import gather_layer, layer_remat_policy
 from jaxpar.sharding import RESIDUAL, constrain
 
 REMAT_POLICIES = {
@@ -73,8 +73,9 @@ def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
         layer_state = gather_layer(layer_state, layer_names, opts.rules, opts.plan.zero)
         return layer_fn(nnx.merge(graphdef, layer_state), h)
 
-    if opts.remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[opts.remat], prevent_cse=False)
+    policy = layer_remat_policy(REMAT_POLICIES[opts.remat], opts.plan.zero)
+    if policy is not None:
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, state)
 
 
@@ -92,7 +93,11 @@ class Llama(nnx.Module):
     # The three pieces below are what a pipeline stage runs (`jaxpar.parallel.pipeline`): the
     # first stage embeds, every stage runs the blocks it was merged with, the last one projects.
     def embed_tokens(self, tokens, opts: RunOptions):
-        return constrain(opts.rules, self.embed(tokens), RESIDUAL)
+        # The vocab-parallel lookup first yields whole sequences (a masked gather + an all-reduce);
+        # constraining it straight to the sequence-parallel layout made the partitioner gather the
+        # whole table instead, and all-reduce its full gradient (found by `jaxpar.analysis`).
+        x = constrain(opts.rules, self.embed(tokens), ("batch", "seq", "act_embed"))
+        return constrain(opts.rules, x, RESIDUAL)
 
     def run_layers(self, x, positions, opts: RunOptions):
         """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own)."""

@@ -8,8 +8,8 @@ never split (too small to matter). The rules table (`jaxpar.sharding`) reads `Ze
 Collectives: stage 1 — the gradient reduction becomes a reduce-scatter to the optimizer-state
 layout (`constrain_grads`), and the updated parameters are all-gathered back to their replicated
 layout. Stage 3 — each layer's parameters are all-gathered inside the layer scan just before use
-(`gather_layer`; again in the backward), one layer at a time, and gradients are reduce-scattered
-per microbatch, as FSDP does.
+(`gather_layer`; again in the backward, whatever the remat policy: `layer_remat_policy`), one
+layer at a time, and gradients are reduce-scattered per microbatch, as FSDP does.
 
 Proven equal to one device by `tests/test_degeneracy.py` (zero1, zero3, zero3 + tensor + SP);
 the memory division by `tests/test_compiled.py::test_zero_stages_divide_memory_over_data`.
@@ -66,6 +66,25 @@ def gather_layer(layer_params, layer_names, rules, plan: ZeroPlan):
     if rules is None or not plan.shard_params:
         return layer_params
     return jax.tree.map(in_use(rules).constrain, layer_params, layer_names)
+
+
+def _save_all_but_layouts(prim, *args, **params) -> bool:
+    """A remat policy that saves every value except the outputs of sharding constraints. Those are
+    identities on values, so the backward recomputes them from their (saved) inputs: a gathered
+    layer is gathered again from its shard rather than kept whole."""
+    del args, params
+    return prim.name != "sharding_constraint"
+
+
+def layer_remat_policy(policy, plan: ZeroPlan):
+    """The remat policy of the layer scan. Stage 3 without remat would keep every layer's gathered
+    parameters as scan residuals — all layers' full weights live until the backward, defeating
+    ZeRO-3 (found by `jaxpar.analysis`) — so it saves everything but layouts instead. (Naming the
+    gathered values is not enough: the gather itself is a sharding constraint whose output a
+    save-all-but-names policy would keep.)"""
+    if plan.shard_params and policy is None:
+        return _save_all_but_layouts
+    return policy
 
 
 def constrain_grads(grads, opt_param_shardings, plan: ZeroPlan):
