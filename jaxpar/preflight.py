@@ -10,7 +10,8 @@ the family record's checks (`jaxpar.models.families`), each parallelism's module
 
 `check_run(config, workdir, ...)` is the preflight of a whole run: the config, then the corpus
 opened and checked (`corpus_problems`), then the workdir (`jaxpar.train.workdir.inspect`: writable,
-not locked by a live run, and resumed or refused). It reads, never writes.
+not locked by a live run, and resumed or refused), then a `train.init_from_hf` checkpoint's config
+and tensor headers (`jaxpar.interop.sharded.problems`). It reads, never writes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ml_collections import ConfigDict
 from jaxpar.axes import CONTEXT, MESH_AXES
 from jaxpar.config import base_config
 from jaxpar.data.sources import corpus_problems, validate_data_config
+from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models.checks import ranges as model_ranges
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
@@ -174,6 +176,8 @@ def check_run(config, workdir: str, num_devices: int, platform: str | None, *, o
     if sane:
         errors += corpus_problems(config)
     plan, workdir_problems = workdirs.inspect(config, workdir, overwrite=overwrite)
+    if sane and config.train.init_from_hf and plan is not None and plan.resume_step is None:
+        errors += hf_problems(config.train.init_from_hf, config.model)
     errors = list(dict.fromkeys(errors + workdir_problems))
     if errors:
         raise ConfigError("\n".join(errors))

@@ -78,8 +78,10 @@ def parse(argv: list[str]) -> Args:
     return args
 
 
-def _parse(argv: list[str]) -> tuple[Args, list[str]]:
-    args, problems, i = Args(), [], 0
+def parse_flags(argv: list[str], flags: dict, values) -> tuple[list[tuple[str, str]], list[str]]:
+    """Sets `values.<flag>` from `--flag=value` / `--flag value` / `--[no]flag` (bools) for the
+    `flags` table (name -> type); returns the `--config.KEY=VALUE` overrides and the problems."""
+    overrides, problems, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
         i += 1
@@ -93,17 +95,17 @@ def _parse(argv: list[str]) -> tuple[Args, list[str]]:
                     problems.append(f"--{name} needs a value (--{name}=VALUE)")
                     continue
                 value, i = argv[i], i + 1
-            args.overrides.append((name[len("config."):], value))
+            overrides.append((name[len("config."):], value))
             continue
-        negated = name.startswith("no") and FLAGS.get(name[2:]) is bool
+        negated = name.startswith("no") and flags.get(name[2:]) is bool
         key = name[2:] if negated else name
-        if key not in FLAGS:
-            near = difflib.get_close_matches(key, FLAGS, n=1)
-            problems.append(f"unknown flag --{key}" + (f"; did you mean --{near[0]}?" if near else f" (known: --{', --'.join(FLAGS)})"))
+        if key not in flags:
+            near = difflib.get_close_matches(key, flags, n=1)
+            problems.append(f"unknown flag --{key}" + (f"; did you mean --{near[0]}?" if near else f" (known: --{', --'.join(flags)})"))
             continue
-        kind = FLAGS[key]
+        kind = flags[key]
         if kind is bool and not has_value:
-            setattr(args, key, not negated)
+            setattr(values, key, not negated)
             continue
         if not has_value:
             if i >= len(argv):
@@ -111,9 +113,15 @@ def _parse(argv: list[str]) -> tuple[Args, list[str]]:
                 continue
             value, i = argv[i], i + 1
         try:
-            setattr(args, key, _parse_value(f"--{key}", value, kind))
+            setattr(values, key, _parse_value(f"--{key}", value, kind))
         except UsageError as e:
             problems.append(str(e))
+    return overrides, problems
+
+
+def _parse(argv: list[str]) -> tuple[Args, list[str]]:
+    args = Args()
+    args.overrides, problems = parse_flags(argv, FLAGS, args)
     if args.help:
         return args, []
     problems += [f"--{name} is required" for name in REQUIRED if not getattr(args, name)]
