@@ -17,6 +17,7 @@ and tensor headers (`jaxpar.interop.sharded.problems`). It reads, never writes.
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass
 
 from ml_collections import ConfigDict
@@ -176,8 +177,9 @@ def check_run(config, workdir: str, num_devices: int, platform: str | None, *, o
     if sane:
         errors += corpus_problems(config)
     plan, workdir_problems = workdirs.inspect(config, workdir, overwrite=overwrite)
-    if sane and config.train.init_from_hf and plan is not None and plan.resume_step is None:
-        errors += hf_problems(config.train.init_from_hf, config.model)
+    hf_dir = config.train.init_from_hf if sane else ""
+    if hf_dir and os.path.isdir(hf_dir) and plan is not None and plan.resume_step is None:
+        errors += hf_problems(hf_dir, config.model)
     errors = list(dict.fromkeys(errors + workdir_problems))
     if errors:
         raise ConfigError("\n".join(errors))

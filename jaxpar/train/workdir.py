@@ -104,7 +104,8 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     """(plan, problems): what a run of `config` would do with `workdir`, deciding only by reading."""
     ckpt_dir = checkpoint_dir(config, workdir)
     problems = [p for p in [_directory_problem(workdir, "--workdir")] if p]
-    if not is_remote(ckpt_dir) and (p := _directory_problem(ckpt_dir, "checkpoint.dir")):
+    inside = os.path.abspath(ckpt_dir).startswith(os.path.abspath(workdir) + os.sep)
+    if not is_remote(ckpt_dir) and not (problems and inside) and (p := _directory_problem(ckpt_dir, "checkpoint.dir")):
         problems.append(p)
     if problems:
         return None, problems
