@@ -16,7 +16,8 @@ from typing import Any
 
 from jaxpar.checkpoint.errors import CheckpointError
 
-MUST_MATCH = ("model", "data")
+# Config sections (written as key prefixes) a resumed run must share with its checkpoint.
+MUST_MATCH = ("model.", "data.")
 FREE = (
     "mesh", "parallel", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
     "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf",
@@ -43,7 +44,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _under(name: str, sections) -> bool:
-    return any(name == s or name.startswith(s + ".") for s in sections)
+    return any(name == s.rstrip(".") or name.startswith(s.rstrip(".") + ".") for s in sections)
 
 
 def _describe(names, saved, current) -> str:
@@ -60,10 +61,10 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
     )
     fixed = [n for n in differing if _under(n, MUST_MATCH)]
     if fixed:
-        sections = " and ".join(s for s in MUST_MATCH if any(_under(n, (s,)) for n in fixed))
+        sections = " and ".join(s.rstrip(".") for s in MUST_MATCH if any(_under(n, (s,)) for n in fixed))
         raise CheckpointError(
             f"checkpoint {checkpoint} was saved with a different {sections}: "
-            f"{_describe(fixed, saved_flat, current_flat)}; resuming needs the same config.{' and config.'.join(MUST_MATCH)}"
+            f"{_describe(fixed, saved_flat, current_flat)}; resuming needs the same {' and '.join('config.' + s.rstrip('.') for s in MUST_MATCH)}"
         )
     noted = [n for n in differing if not _under(n, FREE)]
     if not noted:
