@@ -6,8 +6,10 @@
 - another mesh (data 2 x tensor 4 -> data 2 x tensor 2 x pipeline 2, and one device): restored onto
   the new shardings, the run continues within 1e-4 of the reference; on one device the newest
   checkpoint is damaged first, so the run names it, falls back to the previous one and redoes a step;
-- an incompatible model or data config is refused in one line naming the keys; `overwrite=True`
-  replaces the earlier run instead.
+- an incompatible model or data config, or the same data config over a corpus that changed, is
+  refused in one line naming the keys; `overwrite=True` replaces the earlier run instead.
+The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
+iterator's.
 The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
 changes nothing else.
 """
@@ -28,11 +30,22 @@ from tests import tiny
 MESH = {"data": 2, "tensor": 4}
 
 
+def write_tokens(path, count: int = 20_000) -> str:
+    ids = np.random.default_rng(0).integers(0, 256, count).astype(np.uint16)
+    ids.tofile(path)
+    with open(str(path) + ".json", "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": 256, "num_tokens": count}, f)
+    return str(path)
+
+
+TOKENS = {}  # the module's token file, written by the `runs` fixture
+
+
 def config(steps: int = 6, mesh=MESH, **train_overrides):
     return tiny.with_overrides(
         tiny.llama(vocab_size=256),
         mesh,
-        data={"max_corpus_bytes": 100_000},
+        data={"source": "tokens", "path": TOKENS["path"], "token_dtype": "uint16"},
         train={"steps": steps, "final_learning_rate_fraction": 1.0, **train_overrides},
         checkpoint={"every_steps": 2},
     )
@@ -55,6 +68,7 @@ def without_timing(records):
 def runs(tmp_path_factory):
     """The uninterrupted reference, and a run stopped after step 3 (checkpoints 2 and 3)."""
     root = tmp_path_factory.mktemp("resume")
+    TOKENS["path"] = write_tokens(root / "corpus.bin")
     train(config(), str(root / "reference"), progress=False)
     train(config(steps=3), str(root / "stopped"), progress=False)
     return root
@@ -109,15 +123,30 @@ def test_resume_onto_another_mesh(runs, tmp_path, mesh, devices, capsys):
 def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(runs / "stopped", workdir)
+    with open(workdir / "checkpoints" / "3" / "data_iterator" / "metadata") as f:
+        assert json.load(f) == {"step": 3, "corpus_tokens": 20_000}, "the token iterator's state is in the checkpoint"
     before = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     other = config()
     other.model.hidden_size = 128
-    other.data.max_corpus_bytes = 90_000
+    other.data.path = write_tokens(tmp_path / "copy.bin")
     with pytest.raises(ConfigError) as error:
         train(other, str(workdir), progress=False)
     (line,) = str(error.value).splitlines()
-    assert "model.hidden_size (saved 64, now 128)" in line and "data.max_corpus_bytes (saved 100000, now 90000)" in line
+    assert "model.hidden_size (saved 64, now 128)" in line and f"data.path (saved {TOKENS['path']!r}, now {other.data.path!r})" in line
     assert "--overwrite" in line
+    # The same data config over a corpus that grew: the saved position would mean other tokens.
+    corpus = TOKENS["path"]
+    for file in (corpus, corpus + ".json"):
+        shutil.copy(file, file + ".orig")
+    write_tokens(corpus, 30_000)
+    try:
+        with pytest.raises(ConfigError) as error:
+            train(config(), str(workdir), progress=False)
+    finally:
+        for file in (corpus, corpus + ".json"):
+            os.replace(file + ".orig", file)
+    (line,) = str(error.value).splitlines()
+    assert "saved reading a corpus of 20000 tokens but the corpus now has 30000" in line, line
     after = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     assert after == before
 

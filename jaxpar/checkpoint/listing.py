@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxpar.checkpoint.errors import CheckpointError
-from jaxpar.checkpoint.manager import CONFIG
+from jaxpar.checkpoint.manager import CONFIG, DATA
 
 # What Orbax's JsonCheckpointHandler names the file of a JSON item.
 JSON_ITEM_FILE = "metadata"
@@ -39,8 +39,17 @@ def incomplete_saves(directory: str) -> list[str]:
 
 def saved_config(directory: str, step: int) -> dict:
     """The config step `step` was saved with; CheckpointError naming the file if unreadable."""
-    file = epath.Path(directory) / str(step) / CONFIG / JSON_ITEM_FILE
+    return _json_item(directory, step, CONFIG)
+
+
+def saved_data_state(directory: str, step: int) -> dict:
+    """The data iterator's state step `step` was saved with; CheckpointError if unreadable."""
+    return _json_item(directory, step, DATA)
+
+
+def _json_item(directory: str, step: int, item: str) -> dict:
+    file = epath.Path(directory) / str(step) / item / JSON_ITEM_FILE
     try:
         return json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint config {file} is unreadable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"checkpoint {item} {file} is unreadable ({type(e).__name__}: {e})") from None

@@ -153,10 +153,7 @@ def _restore(run: _Run):
         _say(note)
     saved_tokens = restored.data_state.get("corpus_tokens")
     if saved_tokens is not None and saved_tokens != run.corpus_tokens:
-        raise CheckpointError(
-            f"checkpoint {restored.path} was saved reading a corpus of {saved_tokens} tokens but the corpus now has "
-            f"{run.corpus_tokens}; its data position would point elsewhere. Restore the corpus or pass --overwrite"
-        )
+        raise CheckpointError(workdirs.corpus_changed_problem(restored.path, saved_tokens, run.corpus_tokens))
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
     return restored.state, int(restored.data_state["step"])
 

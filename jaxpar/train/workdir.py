@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from etils import epath
 
 from jaxpar.checkpoint import CheckpointError, compare_configs
-from jaxpar.checkpoint.listing import finished_steps, is_remote, saved_config
+from jaxpar.checkpoint.listing import finished_steps, is_remote, saved_config, saved_data_state
+from jaxpar.data.sources import corpus_tokens
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
 OVERWRITE_HINT = "pass --overwrite to start afresh (it deletes the earlier run) or choose another --workdir"
@@ -128,8 +129,11 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             continue
         try:
             notes += compare_configs(saved, current, checkpoint=os.path.join(ckpt_dir, str(step)))
+            corpus_problem = _corpus_changed(config, ckpt_dir, step)
         except CheckpointError as e:
             return None, [f"{e}; {OVERWRITE_HINT}"]
+        if corpus_problem:
+            return None, [f"{corpus_problem}; {OVERWRITE_HINT}"]
         return WorkdirPlan(workdir, ckpt_dir, step, False, tuple(notes)), []
     if steps:
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
@@ -139,6 +143,25 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             f"to resume from; {OVERWRITE_HINT}"
         ]
     return WorkdirPlan(workdir, ckpt_dir, None, False, tuple(notes)), []
+
+
+def corpus_changed_problem(path: str, saved: int, now: int) -> str:
+    return (
+        f"checkpoint {path} was saved reading a corpus of {saved} tokens but the corpus now has {now}: "
+        f"its data position would point elsewhere; restore the corpus"
+    )
+
+
+def _corpus_changed(config, ckpt_dir: str, step: int) -> str | None:
+    """Same data config but another corpus (a token file rewritten, a folder grown)?"""
+    saved = saved_data_state(ckpt_dir, step).get("corpus_tokens")
+    try:
+        now = corpus_tokens(config.data)
+    except (OSError, ValueError):
+        return None  # the data preflight reports an unreadable corpus
+    if saved is None or saved == now:
+        return None
+    return corpus_changed_problem(os.path.join(ckpt_dir, str(step)), saved, now)
 
 
 class WorkdirLock:
