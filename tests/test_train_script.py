@@ -23,6 +23,11 @@ def test_train_script_on_emulated_devices(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh: data=2 pipeline=1 context=1 expert=1 tensor=2 on 4 cpu devices" in done.stdout
     assert "per device: params" in done.stdout and "optimizer state" in done.stdout
+    # stdout is a pipe, not a terminal: plain lines every train.log_every steps, no progress-bar redraws.
+    assert "\r" not in done.stdout and [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == [
+        "1/4", "2/4", "3/4", "4/4"
+    ]
+    assert "jax 0." in done.stdout and "mesh axes across processes: none" in done.stdout
     config = json.loads((workdir / "config.json").read_text())
     assert config["train"]["steps"] == 4 and config["mesh"]["tensor"] == 2
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
