@@ -171,12 +171,18 @@ class Preflight:
     workdir: workdirs.WorkdirPlan
 
 
-def check_run(config, workdir: str, num_devices: int, platform: str | None, *, overwrite: bool = False) -> Preflight:
-    """The whole run's preflight (module docstring); raises ConfigError with every problem."""
+def check_run(
+    config, workdir: str, num_devices: int, platform: str | None, *, overwrite: bool = False, owns_workdir: bool = True
+) -> Preflight:
+    """The whole run's preflight (module docstring); raises ConfigError with every problem.
+    `owns_workdir=False` (processes other than 0, which never write it): the workdir is not inspected."""
     errors, mesh, sane = _config_problems(config, num_devices, platform)
     if sane:
         errors += corpus_problems(config)
-    plan, workdir_problems = workdirs.inspect(config, workdir, overwrite=overwrite)
+    if owns_workdir:
+        plan, workdir_problems = workdirs.inspect(config, workdir, overwrite=overwrite)
+    else:
+        plan, workdir_problems = workdirs.WorkdirPlan(workdir, workdirs.checkpoint_dir(config, workdir), None, False, ()), []
     hf_dir = config.train.init_from_hf if sane else ""
     if hf_dir and os.path.isdir(hf_dir) and plan is not None and plan.resume_step is None:
         errors += hf_problems(hf_dir, config.model)

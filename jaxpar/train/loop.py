@@ -15,9 +15,10 @@ process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import signal
 import time
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -27,10 +28,11 @@ from jaxpar import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
 from jaxpar.checkpoint.listing import is_remote
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
+from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
-from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
+from jaxpar.train.nonfinite import NonFiniteGuard
 from jaxpar.train.progress import Progress
 from jaxpar.train.setup import build, bytes_per_device
 from jaxpar.train.signals import Interrupted, StopSignals
@@ -67,7 +69,9 @@ def _run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.
     then one verdict for all: a process whose own checks passed still stops if another's failed."""
     error = None
     try:
-        run = preflight.check_run(config, workdir, len(devices), devices[0].platform, overwrite=overwrite)
+        run = preflight.check_run(
+            config, workdir, len(devices), devices[0].platform, overwrite=overwrite, owns_workdir=jax.process_index() == 0
+        )
     except preflight.ConfigError as e:
         error, run = e, None
     failed = _agree(error is None)
@@ -75,10 +79,11 @@ def _run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.
         raise error
     if failed:
         raise preflight.ConfigError(f"process(es) {failed} refused the run; see their errors")
-    if jax.process_count() > 1:  # everyone follows process 0's resume decision
-        step = run.workdir.resume_step
-        chosen = int(multihost_utils.broadcast_one_to_all(np.asarray(-1 if step is None else step, np.int64)))
-        run = preflight.Preflight(run.mesh, workdirs.WorkdirPlan(**{**run.workdir.__dict__, "resume_step": None if chosen < 0 else chosen}))
+    if jax.process_count() > 1:  # everyone follows process 0's decisions (it alone inspected the workdir)
+        plan = run.workdir
+        step = -1 if plan.resume_step is None else plan.resume_step
+        step, overwrite = (int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray([step, plan.overwrite], np.int64)))
+        run = dataclasses.replace(run, workdir=dataclasses.replace(plan, resume_step=None if step < 0 else step, overwrite=bool(overwrite)))
     return run
 
 
@@ -116,7 +121,7 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
             lock.release()
 
 
-@dataclass
+@dataclasses.dataclass
 class _Run:
     """What the loop body needs besides the state (built once)."""
 
@@ -137,11 +142,9 @@ def _say(line: str) -> None:
 
 
 def _open_checkpoints(config, plan: workdirs.WorkdirPlan) -> Checkpoints:
-    keep = int(config.checkpoint.keep) or None
-    checkpoints = Checkpoints(
-        plan.checkpoint_dir, every_steps=int(config.checkpoint.every_steps), keep=keep, async_save=bool(config.checkpoint.async_save)
-    )
-    return checkpoints
+    section = config.checkpoint
+    keep = int(section.keep) or None  # 0: keep every checkpoint
+    return Checkpoints(plan.checkpoint_dir, every_steps=int(section.every_steps), keep=keep, async_save=bool(section.async_save))
 
 
 def _restore(run: _Run):
@@ -162,9 +165,7 @@ def _initial_state(run: _Run):
     hf_dir = run.config.train.init_from_hf
     if not hf_dir:
         return run.program.init()
-    from jaxpar.interop.sharded import load_params_onto  # only runs that start from transformers need it
-
-    params = load_params_onto(hf_dir, run.config.model, run.program.state_shardings.params, run.program.config.train.param_dtype)
+    params = load_params_onto(hf_dir, run.config.model, run.program.state_shardings.params, run.config.train.param_dtype)
     _say(f"initial params from transformers checkpoint {hf_dir}")
     return run.program.init_from_params(params)
 
@@ -225,7 +226,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
                 history.append(record)
                 _after_step(run, step, state, record, metrics, signals)
         _save(run, train_cfg.steps, state, force=True)
-        run.checkpoints.wait()
+        _wait(run, train_cfg.steps)
     finally:
         _finish(run)
     return history
@@ -256,7 +257,7 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     signum = signals.agreed()
     if signum is not None:
         _save(run, step, state, force=True)
-        run.checkpoints.wait()
+        _wait(run, step)
         path = run.checkpoints.path(step)
         name = signal.Signals(signum).name
         raise Interrupted(signum, f"interrupted by {name} after step {step}: checkpoint {path} saved; rerun the same command to resume")
@@ -264,13 +265,25 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
     data_state = {**run.iterator.get_state(), "corpus_tokens": run.corpus_tokens}
-    try:
+    with _naming_failures(run, step):
         run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+
+
+def _wait(run: _Run, step: int) -> None:
+    with _naming_failures(run, step):
+        run.checkpoints.wait()
+
+
+@contextlib.contextmanager
+def _naming_failures(run: _Run, step: int):
+    """A failed (background) write surfaces at the next save or wait: one line naming the directory."""
+    try:
+        yield
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - a failed background write surfaces here; name the directory
+    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore / OS errors alike
         first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"saving checkpoint {run.checkpoints.path(step)} failed ({type(e).__name__}: {first})") from None
+        raise CheckpointError(f"writing checkpoints in {run.checkpoints.directory} failed at step {step} ({type(e).__name__}: {first})") from None
 
 
 def _finish(run: _Run) -> None:
