@@ -16,11 +16,6 @@ from jaxpar.checkpoint.manager import CONFIG, DATA
 JSON_ITEM_FILE = "metadata"
 
 
-def is_remote(directory: str) -> bool:
-    """gs://, s3:// and the like: no local permission checks apply."""
-    return "://" in directory
-
-
 def finished_steps(directory: str) -> list[int]:
     """Steps of the complete checkpoints in `directory`, oldest first ([] if it does not exist)."""
     path = epath.Path(directory)

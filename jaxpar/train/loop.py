@@ -26,7 +26,7 @@ from jax.experimental import multihost_utils
 
 from jaxpar import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
-from jaxpar.checkpoint.listing import is_remote
+from jaxpar.checkpoint.manager import is_remote
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe

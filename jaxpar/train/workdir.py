@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from etils import epath
 
 from jaxpar.checkpoint import CheckpointError, compare_configs
-from jaxpar.checkpoint.listing import finished_steps, is_remote, saved_config, saved_data_state
+from jaxpar.checkpoint.listing import finished_steps, saved_config, saved_data_state
+from jaxpar.checkpoint.manager import is_remote
 from jaxpar.data.sources import corpus_tokens
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
