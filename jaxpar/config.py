@@ -127,7 +127,20 @@ def base_config() -> ConfigDict:
             compute_dtype="float32",  # float32 | bfloat16 | float16 (dynamic loss scaling)
             loss_scale_init=2.0**15,
             loss_scale_period=2000,  # finite steps before the fp16 loss scale doubles
-            log_every=1,
+            log_every=1,  # metrics fetched and logged every this many steps (progress bar or, off a TTY, a line)
+            # A non-finite loss or gradient norm (fp32 / bf16): "stop" ends the run at that step, the
+            # workdir and the last good checkpoint intact; "skip" leaves params and optimizer state
+            # unchanged for that step and goes on, stopping once more than max_skipped_steps were skipped.
+            on_nonfinite="stop",
+            max_skipped_steps=10,
+            # fp16: the dynamic loss scale skips overflowing steps; the run stops when a step overflows
+            # at the smallest scale (1), or when more than max_skipped_fraction of the last
+            # skip_window steps were skipped.
+            max_skipped_fraction=0.5,
+            skip_window=100,
+            # A transformers checkpoint directory to start from (a fresh run's initial params; each
+            # process reads only the slices its devices hold). Ignored when resuming.
+            init_from_hf="",
         )
     )
 
@@ -140,6 +153,12 @@ def base_config() -> ConfigDict:
         )
     )
 
-    # Filled in by the checkpoint work; empty until then.
-    c.checkpoint = ConfigDict()
+    c.checkpoint = ConfigDict(
+        dict(
+            dir="",  # "" → WORKDIR/checkpoints; any path Orbax handles (local, NFS, gs://)
+            every_steps=100,  # async save every this many steps (0: only at the end) and at the end
+            keep=3,  # newest complete checkpoints kept (0: all)
+            async_save=True,
+        )
+    )
     return c

@@ -1,81 +1,195 @@
-"""Config validation before anything is traced or compiled.
+"""Everything a run reads, checked before anything is written or compiled.
 
-`check(config, num_devices)` raises `ConfigError` listing every problem, one line each, each naming
-the config key to change. It only does arithmetic on the config: no jax tracing, no file reads
-beyond existence checks. The checks themselves live with what they protect: the family record's
-checks (`jaxpar.models.families`), each parallelism's module (`jaxpar.parallel.*`), the data
-sources (`jaxpar.data.sources`); this module runs them all.
+`check(config, num_devices, platform=None)` validates the config alone and raises `ConfigError`
+listing every problem, one line each, each naming the config key to change: unknown and missing
+keys (with the nearest known key), value types, ranges and choices, and every divisibility the mesh
+needs. It only does arithmetic on the config; the checks themselves live with what they protect:
+the family record's checks (`jaxpar.models.families`), each parallelism's module
+(`jaxpar.parallel.*`), the train/checkpoint sections (`jaxpar.train.checks`), the data sources
+(`jaxpar.data.sources`); this module runs them all.
+
+`check_run(config, workdir, ...)` is the preflight of a whole run: the config, then the corpus
+opened and checked (`corpus_problems`), then the workdir (`jaxpar.train.workdir.inspect`: writable,
+not locked by a live run, and resumed or refused), then a `train.init_from_hf` checkpoint's config
+and tensor headers (`jaxpar.interop.sharded.problems`). It reads, never writes.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
+from dataclasses import dataclass
+
 from ml_collections import ConfigDict
 
-from jaxpar.axes import CONTEXT
-from jaxpar.config import DTYPES, base_config
-from jaxpar.data.sources import validate_data_config
+from jaxpar.axes import CONTEXT, MESH_AXES
+from jaxpar.config import base_config
+from jaxpar.data.sources import corpus_problems, validate_data_config
+from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
-from jaxpar.models.families import UnknownFamily, family
+from jaxpar.models.checks import ranges as model_ranges
+from jaxpar.models.families import FAMILIES, UnknownFamily, family
 from jaxpar.models.llama import REMAT_POLICIES
 from jaxpar.models.options import ATTENTION_IMPLS
 from jaxpar.parallel import data, tensor, zero
 from jaxpar.parallel.pipeline import options as pipeline
+from jaxpar.ranges import one_of
+from jaxpar.train import workdir as workdirs
+from jaxpar.train.checks import checkpoint_checks, train_choices, train_ranges
+
+# Half-precision compute dtypes cuDNN's fused attention takes.
+CUDNN_DTYPES = ("bfloat16", "float16")
 
 
 class ConfigError(ValueError):
     """One or more config problems, one line each."""
 
 
-def _unknown_keys(config, schema, prefix="") -> list[str]:
+def flat_keys(config, prefix: str = "") -> list[str]:
+    """Dotted names of every leaf key, e.g. `train.steps`, `model.rope_scaling.factor`."""
+    keys = []
+    for key in config.keys():
+        value = config[key]
+        keys += flat_keys(value, f"{prefix}{key}.") if isinstance(value, ConfigDict) else [f"{prefix}{key}"]
+    return keys
+
+
+def nearest_key(name: str, known) -> str | None:
+    matches = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _unknown_keys(config, schema, known_flat, prefix="") -> list[str]:
     errors = []
     for key in config.keys():
         path = f"{prefix}{key}"
         if key not in schema:
-            errors.append(f"{path}: unknown config key (known here: {', '.join(sorted(schema.keys()))})")
+            near = nearest_key(path, known_flat)
+            hint = f"; did you mean {near}?" if near else f" (known here: {', '.join(sorted(schema.keys()))})"
+            errors.append(f"{path}: unknown config key{hint}")
         elif isinstance(schema[key], ConfigDict) and isinstance(config[key], ConfigDict):
-            errors.extend(_unknown_keys(config[key], schema[key], path + "."))
+            errors.extend(_unknown_keys(config[key], schema[key], known_flat, path + "."))
     return errors
 
 
-def _choice(errors, key: str, value, choices):
-    if value not in choices:
-        errors.append(f"{key}={value!r} is not one of {tuple(choices)}")
+def _missing_keys(config, schema) -> list[str]:
+    present = set(flat_keys(config))
+    missing = [k for k in flat_keys(schema) if k not in present and not any(k.startswith(p + ".") for p in present)]
+    if not missing:
+        return []
+    return [
+        f"config lacks {', '.join(missing)} (model.model_type={config.model.get('model_type')!r} needs them); "
+        f"start from a config of that family (jaxpar.config.{config.model.get('model_type')}_model_config)"
+    ]
 
 
-def check(config, num_devices: int) -> dict[str, int]:
-    """Validates `config` for `num_devices`; returns the resolved mesh sizes."""
+def _type_name(kind) -> str:
+    return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(kind, kind.__name__)
+
+
+def _type_problems(config, schema, prefix: str = "") -> list[str]:
+    errors = []
+    for key in config.keys():
+        if key not in schema:
+            continue
+        value, path = config[key], f"{prefix}{key}"
+        if isinstance(schema[key], ConfigDict):
+            if isinstance(value, ConfigDict):
+                errors += _type_problems(value, schema[key], path + ".")
+            else:
+                errors.append(f"{path}={value!r} must be a section with keys {', '.join(sorted(schema[key].keys()))}")
+            continue
+        kind = schema.get_type(key)
+        if value is None and schema[key] is None:
+            continue  # an optional key (placeholder), unset
+        ok = {bool: lambda v: isinstance(v, bool), float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(
+            kind, lambda v: isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+        )(value)
+        if not ok:
+            errors.append(f"{path}={value!r} must be {_type_name(kind)}")
+    return errors
+
+
+def _config_problems(config, num_devices: int, platform: str | None) -> tuple[list[str], dict | None, bool]:
+    """(problems, mesh sizes or None, whether model and train sizes are sane enough to read data with)."""
     try:
         fam = family(config.model.get("model_type", "llama"))
     except UnknownFamily as e:
-        raise ConfigError(str(e)) from None
+        return [f"{e}; set model.model_type"], None, False
     schema = base_config()
     schema.model = fam.schema()
-    errors = _unknown_keys(config, schema)
+    known = flat_keys(base_config()) + [k for f in FAMILIES.values() for k in flat_keys(ConfigDict({"model": f.schema()}))]
+    errors = _unknown_keys(config, schema, set(known)) + _missing_keys(config, schema)
+    errors += [] if errors else _type_problems(config, schema)
+    if errors:  # the remaining checks read values of the right keys and types
+        return errors, None, False
     try:
         mesh = resolve_mesh_shape(config.mesh, num_devices)
     except MeshError as e:
         errors.append(str(e))
-    if errors:  # unknown keys or a bad mesh make the rest meaningless
-        raise ConfigError("\n".join(errors))
-
+        mesh = None
     train, parallel = config.train, config.parallel
-    errors += data.checks(config, mesh)
-    errors += fam.checks(config.model, mesh)
-    errors += tensor.checks(config, mesh)
-    errors += zero.checks(config, mesh)
-    errors += pipeline.checks(config, mesh, has_aux_losses=fam.aux_losses is not None)
-    _choice(errors, "parallel.remat", parallel.remat, REMAT_POLICIES)
-    _choice(errors, "parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
-    for key in ("compute_dtype", "param_dtype"):
-        _choice(errors, f"train.{key}", train[key], DTYPES)
-    if train.seq_len > config.model.max_position_embeddings:
+    ranges = model_ranges(config.model) + train_ranges(train) + checkpoint_checks(config.checkpoint)
+    sane = not ranges  # sizes >= 1: the divisibility checks below can run
+    errors += ranges
+    if sane:
+        # Without a valid mesh, the model alone (all axes 1): the family's own divisibilities.
+        errors += fam.checks(config.model, mesh or dict.fromkeys(MESH_AXES, 1))
+    if sane and mesh is not None:
+        errors += data.checks(config, mesh)
+        errors += tensor.checks(config, mesh)
+        errors += zero.checks(config, mesh)
+        errors += pipeline.checks(config, mesh, has_aux_losses=fam.aux_losses is not None)
+        if mesh[CONTEXT] > 1:
+            errors.append(f"mesh.{CONTEXT}={mesh[CONTEXT]}: context parallelism is not available yet; set mesh.{CONTEXT}=1")
+    errors += one_of("parallel.remat", parallel.remat, REMAT_POLICIES)
+    errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
+    errors += train_choices(train)
+    if parallel.attention_impl == "cudnn" and platform is not None:
+        if platform != "gpu":
+            errors.append(f"parallel.attention_impl='cudnn' needs a GPU but this run has {platform} devices; set it to 'auto' or 'xla'")
+        elif train.compute_dtype not in CUDNN_DTYPES:
+            errors.append(f"parallel.attention_impl='cudnn' needs train.compute_dtype in {CUDNN_DTYPES}; set it to 'auto' or 'xla'")
+    if sane and train.seq_len > config.model.max_position_embeddings:
         errors.append(f"train.seq_len={train.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}")
-    if mesh[CONTEXT] > 1:
-        errors.append(f"mesh.{CONTEXT}={mesh[CONTEXT]}: context parallelism is not available yet; set mesh.{CONTEXT}=1")
     errors += validate_data_config(config)
+    return list(dict.fromkeys(errors)), mesh, sane
+
+
+def check(config, num_devices: int, platform: str | None = None) -> dict[str, int]:
+    """Validates `config` for `num_devices` devices of `platform` ("cpu", "gpu", "tpu"; None: skip
+    the backend-dependent checks); returns the resolved mesh sizes."""
+    errors, mesh, _ = _config_problems(config, num_devices, platform)
     if errors:
         raise ConfigError("\n".join(errors))
     return mesh
 
 
-__all__ = ["ConfigError", "check"]
+@dataclass(frozen=True)
+class Preflight:
+    mesh: dict[str, int]
+    workdir: workdirs.WorkdirPlan
+
+
+def check_run(
+    config, workdir: str, num_devices: int, platform: str | None, *, overwrite: bool = False, owns_workdir: bool = True
+) -> Preflight:
+    """The whole run's preflight (module docstring); raises ConfigError with every problem.
+    `owns_workdir=False` (processes other than 0, which never write it): the workdir is not inspected."""
+    errors, mesh, sane = _config_problems(config, num_devices, platform)
+    if sane:
+        errors += corpus_problems(config)
+    if owns_workdir:
+        plan, workdir_problems = workdirs.inspect(config, workdir, overwrite=overwrite)
+    else:
+        plan, workdir_problems = workdirs.WorkdirPlan(workdir, workdirs.checkpoint_dir(config, workdir), None, False, ()), []
+    hf_dir = config.train.init_from_hf if sane else ""
+    if hf_dir and os.path.isdir(hf_dir) and plan is not None and plan.resume_step is None:
+        errors += hf_problems(hf_dir, config.model)
+    errors = list(dict.fromkeys(errors + workdir_problems))
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return Preflight(mesh, plan)
+
+
+__all__ = ["ConfigError", "Preflight", "check", "check_run", "flat_keys", "nearest_key"]

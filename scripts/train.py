@@ -1,36 +1,83 @@
-"""Train a model from a config file.
+"""Train a model from a config file; resume a workdir's run; never clobber one.
 
-  python scripts/train.py --config=configs/llama_tiny.py --workdir=/tmp/run \
-      [--config.train.steps=50 ...] [--cpu_devices=8]
+  python scripts/train.py --config=configs/llama_tiny.py --workdir=/tmp/run \\
+      [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite]
+
+Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
+problem on stderr; 1 a checkpoint could not be written or read; 3 stopped for non-finite values;
+130 / 143 interrupted by SIGINT / SIGTERM (after a final checkpoint).
+Multi-process: see `--help` and README ("Multi-process runs").
 """
 
-from absl import app, flags
-from ml_collections import config_flags
+from __future__ import annotations
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for config.json and metrics.jsonl.")
-_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "Emulate this many CPU devices (0: the real devices).")
-flags.mark_flags_as_required(["config", "workdir"])
+import os
+import sys
+
+EXIT_USAGE, EXIT_CHECKPOINT, EXIT_NONFINITE = 2, 1, 3
 
 
-def main(argv):
-    del argv
+def _error(message: str) -> None:
+    for line in str(message).splitlines():
+        print(f"error: {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        from jaxpar.train import cli
+
+        args, config = cli.read(argv)
+        if args.help:
+            print(cli.USAGE)
+            return 0
+    except KeyboardInterrupt:
+        print("interrupted before the run started; nothing was written", file=sys.stderr)
+        return 130
+    except cli.UsageError as e:
+        _error(e)
+        return EXIT_USAGE
+    return run(args, config)
+
+
+def run(args, config) -> int:
     import jax
 
-    if _CPU_DEVICES.value:
-        # Must happen before the first jax call creates the backends.
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+    from jaxpar import distributed
+    from jaxpar.checkpoint import CheckpointError
     from jaxpar.preflight import ConfigError
     from jaxpar.train.loop import train
+    from jaxpar.train.nonfinite import NonFiniteStop
+    from jaxpar.train.signals import Interrupted
+    from jaxpar.train.workdir import WorkdirBusy
 
     try:
-        history = train(_CONFIG.value, _WORKDIR.value)
-    except ConfigError as e:
-        raise app.UsageError(f"config error:\n{e}") from None
-    if history:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        if args.cpu_devices and not os.environ.get("JAX_NUM_CPU_DEVICES"):
+            # Must happen before the first jax call creates the backends.
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        history = train(config, args.workdir, overwrite=args.overwrite)
+    except (ConfigError, WorkdirBusy, distributed.DistributedError) as e:
+        _error(e)
+        return EXIT_USAGE
+    except CheckpointError as e:
+        _error(e)
+        return EXIT_CHECKPOINT
+    except NonFiniteStop as e:
+        _error(e)
+        return EXIT_NONFINITE
+    except Interrupted as e:
+        print(e, file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted before training started; nothing of an earlier run was changed", file=sys.stderr)
+        return 130
+    if history and jax.process_index() == 0:
         print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

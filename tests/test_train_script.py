@@ -18,10 +18,16 @@ def test_train_script_on_emulated_devices(tmp_path):
         "--config.parallel.zero_stage=1", "--config.train.compute_dtype=bfloat16",
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT  # this checkout's jaxpar, not an installed one
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh: data=2 pipeline=1 context=1 expert=1 tensor=2 on 4 cpu devices" in done.stdout
     assert "per device: params" in done.stdout and "optimizer state" in done.stdout
+    # stdout is a pipe, not a terminal: plain lines every train.log_every steps, no progress-bar redraws.
+    assert "\r" not in done.stdout and [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == [
+        "1/4", "2/4", "3/4", "4/4"
+    ]
+    assert "jax 0." in done.stdout and "mesh axes across processes: none" in done.stdout
     config = json.loads((workdir / "config.json").read_text())
     assert config["train"]["steps"] == 4 and config["mesh"]["tensor"] == 2
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -37,7 +43,7 @@ def test_train_script_rejects_bad_config_before_compiling(tmp_path):
         f"--config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}", f"--workdir={tmp_path}",
         "--cpu_devices=4", "--config.mesh.data=1", "--config.mesh.tensor=3",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    assert "mesh" in done.stderr and "config error" in done.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: mesh") and len(done.stderr.splitlines()) == 1, done.stderr
+    assert os.listdir(tmp_path) == []

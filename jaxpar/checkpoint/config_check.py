@@ -1,10 +1,11 @@
 """Is a checkpoint's saved config compatible with the config of the run that wants to resume from it?
 
-The model section must match exactly (same architecture, same parameter shapes and meaning). How the
-run is laid out (mesh, parallel), how long it runs (train.steps) and where it checkpoints may change
-freely: restoring onto a different mesh is supported. Other differences (data, batch size, seed,
-learning-rate schedule, ...) are allowed but reported, since the resumed run then no longer equals
-an uninterrupted one.
+The model and data sections must match exactly (same architecture, same parameter shapes and
+meaning; the same corpus, so the saved data position means the same thing). How the run is laid out
+(mesh, parallel), how long it runs (train.steps), how it logs, reacts to non-finite steps and
+checkpoints may change freely: restoring onto a different mesh is supported. Other differences
+(batch size, seed, learning-rate schedule, ...) are allowed but reported, since the resumed run then
+no longer equals an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from typing import Any
 
 from jaxpar.checkpoint.errors import CheckpointError
 
-MUST_MATCH = ("model",)
-FREE = ("mesh", "parallel", "checkpoint", "train.steps", "train.log_every")
+# Config sections (written as key prefixes) a resumed run must share with its checkpoint.
+MUST_MATCH = ("model.", "data.")
+FREE = (
+    "mesh", "parallel", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
+    "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf",
+)
 _ABSENT = object()
 
 
@@ -39,7 +44,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _under(name: str, sections) -> bool:
-    return any(name == s or name.startswith(s + ".") for s in sections)
+    return any(name == s.rstrip(".") or name.startswith(s.rstrip(".") + ".") for s in sections)
 
 
 def _describe(names, saved, current) -> str:
@@ -48,17 +53,18 @@ def _describe(names, saved, current) -> str:
 
 
 def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint: str) -> list[str]:
-    """Raises CheckpointError (one line) if the model sections differ; returns one-line notes for the
-    other differing keys that change what an uninterrupted run would have done."""
+    """Raises CheckpointError (one line) if the model or data sections differ; returns one-line notes
+    for the other differing keys that change what an uninterrupted run would have done."""
     saved_flat, current_flat = _flatten(as_dict(saved)), _flatten(as_dict(current))
     differing = sorted(
         n for n in saved_flat.keys() | current_flat.keys() if saved_flat.get(n, _ABSENT) != current_flat.get(n, _ABSENT)
     )
-    model = [n for n in differing if _under(n, MUST_MATCH)]
-    if model:
+    fixed = [n for n in differing if _under(n, MUST_MATCH)]
+    if fixed:
+        sections = " and ".join(s.rstrip(".") for s in MUST_MATCH if any(_under(n, (s,)) for n in fixed))
         raise CheckpointError(
-            f"checkpoint {checkpoint} was saved with a different model: {_describe(model, saved_flat, current_flat)}; "
-            f"resuming needs the same config.model"
+            f"checkpoint {checkpoint} was saved with a different {sections}: "
+            f"{_describe(fixed, saved_flat, current_flat)}; resuming needs the same {' and '.join('config.' + s.rstrip('.') for s in MUST_MATCH)}"
         )
     noted = [n for n in differing if not _under(n, FREE)]
     if not noted:

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxpar.checkpoint.config_check import as_dict
@@ -109,6 +110,11 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     return registry
 
 
+def is_remote(directory: str) -> bool:
+    """gs://, s3:// and the like (paths Orbax reaches through etils.epath, not the local filesystem)."""
+    return "://" in directory
+
+
 def abstract_state(shapes, shardings):
     """The restore target: `shapes` (e.g. `jax.eval_shape(program.init)`) with each leaf's sharding
     from `shardings` (e.g. `program.state_shardings`, possibly of another mesh than the saving run's)."""
@@ -166,9 +172,9 @@ class Checkpoints:
         if keep is not None and keep < 1:
             raise CheckpointError(f"checkpoint.keep={keep} must be >= 1 (or None to keep every checkpoint)")
         # Orbax needs an absolute path: a relative one fails only later, in the background commit thread.
-        self.directory = os.path.abspath(directory)
+        self.directory = directory if is_remote(directory) else os.path.abspath(directory)
         self.every_steps, self.keep, self.read_only, self.verify = int(every_steps), keep, read_only, verify
-        if read_only and not os.path.isdir(self.directory):
+        if read_only and not epath.Path(self.directory).is_dir():
             raise CheckpointError(f"checkpoint.dir={self.directory} does not exist")
         self.incomplete = self._find_incomplete()
         removal = "" if read_only else "; Orbax removes it in the background"
@@ -190,7 +196,7 @@ class Checkpoints:
     # -- listing ---------------------------------------------------------------------------
 
     def _find_incomplete(self) -> tuple[str, ...]:
-        if not os.path.isdir(self.directory):
+        if not epath.Path(self.directory).is_dir():
             return ()
         names = ocp.path.step.tmp_checkpoints(self.directory)
         return tuple(
@@ -286,7 +292,7 @@ class Checkpoints:
 
     def _try_restore(self, step: int, abstract_state) -> tuple[Restored | None, str]:
         path = self.path(step)
-        has_integrity = os.path.isdir(os.path.join(path, INTEGRITY))
+        has_integrity = (epath.Path(path) / INTEGRITY).is_dir()
         items = {
             STATE: ocp.args.StandardRestore(abstract_state),
             DATA: ocp.args.JsonRestore(),
@@ -321,10 +327,10 @@ class Checkpoints:
     def _quarantine(self, step: int) -> str:
         """Renames an unreadable checkpoint out of Orbax's sight (kept for inspection) and returns the new path."""
         target = self.path(step) + UNREADABLE_SUFFIX
-        if os.path.exists(target):
+        if epath.Path(target).exists():
             target += f"-{int(time.time())}"
         if jax.process_index() == 0:
-            os.rename(self.path(step), target)
+            epath.Path(self.path(step)).rename(target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxpar-checkpoint-quarantine-{step}")
         self._manager.reload()

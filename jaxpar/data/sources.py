@@ -9,6 +9,10 @@
   Not capped by `max_corpus_bytes` (that cap is for the built-in corpus only).
 - "tokens": `data.path` is a flat binary file of `data.token_dtype` integers, memory-mapped read-only so
   corpora larger than RAM work.
+
+`corpus_problems(config)` is the preflight of the corpus itself: it opens the source and checks it
+holds enough tokens for one global batch and (for "tokens") that its ids lie in [0, vocab_size) —
+every id of a small file, evenly spaced blocks of a large one (`RANGE_SAMPLE_BLOCKS`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sysconfig
 
 import numpy as np
 
+from jaxpar.data.prepare import token_file_problems
 from jaxpar.data.tokenizer import ByteTokenizer
 
 SOURCES = ("stdlib", "text", "tokens")
@@ -27,6 +32,11 @@ SEPARATOR = b"\n\n"
 
 # Stdlib dirs whose content varies by build/install (site-packages) or is test code.
 _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+# Token files up to this many tokens are range-checked in full (64M uint16 ids: ~0.1 s); larger ones
+# by RANGE_SAMPLE_BLOCKS evenly spaced blocks of RANGE_BLOCK_TOKENS ids, first and last included.
+RANGE_FULL_TOKENS = 1 << 26
+RANGE_SAMPLE_BLOCKS = 64
+RANGE_BLOCK_TOKENS = 1 << 16
 
 
 def _sorted_files(root: str, skip_dir, keep_file) -> list[str]:
@@ -56,22 +66,96 @@ def _join(root: str, rel_paths: list[str], limit: int | None) -> bytes:
     return data if limit is None else data[:limit]
 
 
-def stdlib_corpus_bytes(max_bytes: int) -> bytes:
+def _stdlib_files() -> tuple[str, list[str]]:
     root = sysconfig.get_paths()["stdlib"]
     files = _sorted_files(
         root,
         skip_dir=lambda d: d in _STDLIB_SKIP_DIRS or d.startswith("."),
         keep_file=lambda n: n.endswith(".py"),
     )
-    return _join(root, files, max_bytes)
+    return root, files
+
+
+def _text_files(path: str) -> list[str]:
+    return _sorted_files(path, skip_dir=lambda d: d.startswith("."), keep_file=lambda n: not n.startswith("."))
+
+
+def stdlib_corpus_bytes(max_bytes: int) -> bytes:
+    return _join(*_stdlib_files(), max_bytes)
 
 
 def text_corpus_bytes(path: str) -> bytes:
     if os.path.isfile(path):
         with open(path, "rb") as f:
             return f.read()
-    files = _sorted_files(path, skip_dir=lambda d: d.startswith("."), keep_file=lambda n: not n.startswith("."))
-    return _join(path, files, None)
+    return _join(path, _text_files(path), None)
+
+
+def _joined_size(root: str, rel_paths: list[str]) -> int:
+    """len(_join(root, rel_paths, None)) from file sizes alone."""
+    sizes = [os.path.getsize(os.path.join(root, rel)) for rel in rel_paths]
+    return sum(sizes) + len(SEPARATOR) * max(len(sizes) - 1, 0)
+
+
+def corpus_tokens(data_config) -> int:
+    """How many tokens the source yields, from file sizes alone (byte sources: one token per byte)."""
+    source, path = data_config.source, str(data_config.path)
+    if source == "stdlib":
+        return min(_joined_size(*_stdlib_files()), int(data_config.max_corpus_bytes))
+    if source == "text":
+        return os.path.getsize(path) if os.path.isfile(path) else _joined_size(path, _text_files(path))
+    return os.path.getsize(path) // np.dtype(str(data_config.token_dtype)).itemsize
+
+
+def _blocks(count: int):
+    """[start, stop) spans of a token file to range-check: all of it, or evenly spaced blocks."""
+    if count <= RANGE_FULL_TOKENS:
+        return [(start, min(start + RANGE_FULL_TOKENS // 16, count)) for start in range(0, count, RANGE_FULL_TOKENS // 16)]
+    starts = np.linspace(0, count - RANGE_BLOCK_TOKENS, RANGE_SAMPLE_BLOCKS).astype(np.int64)
+    return [(int(s), int(s) + RANGE_BLOCK_TOKENS) for s in starts]
+
+
+def token_range_problems(path: str, token_dtype: str, vocab_size: int) -> list[str]:
+    """One line if a token file holds an id outside [0, vocab_size) (in full if small, else sampled)."""
+    tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
+    count = len(tokens)
+    spans = _blocks(count)
+    scope = f"all {count} ids" if count <= RANGE_FULL_TOKENS else f"{len(spans)} sampled blocks of {count} ids"
+    for start, stop in spans:
+        block = np.asarray(tokens[start:stop])
+        low, high = int(block.min()), int(block.max())
+        if high >= vocab_size or low < 0:
+            bad = high if high >= vocab_size else low
+            where = start + int(np.argmax(block == bad))
+            if bad >= 0:
+                return [
+                    f"data.path={path!r} holds token id {bad} at position {where}, not below model.vocab_size={vocab_size} "
+                    f"(checked {scope}); set model.vocab_size > {bad} or check data.token_dtype"
+                ]
+            return [f"data.path={path!r} holds negative token id {bad} at position {where} (checked {scope}); check data.token_dtype"]
+    return []
+
+
+def corpus_problems(config) -> list[str]:
+    """The corpus preflight: `validate_data_config`, then the source opened and checked for one
+    global batch of tokens and (token files) ids in [0, vocab_size) and the sidecar's word."""
+    errors = validate_data_config(config)
+    data, train = config.data, config.train
+    if errors:
+        return errors
+    if data.source == "tokens":
+        errors += token_file_problems(str(data.path), str(data.token_dtype), int(config.model.vocab_size))
+    available, width = corpus_tokens(data), train.seq_len + 1
+    if available // width < train.global_batch_size:
+        where = "the stdlib corpus" if data.source == "stdlib" else f"data.path={data.path!r}"
+        errors.append(
+            f"{where} holds {available} tokens = {available // width} windows of train.seq_len+1={width}, fewer than "
+            f"train.global_batch_size={train.global_batch_size}; use a larger corpus or lower train.seq_len / "
+            f"train.global_batch_size" + (" (or raise data.max_corpus_bytes)" if data.source == "stdlib" else "")
+        )
+    elif data.source == "tokens" and not errors:
+        errors += token_range_problems(str(data.path), str(data.token_dtype), int(config.model.vocab_size))
+    return errors
 
 
 def source_problems(data_config) -> list[str]:
@@ -86,6 +170,11 @@ def source_problems(data_config) -> list[str]:
     if source == "stdlib" and int(data.max_corpus_bytes) <= 0:
         errors.append(f"data.max_corpus_bytes={data.max_corpus_bytes} must be positive; set data.max_corpus_bytes")
     if source not in ("text", "tokens"):
+        if data.path and source in SOURCES:
+            errors.append(
+                f"data.path={data.path!r} is set but data.source={source!r} does not read it; "
+                f"set data.source='text' or 'tokens', or data.path=''"
+            )
         return errors
     path = str(data.path or "")
     kind = "a text file or folder" if source == "text" else "a flat binary token file"
@@ -93,6 +182,8 @@ def source_problems(data_config) -> list[str]:
         errors.append(f"data.path is empty but data.source={source!r} needs it; set data.path to {kind}")
     elif not os.path.exists(path):
         errors.append(f"data.path={path!r} does not exist; set data.path to {kind}")
+    elif not os.access(path, os.R_OK):
+        errors.append(f"data.path={path!r} is not readable; check its permissions")
     elif source == "tokens" and not os.path.isfile(path):
         errors.append(f"data.path={path!r} is not a file; set data.path to {kind}")
     elif source == "tokens" and dtype_name in TOKEN_DTYPES:

@@ -4,16 +4,23 @@
 shards) into a `config.model` ConfigDict and numpy float32 params; `save(path, model_config, params)`
 writes one that `transformers.<Arch>ForCausalLM.from_pretrained` loads. The family's adapter
 (its record in `jaxpar.models.families`) supplies the config converters and the layer table; the
-family-independent work is in `jaxpar.interop.hf_core`.
+family-independent work is in `jaxpar.interop.hf_core`. For models larger than one host's memory,
+`jaxpar.interop.sharded` reads straight onto a mesh, and `save` streams: params may be global
+jax.Arrays on any mesh, fetched one layer at a time into shards of at most `max_shard_bytes`.
+
+Every error names the file (and the tensor) at fault. `save` refuses a non-empty directory unless
+`overwrite=True`, which first removes an earlier checkpoint's config, index and shards there.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
@@ -21,10 +28,13 @@ from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
 
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
+SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
 
-def _adapter(model_type) -> hf_core.Adapter:
+
+def _adapter(model_type, where: str = "config.json") -> hf_core.Adapter:
     if model_type not in FAMILIES:
-        raise ValueError(f"model_type {model_type!r} is not supported (only {', '.join(sorted(FAMILIES))})")
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (only {', '.join(sorted(FAMILIES))})")
     return FAMILIES[model_type].hf
 
 
@@ -41,12 +51,23 @@ def _check_shapes(params, cfg) -> None:
         raise ValueError("params do not fit the model config: " + "; ".join(bad[:4]))
 
 
+def model_config(path) -> ConfigDict:
+    """The `config.model` of a transformers checkpoint directory (reads only config.json)."""
+    directory = os.fspath(path)
+    hf_config = hf_core.read_config(directory)
+    file = os.path.join(directory, hf_core.CONFIG_FILE)
+    adapter = _adapter(hf_config.get("model_type"), file)
+    try:
+        return adapter.to_model_config(hf_config)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
 def load(path) -> tuple[ConfigDict, dict]:
     """(config.model, numpy float32 params) from a transformers checkpoint directory."""
     directory = os.fspath(path)
-    hf_config = hf_core.read_config(directory)
-    adapter = _adapter(hf_config.get("model_type"))
-    cfg = adapter.to_model_config(hf_config)
+    cfg = model_config(directory)
+    adapter = FAMILIES[cfg.model_type].hf
     with hf_core.Checkpoint(directory) as get:
         params = hf_core.outer_from_hf(get, cfg)
         params["layers"] = hf_core.layers_from_hf(get, cfg, adapter.layer_table)
@@ -58,16 +79,99 @@ def load(path) -> tuple[ConfigDict, dict]:
     return cfg, params
 
 
-def save(path, model_config, params) -> None:
-    """Writes config.json + model.safetensors (float32) for `from_pretrained`; params: jax or numpy."""
+def _fetch(x) -> np.ndarray:
+    """A whole array on the host of every process (a global array is gathered over processes)."""
+    if isinstance(x, np.ndarray) or x.is_fully_addressable:
+        return np.asarray(x, np.float32)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True), np.float32)
+
+
+def _tensor_groups(params, cfg, adapter):
+    """[(names and shapes, producer)] in file order: the outer tensors, then one group per layer;
+    `producer()` computes that group's HF tensors (on device for jax params) only when called."""
+    outer = lambda p: hf_core.outer_to_hf(p, cfg)  # noqa: E731
+    groups = [(outer, lambda: outer(params))]
+    table, layers = adapter.layer_table, params["layers"]
+    for i in range(cfg.num_hidden_layers):
+        prefix = hf_core.LAYER_PREFIX.format(i)
+
+        def one_layer(layer, prefix=prefix):
+            return {name: w for path, entry in table.items() for name, w in entry.write(_at(layer, path), prefix, cfg).items()}
+
+        groups.append((one_layer, lambda i=i, f=one_layer: f(jax.tree.map(lambda x: x[i], layers))))
+    abstract = jax.eval_shape(lambda p: p, params)
+    first_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract["layers"])
+    shapes = [jax.eval_shape(groups[0][0], abstract)] + [jax.eval_shape(f, first_layer) for f, _ in groups[1:]]
+    return [(s, producer) for s, (_, producer) in zip(shapes, groups)]
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _plan_shards(groups, max_shard_bytes: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for shapes, _ in groups:
+        for name, s in shapes.items():
+            nbytes = int(np.prod(s.shape)) * 4
+            if current and size + nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+    return shards + [current]
+
+
+def _clear(directory: str) -> None:
+    """Removes an earlier checkpoint's files (config, weights, index, shards); keeps anything else."""
+    names = [hf_core.CONFIG_FILE, hf_core.WEIGHTS_FILE, hf_core.INDEX_FILE]
+    stale = [os.path.join(directory, n) for n in names] + glob.glob(os.path.join(directory, "model-*-of-*.safetensors"))
+    for file in stale:
+        if os.path.isfile(file):
+            os.remove(file)
+
+
+def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Writes config.json + float32 safetensors for `from_pretrained`: one model.safetensors, or
+    shards of at most `max_shard_bytes` with an index. `params`: numpy, or jax.Arrays on any mesh
+    (every process must call; process 0 writes)."""
     directory, cfg = os.fspath(path), model_config
     adapter = _adapter(cfg.model_type)
-    params = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
     _check_shapes(params, cfg)
-    tensors = {**hf_core.outer_to_hf(params, cfg), **hf_core.layers_to_hf(params["layers"], cfg, adapter.layer_table)}
-    os.makedirs(directory, exist_ok=True)
-    tensors = {name: np.ascontiguousarray(w) for name, w in tensors.items()}
-    save_file(tensors, os.path.join(directory, hf_core.WEIGHTS_FILE), metadata={"format": "pt"})
+    if os.path.isfile(directory):
+        raise FileExistsError(f"{directory} is a file; save into a directory")
+    if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
+        raise FileExistsError(f"{directory} is not empty; pass overwrite=True (convert.py --overwrite) to replace the checkpoint in it")
+    writer = jax.process_index() == 0
+    if writer:
+        os.makedirs(directory, exist_ok=True)
+        _clear(directory)
+    groups = _tensor_groups(params, cfg, adapter)
+    shards = _plan_shards(groups, max_shard_bytes)
+    files = [hf_core.WEIGHTS_FILE] if len(shards) == 1 else [SHARD_FILE.format(i + 1, len(shards)) for i in range(len(shards))]
+    file_of = {name: file for names, file in zip(shards, files) for name in names}
+    pending: dict[str, dict] = {file: {} for file in files}
+    left = {file: len(names) for names, file in zip(shards, files)}
+    total = 0
+    for _, producer in groups:  # one group (a layer) on the host at a time, plus the shard being filled
+        for name, w in producer().items():
+            array = np.ascontiguousarray(_fetch(w))
+            total += array.nbytes
+            file = file_of[name]
+            pending[file][name] = array
+            left[file] -= 1
+            if left[file] == 0:
+                if writer:
+                    save_file(pending[file], os.path.join(directory, file), metadata={"format": "pt"})
+                pending[file] = {}
+    if not writer:
+        return
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
+        with open(os.path.join(directory, hf_core.INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
     hf_config = dict(architectures=[adapter.hf_class], model_type=cfg.model_type, **adapter.to_hf_config(cfg))
     with open(os.path.join(directory, hf_core.CONFIG_FILE), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)

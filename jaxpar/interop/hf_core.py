@@ -65,7 +65,7 @@ class Weight:
         try:
             return self.layout.to_jax(w, cfg)
         except ValueError as e:  # a reshape that the config's head sizes do not fit
-            raise ValueError(f"{name} {w.shape} does not fit the model config: {e}") from None
+            raise ValueError(f"{get.where(name)}: tensor {name} {w.shape} does not fit the model config: {e}") from None
 
     def write(self, w: np.ndarray, prefix: str, cfg) -> dict[str, np.ndarray]:
         return {prefix + self.hf: self.layout.to_hf(w, cfg)}
@@ -183,20 +183,39 @@ def read_config(directory: str) -> dict:
     file = os.path.join(directory, CONFIG_FILE)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{directory}: no {CONFIG_FILE}")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _open(file: str):
+    """safe_open with a one-line error naming the file (truncated files fail here: the header's
+    offsets go past the end)."""
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: the file is unusable either way
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{file} is not a readable safetensors file ({first})") from None
 
 
 def _weight_map(directory: str) -> dict[str, str]:
     """Tensor name -> safetensors file; the single file wins over an index, as in transformers."""
     single, index = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, INDEX_FILE)
     if os.path.isfile(single):
-        with safe_open(single, framework="numpy") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     if not os.path.isfile(index):
         raise FileNotFoundError(f"{directory}: no {WEIGHTS_FILE} or {INDEX_FILE} (safetensors only)")
-    with open(index) as f:
-        files = {name: os.path.join(directory, shard) for name, shard in json.load(f)["weight_map"].items()}
+    try:
+        with open(index) as f:
+            files = {name: os.path.join(directory, shard) for name, shard in json.load(f)["weight_map"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index ({type(e).__name__}: {e})") from None
     missing = sorted(os.path.basename(p) for p in set(files.values()) if not os.path.isfile(p))
     if missing:
         raise FileNotFoundError(f"{directory}: shards named in {INDEX_FILE} are missing: {missing}")
@@ -211,14 +230,28 @@ class Checkpoint(contextlib.ExitStack):
         self.directory, self.file_of = directory, _weight_map(directory)
         self.read, self._handles = set(), {}
 
-    def __call__(self, name: str) -> np.ndarray:
+    def _handle(self, name: str):
         if name not in self.file_of:
             raise ValueError(f"{self.directory}: checkpoint has no tensor {name!r}")
         file = self.file_of[name]
         if file not in self._handles:
-            self._handles[file] = self.enter_context(safe_open(file, framework="numpy"))
+            self._handles[file] = self.enter_context(_open(file))
         self.read.add(name)
-        return self._handles[file].get_tensor(name).astype(np.float32)
+        return self._handles[file]
+
+    def __call__(self, name: str) -> np.ndarray:
+        handle = self._handle(name)
+        try:
+            return handle.get_tensor(name).astype(np.float32)
+        except Exception as e:  # noqa: BLE001 - a damaged file: name it and the tensor
+            raise ValueError(f"{self.where(name)}: cannot read tensor {name} ({e})") from None
+
+    def get_slice(self, name: str):
+        """safetensors' lazy slice of `name`: indexing it reads only those bytes."""
+        return self._handle(name).get_slice(name)
+
+    def where(self, name: str) -> str:
+        return self.file_of.get(name, self.directory)
 
     def has(self, name: str) -> bool:
         return name in self.file_of
@@ -231,21 +264,24 @@ class Checkpoint(contextlib.ExitStack):
 # ---- Param trees ----
 
 
-def _pad_vocab(w: np.ndarray, name: str, cfg) -> np.ndarray:
+def _pad_vocab(w: np.ndarray, name: str, cfg, where: str) -> np.ndarray:
     """[vocab, D] -> [padded vocab, D] with zero rows."""
     if w.shape[0] != cfg.vocab_size:
-        raise ValueError(f"{name} has {w.shape[0]} rows but vocab_size is {cfg.vocab_size}")
+        raise ValueError(f"{where}: tensor {name} has {w.shape[0]} rows but vocab_size is {cfg.vocab_size}")
     return np.pad(w, ((0, padded_vocab_size(cfg.vocab_size) - cfg.vocab_size), (0, 0)))
+
+
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 
 
 def outer_from_hf(get, cfg) -> dict:
     """Everything outside the decoder layers (shared by Llama and Mixtral)."""
     params = {
-        "embed": {"weight": _pad_vocab(get("model.embed_tokens.weight"), "model.embed_tokens.weight", cfg)},
-        "final_norm": {"weight": get("model.norm.weight")},
+        "embed": {"weight": _pad_vocab(get(EMBED), EMBED, cfg, get.where(EMBED))},
+        "final_norm": {"weight": get(FINAL_NORM)},
     }
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"weight": _pad_vocab(get("lm_head.weight"), "lm_head.weight", cfg).T}
+        params["lm_head"] = {"weight": _pad_vocab(get(LM_HEAD), LM_HEAD, cfg, get.where(LM_HEAD)).T}
     return params
 
 

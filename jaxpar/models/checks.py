@@ -1,16 +1,48 @@
 """Config checks of the model families: what a `config.model` section must satisfy on its own and
 with the mesh axes only the family knows about (experts). One line per problem, naming the key.
+Ranges come first: a size of 0 would make the divisibility checks meaningless (or divide by zero),
+so when any range is wrong only the range problems are reported.
 Checks of a parallelism's own divisibilities live in its `jaxpar.parallel` module."""
 
 from __future__ import annotations
 
 from jaxpar.config import ROPE_TYPES, head_dim_of
 from jaxpar.parallel import expert
+from jaxpar.ranges import at_least, one_of, positive
+
+SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings",
+)
+
+
+def llama_ranges(model) -> list[str]:
+    errors = []
+    for key in SIZES:
+        errors += at_least(f"model.{key}", model[key], 1)
+    if model.head_dim is not None:
+        errors += at_least("model.head_dim", model.head_dim, 1)
+    for key in ("rms_norm_eps", "rope_theta", "initializer_range"):
+        errors += positive(f"model.{key}", model[key])
+    rope = model.rope_scaling
+    errors += one_of("model.rope_scaling.rope_type", rope.rope_type, ROPE_TYPES)
+    if rope.rope_type == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            errors += positive(f"model.rope_scaling.{key}", rope[key])
+        errors += at_least("model.rope_scaling.original_max_position_embeddings", rope.original_max_position_embeddings, 1)
+        if rope.high_freq_factor <= rope.low_freq_factor:
+            errors.append(
+                f"model.rope_scaling.high_freq_factor={rope.high_freq_factor} must exceed "
+                f"model.rope_scaling.low_freq_factor={rope.low_freq_factor}"
+            )
+    return errors
 
 
 def llama(model, mesh: dict) -> list[str]:
     del mesh
-    errors = []
+    errors = llama_ranges(model)
+    if errors:
+        return errors
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     if heads % kv:
         errors.append(
@@ -21,22 +53,27 @@ def llama(model, mesh: dict) -> list[str]:
         errors.append(f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads={heads}; set model.head_dim")
     elif head_dim_of(model) % 2:
         errors.append(f"head dim {head_dim_of(model)} must be even for RoPE; change model.head_dim")
-    rope_type = model.rope_scaling.rope_type
-    if rope_type not in ROPE_TYPES:
-        errors.append(f"model.rope_scaling.rope_type={rope_type!r} is not one of {ROPE_TYPES}")
     return errors
 
 
-def mixtral(model, mesh: dict) -> list[str]:
-    errors = llama(model, mesh)
+def mixtral_ranges(model) -> list[str]:
+    errors = llama_ranges(model)
     experts, top_k = model.num_local_experts, model.num_experts_per_tok
-    if experts < 1:
-        errors.append(f"model.num_local_experts={experts} must be >= 1")
-    else:
-        errors += expert.checks(model, mesh)
+    errors += at_least("model.num_local_experts", experts, 1)
     if not 1 <= top_k <= max(experts, 1):
         errors.append(f"model.num_experts_per_tok={top_k} must be between 1 and model.num_local_experts={experts}")
     for key in ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"):
-        if model[key] < 0:
-            errors.append(f"model.{key}={model[key]} must be >= 0")
+        errors += at_least(f"model.{key}", model[key], 0)
     return errors
+
+
+def ranges(model) -> list[str]:
+    """The range problems of a `config.model` section of either family (empty: every size is usable)."""
+    return mixtral_ranges(model) if model.model_type == "mixtral" else llama_ranges(model)
+
+
+def mixtral(model, mesh: dict) -> list[str]:
+    errors = mixtral_ranges(model)
+    if errors:
+        return errors
+    return llama(model, mesh) + expert.checks(model, mesh)

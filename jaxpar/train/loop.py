@@ -1,19 +1,41 @@
-"""The training loop: preflight, build, then step, log and report."""
+"""The training loop: preflight, lock, build, resume or init, compile, then step, record, save.
+
+Order matters for never losing data: everything a run reads is checked first (`preflight.check_run`,
+no writes); then the workdir is locked; the program is built, the state restored (newest complete
+checkpoint that fits) or initialised, and the step compiled. Only then — the run is known to start —
+is anything of an earlier run touched: `--overwrite` clears it, or a resumed `metrics.jsonl` is cut
+back to the restored step. Each step's bookkeeping is its own function (`_record`, `_after_step`),
+so the loop body stays a short list of calls.
+
+Checkpoint step numbers count the batches consumed (the data position), which is also the
+`step` field of metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps).
+Multi-process: every process runs the loop; logging, metrics and workdir files are written by
+process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
+"""
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
+import dataclasses
+import signal
 import time
 
 import jax
-from tqdm.auto import tqdm
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxpar import preflight
-from jaxpar.data import GlobalBatches, global_batch, load_tokens
+from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
+from jaxpar.checkpoint.manager import is_remote
+from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
+from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe
+from jaxpar.train import workdir as workdirs
+from jaxpar.train.environment import report
+from jaxpar.train.nonfinite import NonFiniteGuard
+from jaxpar.train.progress import Progress
 from jaxpar.train.setup import build, bytes_per_device
-
+from jaxpar.train.signals import Interrupted, StopSignals
 
 # Metrics every step reports; anything else a model reports (MoE router stats) is logged as is.
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps")
@@ -34,46 +56,243 @@ def memory_report(program) -> str:
     return f"per device: params {_human(params)}, optimizer state {_human(opt)}"
 
 
-def train(config, workdir: str, devices=None, progress: bool = True) -> list[dict]:
-    """Trains for `config.train.steps` steps; returns the per-step metrics it also writes to
-    `workdir/metrics.jsonl`."""
+def _agree(ok: bool) -> list[int]:
+    """Indices of the processes where `ok` is False (every process gets the same list)."""
+    if jax.process_count() == 1:
+        return [] if ok else [0]
+    flags = np.asarray(multihost_utils.process_allgather(np.asarray([ok], np.int32), tiled=True))
+    return [i for i, flag in enumerate(flags) if not flag]
+
+
+def _run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.Preflight:
+    """check_run on every process (only process 0 decides about the workdir, which only it writes),
+    then one verdict for all: a process whose own checks passed still stops if another's failed."""
+    error = None
+    try:
+        run = preflight.check_run(
+            config, workdir, len(devices), devices[0].platform, overwrite=overwrite, owns_workdir=jax.process_index() == 0
+        )
+    except preflight.ConfigError as e:
+        error, run = e, None
+    failed = _agree(error is None)
+    if error is not None:
+        raise error
+    if failed:
+        raise preflight.ConfigError(f"process(es) {failed} refused the run; see their errors")
+    if jax.process_count() > 1:  # everyone follows process 0's decisions (it alone inspected the workdir)
+        plan = run.workdir
+        step = -1 if plan.resume_step is None else plan.resume_step
+        step, overwrite = (int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray([step, plan.overwrite], np.int64)))
+        run = dataclasses.replace(run, workdir=dataclasses.replace(plan, resume_step=None if step < 0 else step, overwrite=bool(overwrite)))
+    return run
+
+
+def _lock(workdir: str) -> workdirs.WorkdirLock | None:
+    lock, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = workdirs.WorkdirLock(workdir).acquire()
+        except workdirs.WorkdirBusy as e:
+            error = e
+    failed = _agree(error is None)
+    if error is not None:
+        raise error
+    if failed:
+        raise workdirs.WorkdirBusy(f"--workdir={workdir} is in use by another run (see process 0's error)")
+    if lock is not None and lock.stale:
+        print(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
+    return lock
+
+
+def train(config, workdir: str, devices=None, *, overwrite: bool = False, progress: bool = True) -> list[dict]:
+    """Trains to `config.train.steps` steps (resuming from WORKDIR's checkpoints when they fit);
+    returns the metrics of the steps run here, which it also appends to WORKDIR/metrics.jsonl.
+
+    Raises ConfigError (bad input, nothing written), WorkdirBusy, CheckpointError, NonFiniteStop or
+    Interrupted (after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
-    preflight.check(config, len(devices))
-    train_cfg = config.train
-    batches = GlobalBatches(load_tokens(config.data), train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
+    run = _run_preflight(config, workdir, devices, overwrite)
+    lock = _lock(workdir)
+    try:
+        with StopSignals() as signals:
+            return _train(config, run, devices, signals, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the loop body needs besides the state (built once)."""
+
+    config: object
+    plan: workdirs.WorkdirPlan
+    program: object
+    iterator: BatchIterator
+    checkpoints: Checkpoints | None
+    corpus_tokens: int
+    metrics: workdirs.MetricsLog | None = None
+    progress: Progress | None = None
+    guard: NonFiniteGuard | None = None
+
+
+def _say(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, flush=True)
+
+
+def _open_checkpoints(config, plan: workdirs.WorkdirPlan) -> Checkpoints:
+    section = config.checkpoint
+    keep = int(section.keep) or None  # 0: keep every checkpoint
+    return Checkpoints(plan.checkpoint_dir, every_steps=int(section.every_steps), keep=keep, async_save=bool(section.async_save))
+
+
+def _restore(run: _Run):
+    """(state, data position) from the newest readable checkpoint, straight onto this run's shardings."""
+    program = run.program
+    restored = run.checkpoints.restore(None, abstract_state(jax.eval_shape(program.init), program.state_shardings))
+    # A fallback may have landed on an older checkpoint: its config must fit too.
+    for note in compare_configs(restored.config, run.config.to_json_best_effort(), checkpoint=restored.path):
+        _say(note)
+    saved_tokens = restored.data_state.get("corpus_tokens")
+    if saved_tokens is not None and saved_tokens != run.corpus_tokens:
+        raise CheckpointError(workdirs.corpus_changed_problem(restored.path, saved_tokens, run.corpus_tokens))
+    _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
+    return restored.state, int(restored.data_state["step"])
+
+
+def _initial_state(run: _Run):
+    hf_dir = run.config.train.init_from_hf
+    if not hf_dir:
+        return run.program.init()
+    params = load_params_onto(hf_dir, run.config.model, run.program.state_shardings.params, run.config.train.param_dtype)
+    _say(f"initial params from transformers checkpoint {hf_dir}")
+    return run.program.init_from_params(params)
+
+
+def _start(run: _Run, resume_step: int | None) -> None:
+    """The run is known to start (state ready, step compiled): now touch the workdir."""
+    writer = jax.process_index() == 0
+    if writer and run.plan.overwrite:
+        workdirs.clear_earlier_run(run.plan)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxpar-workdir-ready")
+    if run.checkpoints is None:
+        run.checkpoints = _open_checkpoints(run.config, run.plan)
+    if writer:
+        workdirs.write_config(run.plan.workdir, run.config)
+    run.metrics = workdirs.MetricsLog(run.plan.workdir, resume_step, writer=writer)
+
+
+def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, progress: bool) -> list[dict]:
+    plan, train_cfg = pre.workdir, config.train
+    for note in plan.notes:
+        _say(note)
+    if not is_remote(plan.checkpoint_dir):
+        check_shared_storage(plan.checkpoint_dir)
+    tokens = load_tokens(config.data)
+    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
     program = build(config, devices)
-    print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
-    print(memory_report(program))
-
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
-
-    state = program.init()
-    tokens_per_step = train_cfg.global_batch_size * train_cfg.seq_len
+    if jax.process_index() == 0:
+        for line in report(program.mesh):
+            print(line)
+        print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
+        print(memory_report(program), flush=True)
+    resuming = plan.resume_step is not None
+    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, len(tokens))
+    if resuming:
+        run.checkpoints = _open_checkpoints(config, plan)
+        state, start = _restore(run)
+    else:
+        state, start = _initial_state(run), 0
+    run.iterator.set_state({"step": start})
+    if start >= train_cfg.steps:
+        _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
+        run.checkpoints.close()
+        return []
+    batch_shape = jax.ShapeDtypeStruct(batches.shape, np.int32, sharding=program.batch_sharding)
+    step_fn = program.step.lower(state, batch_shape).compile()
+    _start(run, start if resuming else None)
+    run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
+    run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=progress and jax.process_index() == 0)
     history = []
-    fp16 = train_cfg.compute_dtype == "float16"
-    bar = tqdm(range(train_cfg.steps), disable=not progress or jax.process_index() != 0, desc="train")
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as log:
-        for step in bar:
-            start = time.perf_counter()
-            state, metrics = program.step(state, global_batch(batches, step, program.batch_sharding))
-            metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
-            seconds = time.perf_counter() - start
-            record = {
-                "step": step + 1,
-                "loss": float(metrics["loss"]),
-                "grad_norm": float(metrics["grad_norm"]),
-                "learning_rate": float(metrics["learning_rate"]),
-                "tokens_per_sec": tokens_per_step / seconds,
-            }
-            if fp16:
-                record["loss_scale"] = float(metrics["loss_scale"])
-                record["skipped_steps"] = int(metrics["skipped_steps"])
-            record.update({k: v.tolist() for k, v in metrics.items() if k not in STEP_METRICS})
-            history.append(record)
-            if jax.process_index() == 0:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    try:
+        with signals.deferred():
+            for step in range(start + 1, train_cfg.steps + 1):
+                started = time.perf_counter()
+                state, metrics = step_fn(state, next(run.iterator))
+                metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
+                record = _record(step, metrics, time.perf_counter() - started, batches, config)
+                history.append(record)
+                _after_step(run, step, state, record, metrics, signals)
+        _save(run, train_cfg.steps, state, force=True)
+        _wait(run, train_cfg.steps)
+    finally:
+        _finish(run)
     return history
+
+
+def _record(step: int, metrics: dict, seconds: float, batches: GlobalBatches, config) -> dict:
+    """The metrics.jsonl line of one step."""
+    record = {
+        "step": step,
+        "loss": float(metrics["loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        "learning_rate": float(metrics["learning_rate"]),
+        "tokens_per_sec": batches.global_batch_size * batches.seq_len / seconds,
+        "skipped_steps": int(metrics["skipped_steps"]),
+    }
+    if config.train.compute_dtype == "float16":
+        record["loss_scale"] = float(metrics["loss_scale"])
+    record.update({k: v.tolist() for k, v in metrics.items() if k not in STEP_METRICS})
+    return record
+
+
+def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signals: StopSignals) -> None:
+    """Log, then stop for non-finite values (before any save), save if due, stop if signalled."""
+    run.metrics.write(record)
+    run.progress.update(record)
+    run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
+    _save(run, step, state)
+    signum = signals.agreed()
+    if signum is not None:
+        _save(run, step, state, force=True)
+        _wait(run, step)
+        path = run.checkpoints.path(step)
+        name = signal.Signals(signum).name
+        raise Interrupted(signum, f"interrupted by {name} after step {step}: checkpoint {path} saved; rerun the same command to resume")
+
+
+def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
+    data_state = {**run.iterator.get_state(), "corpus_tokens": run.corpus_tokens}
+    with _naming_failures(run, step):
+        run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+
+
+def _wait(run: _Run, step: int) -> None:
+    with _naming_failures(run, step):
+        run.checkpoints.wait()
+
+
+@contextlib.contextmanager
+def _naming_failures(run: _Run, step: int):
+    """A failed (background) write surfaces at the next save or wait: one line naming the directory."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore / OS errors alike
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"writing checkpoints in {run.checkpoints.directory} failed at step {step} ({type(e).__name__}: {first})") from None
+
+
+def _finish(run: _Run) -> None:
+    if run.progress is not None:
+        run.progress.close()
+    if run.metrics is not None:
+        run.metrics.close()
+    if run.checkpoints is not None:
+        try:
+            run.checkpoints.close()  # waits for a save still being written
+        except Exception as e:  # noqa: BLE001 - do not hide the error that ended the run
+            _say(f"closing checkpoints failed ({type(e).__name__}: {e})")

@@ -1,4 +1,4 @@
-"""Dynamic loss scaling for fp16 training.
+"""Dynamic loss scaling for fp16 training, and the count of skipped (non-finite) steps in any dtype.
 
 The scale and the finite check are values of the global (SPMD) computation, so every device sees
 the same verdict: the finite check reduces over all gradient shards before anyone decides.
@@ -30,8 +30,8 @@ class LossScale:
         )
 
     def update(self, finite) -> "LossScale":
-        if not self.dynamic:
-            return self
+        if not self.dynamic:  # the scale stays 1; non-finite steps are still skipped and counted
+            return self.replace(skipped_steps=self.skipped_steps + (~finite).astype(jnp.int32))
         grow = finite & (self.good_steps + 1 >= self.period)
         scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale), jnp.maximum(self.scale / 2, 1.0))
         good = jnp.where(finite & ~grow, self.good_steps + 1, 0)

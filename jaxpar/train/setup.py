@@ -36,6 +36,7 @@ class TrainProgram:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]  # jitted; creates the state already sharded
+    init_from_params: Callable  # jitted params (on the param shardings) -> TrainState with fresh optimizer state
     step: Callable  # jitted (state, batch) -> (state, metrics); donates state
     step_with_grads: Callable  # the same step also returning the gradients (tests); compiled only if called
     tx: optax.GradientTransformation
@@ -87,9 +88,12 @@ def build(config, devices=None) -> TrainProgram:
     )
     model_config, seed = config.model, config.train.seed
 
-    def init_state():
-        params = jax.tree.map(lambda p: p.astype(param_dtype), models.init_params(model_config, seed))
+    def state_from_params(params):
+        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
+
+    def init_state():
+        return state_from_params(models.init_params(model_config, seed))
 
     opts = run_options(config, rules, plan)
     train_step = make_train_step(config.model, tx, schedule, opts, opt_param_shardings)
@@ -104,6 +108,7 @@ def build(config, devices=None) -> TrainProgram:
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
         init=jax.jit(init_state, out_shardings=state_shardings),
+        init_from_params=jax.jit(state_from_params, in_shardings=(param_shardings,), out_shardings=state_shardings),
         step=jax.jit(
             lambda state, batch: train_step(state, batch)[:2],
             in_shardings=(state_shardings, batch_sharding),

@@ -56,7 +56,11 @@ def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shar
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            finite = all_finite(grads) if state.loss_scale.dynamic else jnp.asarray(True)
+            # One global verdict, inside the step (no extra host sync): a non-finite step leaves params
+            # and optimizer state as they were and is counted; the loop's policy decides what next
+            # (jaxpar.train.nonfinite). fp16 checks every gradient (overflow); otherwise the loss and
+            # the norm, already computed, cover every gradient element.
+            finite = jnp.isfinite(loss) & (all_finite(grads) if state.loss_scale.dynamic else jnp.isfinite(grad_norm))
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_state = TrainState(
                 step=state.step + finite.astype(jnp.int32),

@@ -1,0 +1,152 @@
+"""transformers checkpoints at scale: read straight onto a mesh in slices, written in shards, converted
+to and from training checkpoints, and every error naming the file and tensor.
+
+The reference is `hf.load` (whole tensors, checked against transformers in tests/test_hf_*.py): the
+sharded import must give the same bits on the mesh's shardings while reading only per-device blocks.
+"""
+
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxpar import models
+from jaxpar.interop import hf, sharded
+from jaxpar.train.loop import train
+from jaxpar.train.setup import build
+from tests import tiny
+from tests.test_bad_inputs import write
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FAMILIES = {
+    # vocab 250: padded to 256 inside the params, so the embedding / head blocks cross the padding.
+    "llama": (tiny.llama, {"data": 2, "tensor": 4}),
+    "mixtral": (tiny.mixtral, {"data": 2, "expert": 2, "tensor": 2}),
+}
+
+
+def random_params(model, seed: int):
+    """Distinct random values in every leaf (numpy: no compile), vocab padding rows zero as jaxpar keeps them."""
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32), models.param_shapes(model))
+    params["embed"]["weight"][model.vocab_size :] = 0
+    if "lm_head" in params:
+        params["lm_head"]["weight"][:, model.vocab_size :] = 0
+    return params
+
+
+def saved_checkpoint(directory, family: str, seed: int = 0, max_shard_bytes=150_000, **model_overrides):
+    make, _ = FAMILIES[family]
+    model = make(**model_overrides).model
+    hf.save(directory, model, random_params(model, seed), max_shard_bytes=max_shard_bytes)
+    return model
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sharded_import_equals_whole_tensor_load_and_reads_only_blocks(family, tmp_path, monkeypatch):
+    model = saved_checkpoint(tmp_path, family)
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json"), "expected a sharded checkpoint"
+    reads = []
+    read_block = sharded._rows_cols
+    monkeypatch.setattr(sharded, "_rows_cols", lambda get, name, rows, cols: reads.append((name, rows, cols)) or read_block(get, name, rows, cols))
+    make, mesh = FAMILIES[family]
+    config = tiny.with_overrides(make(), mesh, parallel={"zero_stage": 3})
+    program = build(config)
+    loaded = sharded.load_params_onto(str(tmp_path), model, program.state_shardings.params)
+    _, reference = hf.load(tmp_path)
+    for (path, got), want, sharding in zip(
+        jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(reference), jax.tree.leaves(program.state_shardings.params)
+    ):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
+        assert got.sharding == sharding
+    # q_proj of layer 0 is [8 heads x 16, 64]; heads split over tensor and (ZeRO-3) rows of D over data.
+    q = [(rows, cols) for name, rows, cols in reads if name == "model.layers.0.self_attn.q_proj.weight"]
+    t = mesh["tensor"]
+    assert len(set(q)) == t * 2 and {r[1] - r[0] for r, _ in q} == {128 // t} and {c[1] - c[0] for _, c in q} == {32}
+    assert all(rows != (0, 128) for rows, _ in q), "a whole tensor was read"
+
+
+def test_save_refuses_a_non_empty_directory_and_overwrite_removes_stale_shards(tmp_path):
+    model = saved_checkpoint(tmp_path, "llama")
+    shards = sorted(f for f in os.listdir(tmp_path) if f.startswith("model-"))
+    assert len(shards) > 1
+    (tmp_path / "tokenizer.json").write_text("{}")
+    params = random_params(model, 1)
+    with pytest.raises(FileExistsError, match=f"{tmp_path} is not empty; pass overwrite=True"):
+        hf.save(tmp_path, model, params)
+    hf.save(tmp_path, model, params, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    _, again = hf.load(tmp_path)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_load_errors_name_the_file_and_tensor(tmp_path):
+    saved_checkpoint(tmp_path, "llama", max_shard_bytes=10**9)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((30, 64), np.float32)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError) as error:
+        hf.load(tmp_path)
+    assert str(error.value).startswith(f"{weights}: tensor model.layers.1.self_attn.k_proj.weight (30, 64) does not fit")
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match=f"^{weights} is not a readable safetensors file"):
+        hf.load(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'config.json'} is not valid JSON"):
+        hf.load(tmp_path)
+
+
+def convert_script():
+    spec = importlib.util.spec_from_file_location("convert_script", os.path.join(ROOT, "scripts", "convert.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONVERT_CONFIG = """
+from tests import tiny
+def get_config():
+    return tiny.with_overrides(tiny.{family}(vocab_size=256), {mesh})  # byte-level corpus: vocab >= 256
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_convert_hf_to_checkpoint_and_back_is_exact(family, tmp_path, capsys):
+    saved_checkpoint(tmp_path / "hf", family, vocab_size=256)
+    config = write(tmp_path / "config.py", CONVERT_CONFIG.format(family=family, mesh=FAMILIES[family][1]))
+    convert = convert_script()
+    assert convert.main([f"--from_hf={tmp_path / 'hf'}", f"--to_checkpoint={tmp_path / 'ckpt'}", f"--config={config}"]) == 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["0"]
+    out = tmp_path / "back"
+    assert convert.main([f"--from_checkpoint={tmp_path / 'ckpt'}", f"--to_hf={out}", "--max_shard_bytes=200000"]) == 0
+    assert convert.main([f"--from_checkpoint={tmp_path / 'ckpt'}", f"--to_hf={out}"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --to_hf={out} is not empty; pass --overwrite to replace the checkpoint in it"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    cfg_a, params_a = hf.load(tmp_path / "hf")
+    cfg_b, params_b = hf.load(out)
+    assert cfg_a == cfg_b
+    for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.timeout(300)
+def test_training_from_a_transformers_checkpoint_starts_from_its_weights(tmp_path):
+    """HF weights = the seed-0 init: the first step must be bitwise the seed-0 run's."""
+    config = tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 2, "tensor": 4}, train={"steps": 1}, data={"max_corpus_bytes": 100_000})
+    hf.save(tmp_path / "hf", config.model, jax.device_get(models.init_params(config.model, 0)), max_shard_bytes=100_000)
+    from_hf = tiny.with_overrides(config, {"data": 2, "tensor": 4}, train={"init_from_hf": str(tmp_path / "hf"), "seed": 0})
+    (first,) = train(from_hf, str(tmp_path / "a"), progress=False)
+    (second,) = train(config, str(tmp_path / "b"), progress=False)
+    assert first["loss"] == second["loss"] and first["grad_norm"] == second["grad_norm"]
+    assert sharded.problems(str(tmp_path / "hf"), config.model) == []

@@ -1,0 +1,164 @@
+"""Resume through the training loop: the uninterrupted run is the reference.
+
+- same mesh: interrupted after step 3 and resumed, the 6 metrics lines are bitwise those of the
+  uninterrupted run (fp32, CPU), and the junk a crash left after the checkpoint in metrics.jsonl
+  is dropped (no duplicated or missing steps);
+- another mesh (data 2 x tensor 4 -> data 2 x tensor 2 x pipeline 2, and one device): restored onto
+  the new shardings, the run continues within 1e-4 of the reference; on one device the newest
+  checkpoint is damaged first, so the run names it, falls back to the previous one and redoes a step;
+- an incompatible model or data config, or the same data config over a corpus that changed, is
+  refused in one line naming the keys; `overwrite=True` replaces the earlier run instead.
+The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
+iterator's.
+The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
+changes nothing else.
+"""
+
+import glob
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.preflight import ConfigError
+from jaxpar.train.loop import train
+from tests import tiny
+
+MESH = {"data": 2, "tensor": 4}
+
+
+def write_tokens(path, count: int = 20_000) -> str:
+    ids = np.random.default_rng(0).integers(0, 256, count).astype(np.uint16)
+    ids.tofile(path)
+    with open(str(path) + ".json", "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": 256, "num_tokens": count}, f)
+    return str(path)
+
+
+TOKENS = {}  # the module's token file, written by the `runs` fixture
+
+
+def config(steps: int = 6, mesh=MESH, **train_overrides):
+    return tiny.with_overrides(
+        tiny.llama(vocab_size=256),
+        mesh,
+        data={"source": "tokens", "path": TOKENS["path"], "token_dtype": "uint16"},
+        train={"steps": steps, "final_learning_rate_fraction": 1.0, **train_overrides},
+        checkpoint={"every_steps": 2},
+    )
+
+
+def metrics(workdir) -> list[dict]:
+    # Strict JSON: a NaN token would raise here.
+    def reject(token):
+        raise ValueError(f"non-standard JSON token {token}")
+
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line, parse_constant=reject) for line in f]
+
+
+def without_timing(records):
+    return [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted reference, and a run stopped after step 3 (checkpoints 2 and 3)."""
+    root = tmp_path_factory.mktemp("resume")
+    TOKENS["path"] = write_tokens(root / "corpus.bin")
+    train(config(), str(root / "reference"), progress=False)
+    train(config(steps=3), str(root / "stopped"), progress=False)
+    return root
+
+
+@pytest.mark.timeout(300)
+def test_resume_on_the_same_mesh_is_bitwise_identical(runs, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "3"]
+    # What a crash after the last checkpoint leaves: lines past step 3, one cut short.
+    with open(workdir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 9.0}) + "\n" + '{"step": 5, "lo')
+    history = train(config(), str(workdir), progress=False)
+    assert [r["step"] for r in history] == [4, 5, 6]
+    reference, resumed = metrics(runs / "reference"), metrics(workdir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert without_timing(resumed) == without_timing(reference), "resumed losses differ from the uninterrupted run"
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "4", "6"]  # every 2 steps, the newest 3 kept
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh, devices", [({"data": 2, "tensor": 2, "pipeline": 2}, 8), ({}, 1)], ids=["dp2_tp2_pp2", "one_device"])
+def test_resume_onto_another_mesh(runs, tmp_path, mesh, devices, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    damaged = devices == 1
+    if damaged:  # truncate the largest data file of the newest checkpoint: the run must fall back to step 2
+        files = [f for f in glob.glob(str(workdir / "checkpoints" / "3" / "state" / "**" / "d" / "*"), recursive=True)]
+        victim = max(files, key=os.path.getsize)
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+    history = train(config(mesh=mesh), str(workdir), devices=jax.devices()[:devices], progress=False)
+    out = capsys.readouterr()
+    restored_step = 2 if damaged else 3
+    assert f"resumed from checkpoint {workdir / 'checkpoints' / str(restored_step)}" in out.out
+    if damaged:
+        assert os.path.isdir(workdir / "checkpoints" / "3.unreadable")
+    reference = metrics(runs / "reference")
+    resumed = metrics(workdir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert without_timing(resumed[:restored_step]) == without_timing(reference[:restored_step]), "lines before the checkpoint must stay as they were"
+    assert [r["step"] for r in history] == list(range(restored_step + 1, 7))
+    got = np.array([r["loss"] for r in history])
+    want = np.array([r["loss"] for r in reference[restored_step:]])
+    error = float(np.max(np.abs(got - want) / np.abs(want)))
+    print(f"resume onto {mesh or 'one device'}: max relative loss error {error:.2e} over steps {restored_step + 1}..6")
+    assert error <= 1e-4
+    np.testing.assert_allclose([r["grad_norm"] for r in history], [r["grad_norm"] for r in reference[restored_step:]], rtol=1e-4)
+
+
+def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    with open(workdir / "checkpoints" / "3" / "data_iterator" / "metadata") as f:
+        assert json.load(f) == {"step": 3, "corpus_tokens": 20_000}, "the token iterator's state is in the checkpoint"
+    before = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
+    other = config()
+    other.model.hidden_size = 128
+    other.data.path = write_tokens(tmp_path / "copy.bin")
+    with pytest.raises(ConfigError) as error:
+        train(other, str(workdir), progress=False)
+    (line,) = str(error.value).splitlines()
+    assert "model.hidden_size (saved 64, now 128)" in line and f"data.path (saved {TOKENS['path']!r}, now {other.data.path!r})" in line
+    assert "--overwrite" in line
+    # The same data config over a corpus that grew: the saved position would mean other tokens.
+    corpus = TOKENS["path"]
+    for file in (corpus, corpus + ".json"):
+        shutil.copy(file, file + ".orig")
+    write_tokens(corpus, 30_000)
+    try:
+        with pytest.raises(ConfigError) as error:
+            train(config(), str(workdir), progress=False)
+    finally:
+        for file in (corpus, corpus + ".json"):
+            os.replace(file + ".orig", file)
+    (line,) = str(error.value).splitlines()
+    assert "saved reading a corpus of 20000 tokens but the corpus now has 30000" in line, line
+    after = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
+    assert after == before
+
+
+@pytest.mark.timeout(300)
+def test_overwrite_replaces_the_earlier_run(runs, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    other = config(steps=2, seed=1)
+    other.model.num_hidden_layers = 1
+    history = train(other, str(workdir), overwrite=True, progress=False)
+    assert [r["step"] for r in history] == [1, 2]
+    assert [r["step"] for r in metrics(workdir)] == [1, 2]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
+    assert json.loads((workdir / "config.json").read_text())["model"]["num_hidden_layers"] == 1
