@@ -9,9 +9,9 @@ sources (`jaxpar.data.sources`); this module runs them all.
 
 from __future__ import annotations
 
+import jax
 from ml_collections import ConfigDict
 
-from jaxpar.axes import CONTEXT
 from jaxpar.config import DTYPES, base_config
 from jaxpar.data.sources import validate_data_config
 from jaxpar.mesh import MeshError, resolve_mesh_shape
@@ -19,6 +19,7 @@ from jaxpar.models.families import UnknownFamily, family
 from jaxpar.models.llama import REMAT_POLICIES
 from jaxpar.models.options import ATTENTION_IMPLS
 from jaxpar.parallel import data, tensor, zero
+from jaxpar.parallel.context import plan as context
 from jaxpar.parallel.pipeline import options as pipeline
 
 
@@ -70,8 +71,7 @@ def check(config, num_devices: int) -> dict[str, int]:
         _choice(errors, f"train.{key}", train[key], DTYPES)
     if train.seq_len > config.model.max_position_embeddings:
         errors.append(f"train.seq_len={train.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}")
-    if mesh[CONTEXT] > 1:
-        errors.append(f"mesh.{CONTEXT}={mesh[CONTEXT]}: context parallelism is not available yet; set mesh.{CONTEXT}=1")
+    errors += context.checks(config, mesh, backend=jax.default_backend())
     errors += validate_data_config(config)
     if errors:
         raise ConfigError("\n".join(errors))

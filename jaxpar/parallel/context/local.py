@@ -239,15 +239,20 @@ def ring_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block
 def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
                                block_kv=DEFAULT_BLOCK):
     """Swaps the sharded dimension from sequence to heads (all-to-all), attends over whole
-    sequences for 1/c of the heads, swaps back. Local query and key/value head counts must be
-    divisible by c. The all-to-alls are linear: autodiff transposes them into all-to-alls."""
+    sequences for 1/c of the heads, swaps back. The local query head count must be divisible by
+    c, the key/value head count divisible by c or a divisor of c: fewer KV heads than c are
+    repeated (adjacent copies, so each rank's query heads still meet their own KV head) before
+    the swap, as tensor parallelism does (the repeat's transpose sums dK, dV over the copies).
+    The all-to-alls are linear: autodiff transposes them into all-to-alls."""
     c = jax.lax.axis_size(axis_name)
     hq, hkv = q.shape[2], k.shape[2]
-    if hq % c or hkv % c:
+    if hq % c or (hkv % c and c % hkv):
         raise ValueError(
-            f"context attention all_to_all: {hq} query and {hkv} key/value heads per device must both be "
-            f"divisible by mesh.context={c}; use impl ring or all_gather"
+            f"context attention all_to_all: {hq} query heads per device must be divisible by mesh.context={c}, "
+            f"and {hkv} key/value heads divisible by it or a divisor of it; use impl ring or all_gather"
         )
+    if hkv < c:
+        k, v = jnp.repeat(k, c // hkv, axis=2), jnp.repeat(v, c // hkv, axis=2)
 
     def to_heads(x):  # [B, S/c, H, D] -> [B, S, H/c, D]; contiguous head groups keep GQA pairs together
         return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
