@@ -96,8 +96,12 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     # values as varying over `data` and its varying-axes checks fail (even with `data` manual),
     # hence check_vma=False. Gradients of the replicated expert weights are still summed over
     # `data` by shard_map's transpose.
-    rows = rules.spec(("batch",))
+    # Dropless: each token's output does not depend on which tokens share its device, so the
+    # sequence stays split (over `context`, by the rules) and manual too, not gathered for the sort.
+    # Capacity keeps the first C per whole row: the sequence stays whole there.
+    rows = rules.spec(("batch",) if capacity else ("batch", "seq"))
     batch_axes = () if rows[0] is None else rows[0] if isinstance(rows[0], tuple) else (rows[0],)
+    seq_axes = () if capacity or rows[1] is None else rows[1] if isinstance(rows[1], tuple) else (rows[1],)
     if EXPERT not in batch_axes:
         raise ValueError(f"expert parallelism needs {EXPERT!r} among the batch axes, got {batch_axes}")
     # The expert weights cross the shard_map boundary in fp32, so the gradient sum over `data`
@@ -115,7 +119,7 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
         mesh=rules.mesh,
         in_specs=(rows,) * 3 + (P(EXPERT),) * 3,
         out_specs=rows,
-        axis_names=set(batch_axes),
+        axis_names={*batch_axes, *seq_axes},
         check_vma=False,
     )(x, ids, weights, *experts)
 

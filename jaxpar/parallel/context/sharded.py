@@ -104,6 +104,10 @@ def model_attention(q, k, v, positions, *, rules, plan):
     under the per-replica accumulation's vmap, which drops `data` from the rules)."""
     ctx = plan.context
     if CONTEXT in manual_axes():
+        # Under ZeRO-3 the engine leaves the batch axes to the partitioner, which then gathers the
+        # microbatch over them in front of these collectives (correct, more traffic); a nested
+        # shard_map over the batch axes here fails to lower in jax 0.10.2 (the custom VJP's
+        # residuals get the wrong local shape).
         local = IMPLS[ctx.impl]
         return local(q, k, v, positions, positions, axis_name=CONTEXT, block_q=ctx.block, block_kv=ctx.block)
     rows = rules.spec(("batch",))[0]
