@@ -5,7 +5,10 @@ and enters a `jax.shard_map` that is manual over the batch axes (`data`, `expert
 with the partitioner, so the experts' hidden dimension is tensor-sharded as in the dense MLP. (Not
 over `expert` alone: with `data` left to the partitioner, Shardy all-gathers the data-sharded rows
 in front of every all-to-all, so each data replica would dispatch its whole data group's tokens.)
-Inside, a device holds R = B / (data·ep) rows and E / ep experts, ep = mesh.expert, and:
+With context parallelism the dropless mode keeps the sequence split over `context` (manual too:
+a token's output does not depend on which tokens share its device); capacity mode needs whole
+rows and leaves it to the partitioner, which gathers it. Inside, a device holds R = B / (data·ep)
+rows (of S / context tokens when dropless) and E / ep experts, ep = mesh.expert, and:
 
   1. sorts its (token, expert) assignments by expert (stable: token order within an expert);
   2. packs them into fixed-size buffers, one block per destination expert device;

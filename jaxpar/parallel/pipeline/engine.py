@@ -3,7 +3,10 @@
 What it shards: the decoder layers over `pipeline` (stage r holds its layers, see `layout.py`);
 embedding, final norm and LM head are replicated over `pipeline`.
 
-Manual axes: `pipeline`, plus the batch axes (`data`, `expert`) unless ZeRO-3 is on; tensor,
+Manual axes: `pipeline`, plus the batch axes (`data`, `expert`) unless ZeRO-3 is on, plus
+`context` with context parallelism (each context rank runs the schedule on its slice of the
+sequence; attention's all-gathers / all-to-alls over `context` run inside the stage branches,
+which every context rank of a pipeline rank takes together); tensor,
 sequence parallelism (and ZeRO-3's `data`) stay with the partitioner inside every stage, so PP
 composes with DP, ZeRO-1/3, TP, SP and expert-as-data. With manual batch axes every replica
 accumulates its own gradients over the m microbatches and they are reduced once, after the
@@ -32,7 +35,8 @@ not activations, so only the stash grows with m. The shared parameters' gradient
 over `pipeline` at the end (so tied embeddings just add the first and last stages').
 
 Proven equal to one device by `tests/test_pipeline.py` (every schedule, with data, expert-as-data,
-tensor + SP, ZeRO-1/3, remat, tied embeddings); the slot plan by `tests/test_pipeline_slots.py`.
+tensor + SP, ZeRO-1/3, remat, tied embeddings) and, with context parallelism, by
+`tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
 """
 
 from __future__ import annotations
