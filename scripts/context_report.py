@@ -179,6 +179,7 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     seqs = sorted({r["seq"] for r in rows})
+    sizes = sorted({r["c"] for r in rows if r["c"] > 1})
     fig, axes = plt.subplots(2, len(seqs), figsize=(5.5 * len(seqs), 8), squeeze=False)
     for j, seq in enumerate(seqs):
         mem, ratio = axes[0][j], axes[1][j]
@@ -194,6 +195,7 @@ def plot(rows, path):
         ratio.set(title=f"seq {seq}: attention bytes sent / attention FLOP", xlabel="mesh.context", ylabel="bytes per FLOP")
         for ax in (mem, ratio):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(c) for c in sizes])
             ax.legend()
             ax.grid(alpha=0.3)
     fig.tight_layout()

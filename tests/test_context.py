@@ -52,7 +52,8 @@ CASES = {
     "mixtral_c2_ring_balanced_expert2_data2": ("mixtral", {}, {}, {"context": 2, "expert": 2, "data": 2}, cp("ring")),
     # Inside pipeline stages (ring is refused there on CPU: see test_preflight_rejects_bad_context_configs).
     "pp2_1f1b_c2_all_gather_balanced_data2": (
-        "llama", {"num_hidden_layers": 4}, {}, {"pipeline": 2, "context": 2, "data": 2}, cp("all_gather", **pp("1f1b", 4))
+        "llama", {"num_hidden_layers": 4}, {}, {"pipeline": 2, "context": 2, "data": 2},
+        cp("all_gather", **pp("1f1b", 4)),
     ),
     "pp2_interleaved_c2_all_to_all_contiguous_tensor2": (
         "llama", {"num_hidden_layers": 4}, {}, {"pipeline": 2, "context": 2, "tensor": 2},
@@ -79,7 +80,8 @@ def test_matches_single_device(name, shared_cache):
 def test_plan_and_rules_shard_the_sequence():
     config = tiny.with_overrides(tiny.llama(), {"context": 4, "tensor": 2}, parallel=cp("ring", sequence_parallel=True))
     program = build(config, jax.devices())
-    assert (program.plan.context.size, program.plan.context.impl, program.plan.context.load_balance) == (4, "ring", True)
+    ctx = program.plan.context
+    assert (ctx.size, ctx.impl, ctx.load_balance) == (4, "ring", True)
     assert program.rules.spec(("batch", "seq")) == jax.sharding.PartitionSpec(("data", "expert"), "context")
     assert program.rules.spec(("batch", "act_seq"))[1] == ("context", "tensor")
     assert build(tiny.llama(), jax.devices()).plan.context is None
@@ -91,14 +93,18 @@ def test_plan_and_rules_shard_the_sequence():
 @pytest.mark.parametrize(
     "mesh, parallel, train, model, expected",
     [
-        ({"context": 4, "data": 2}, cp("ring"), {"seq_len": 20}, {}, "train.seq_len=20 is not divisible by 2 × mesh.context = 8"),
-        ({"context": 4, "data": 2}, cp("ring", False), {"seq_len": 18}, {}, "train.seq_len=18 is not divisible by mesh.context=4"),
+        ({"context": 4, "data": 2}, cp("ring"), {"seq_len": 20}, {},
+         "train.seq_len=20 is not divisible by 2 × mesh.context = 8"),
+        ({"context": 4, "data": 2}, cp("ring", False), {"seq_len": 18}, {},
+         "train.seq_len=18 is not divisible by mesh.context=4"),
         ({"context": 2, "tensor": 4}, cp("ring", sequence_parallel=True), {"seq_len": 20}, {},
          "train.seq_len=20 is not divisible by mesh.context × mesh.tensor = 8"),
-        ({"context": 8}, cp("all_to_all"), {}, {"num_attention_heads": 4, "head_dim": 16}, "parallel.context_impl='all_to_all' needs the 4 query heads"),
+        ({"context": 8}, cp("all_to_all"), {}, {"num_attention_heads": 4, "head_dim": 16},
+         "parallel.context_impl='all_to_all' needs the 4 query heads"),
         ({"context": 4, "data": 2}, cp("all_to_all"), {}, {"num_attention_heads": 12, "num_key_value_heads": 3},
          "parallel.context_impl='all_to_all' needs the 3 KV heads"),
-        ({"context": 2, "pipeline": 2}, cp("ring", **pp("1f1b", 2)), {}, {}, "parallel.context_impl='ring' with mesh.pipeline=2 deadlocks"),
+        ({"context": 2, "pipeline": 2}, cp("ring", **pp("1f1b", 2)), {}, {},
+         "parallel.context_impl='ring' with mesh.pipeline=2 deadlocks"),
         ({"context": 2}, cp("rings"), {}, {}, "parallel.context_impl='rings' is not one of"),
     ],
 )
