@@ -105,6 +105,10 @@ def base_config() -> ConfigDict:
             pipeline_schedule="1f1b",
             num_microbatches=0,  # per step, replacing train.grad_accum; 0 means mesh.pipeline
             virtual_stages=1,  # layer chunks per pipeline rank (> 1 only with interleaved_1f1b)
+            # Context parallelism (used when mesh.context > 1): all_gather | ring | all_to_all.
+            context_impl="all_gather",
+            context_load_balance=True,  # 2c chunks, rank r holds chunks r and 2c-1-r (causal balance)
+            context_block_size=512,  # query / key chunk of the flash-style attention (bounds temp memory)
         )
     )
 

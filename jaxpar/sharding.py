@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
+from jaxpar.axes import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR
 
 # The residual stream between blocks: [batch, sequence, embed].
 RESIDUAL = ("batch", "act_seq", "act_embed")
@@ -87,6 +87,9 @@ def constrain(rules: Rules | None, x, names):
 def rules_table(plan, *, zero_on_params: bool) -> dict:
     tensor = plan.tensor
     zero = (DATA,) if zero_on_params else ()
+    # Context parallelism splits the sequence of every activation (and of the batch's tokens,
+    # targets, positions) over `context`; sequence parallelism splits each shard over `tensor`.
+    context = (CONTEXT,) if plan.context is not None else ()
     return {
         # parameters
         "vocab": (TENSOR,),
@@ -101,8 +104,8 @@ def rules_table(plan, *, zero_on_params: bool) -> dict:
         "experts": (EXPERT,),
         # activations
         "batch": tuple(plan.batch_axes),
-        "seq": (),
-        "act_seq": (TENSOR,) if tensor.sequence_parallel else (),
+        "seq": context,
+        "act_seq": context + ((TENSOR,) if tensor.sequence_parallel else ()),
         "act_embed": (),
         "act_heads": (TENSOR,),
         "act_kv_heads": (TENSOR,),  # after `tensor.repeat_kv`, KV heads always divide over tensor

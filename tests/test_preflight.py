@@ -120,12 +120,13 @@ def test_unknown_keys_are_rejected():
     assert any(line.startswith("model.rope_scaling.fator: unknown config key") for line in lines)
 
 
-def test_unavailable_axes_and_missing_data_path():
+def test_indivisible_context_sequence_and_missing_data_path():
     c = small_config()
-    c.mesh.update(data=4, context=2)
+    c.mesh.update(data=2, context=4)
+    c.train.seq_len = 36  # divisible by 4, not by the 8 chunks of load balancing
     c.data.update(source="text", path="/nonexistent/corpus.txt")
     lines = errors_of(c)
-    assert any(line.startswith("mesh.context=2") for line in lines)
+    assert any(line.startswith("train.seq_len=36 is not divisible by 2 × mesh.context = 8") for line in lines)
     assert any("data.path" in line for line in lines)
 
 

@@ -106,7 +106,8 @@ def test_files_stay_small(folder):
 
 
 def test_each_parallelism_module_says_what_it_shards_and_which_test_proves_it():
-    homes = ["parallel/data.py", "parallel/zero.py", "parallel/tensor.py", "parallel/expert.py", "parallel/pipeline/engine.py"]
+    homes = ["parallel/data.py", "parallel/zero.py", "parallel/tensor.py", "parallel/expert.py", "parallel/pipeline/engine.py",
+             "parallel/context/__init__.py"]
     for home in homes:
         doc = ast.get_docstring(ast.parse((PACKAGE / home).read_text())) or ""
         assert "shard" in doc.lower() and "collective" in doc.lower(), home

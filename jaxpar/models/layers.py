@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import head_dim_of, padded_vocab_size
 from jaxpar.models.options import RunOptions
+from jaxpar.parallel.context.sharded import model_attention
 from jaxpar.parallel.tensor import repeat_kv
 from jaxpar.sharding import constrain
 
@@ -93,7 +94,10 @@ class Attention(nnx.Module):
             kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
             k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
             q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-            out = causal_attention(q, k, v, opts.attention_impl)
+            if opts.plan.context is not None:  # sequence split over devices: ring / all-gather / all-to-all
+                out = model_attention(q, k, v, positions, rules=rules, plan=opts.plan)
+            else:
+                out = causal_attention(q, k, v, opts.attention_impl)
             out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
             return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, self.o[...]), "o_proj")
 

@@ -5,7 +5,10 @@ and enters a `jax.shard_map` that is manual over the batch axes (`data`, `expert
 with the partitioner, so the experts' hidden dimension is tensor-sharded as in the dense MLP. (Not
 over `expert` alone: with `data` left to the partitioner, Shardy all-gathers the data-sharded rows
 in front of every all-to-all, so each data replica would dispatch its whole data group's tokens.)
-Inside, a device holds R = B / (data·ep) rows and E / ep experts, ep = mesh.expert, and:
+With context parallelism the dropless mode keeps the sequence split over `context` (manual too:
+a token's output does not depend on which tokens share its device); capacity mode needs whole
+rows and leaves it to the partitioner, which gathers it. Inside, a device holds R = B / (data·ep)
+rows (of S / context tokens when dropless) and E / ep experts, ep = mesh.expert, and:
 
   1. sorts its (token, expert) assignments by expert (stable: token order within an expert);
   2. packs them into fixed-size buffers, one block per destination expert device;
@@ -96,8 +99,12 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     # values as varying over `data` and its varying-axes checks fail (even with `data` manual),
     # hence check_vma=False. Gradients of the replicated expert weights are still summed over
     # `data` by shard_map's transpose.
-    rows = rules.spec(("batch",))
+    # Dropless: each token's output does not depend on which tokens share its device, so the
+    # sequence stays split (over `context`, by the rules) and manual too, not gathered for the sort.
+    # Capacity keeps the first C per whole row: the sequence stays whole there.
+    rows = rules.spec(("batch",) if capacity else ("batch", "seq"))
     batch_axes = () if rows[0] is None else rows[0] if isinstance(rows[0], tuple) else (rows[0],)
+    seq_axes = () if capacity or rows[1] is None else rows[1] if isinstance(rows[1], tuple) else (rows[1],)
     if EXPERT not in batch_axes:
         raise ValueError(f"expert parallelism needs {EXPERT!r} among the batch axes, got {batch_axes}")
     # The expert weights cross the shard_map boundary in fp32, so the gradient sum over `data`
@@ -115,7 +122,7 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
         mesh=rules.mesh,
         in_specs=(rows,) * 3 + (P(EXPERT),) * 3,
         out_specs=rows,
-        axis_names=set(batch_axes),
+        axis_names={*batch_axes, *seq_axes},
         check_vma=False,
     )(x, ids, weights, *experts)
 

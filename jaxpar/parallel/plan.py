@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpar.axes import DATA, MESH_AXES
+from jaxpar.parallel.context.plan import ContextPlan, context_plan
 from jaxpar.parallel.data import BATCH_AXES, GradientStrategy, gradient_strategy
 from jaxpar.parallel.pipeline.options import PipelineOptions, pipeline_options
 from jaxpar.parallel.tensor import TensorPlan, tensor_plan
@@ -24,8 +25,7 @@ class ParallelPlan:
     zero: ZeroPlan = field(default_factory=ZeroPlan)
     tensor: TensorPlan = field(default_factory=TensorPlan)
     pipeline: PipelineOptions | None = None  # None: mesh.pipeline == 1
-    # Context parallelism's decisions (implementation, load balancing) land here.
-    context: object = None
+    context: ContextPlan | None = None  # None: mesh.context == 1
 
     def size(self, axis: str) -> int:
         return dict(self.mesh_shape)[axis]
@@ -54,4 +54,5 @@ def make_plan(config, mesh: dict, *, has_aux_losses: bool) -> ParallelPlan:
         zero=zero,
         tensor=tensor_plan(config, mesh),
         pipeline=pipeline,
+        context=context_plan(config, mesh),
     )

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 
 from jaxpar import models
+from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.tensor import mean_cross_entropy
 
 
@@ -14,8 +15,10 @@ def model_loss(params, rows, rules, *, model_config, opts, scale):
     """(loss · scale, (loss, model metrics)) for token rows [B, S+1] (inputs and shifted targets),
     run with `rules` (the data-parallel path may drop axes from the run options' rules)."""
     opts = dataclasses.replace(opts, rules=rules)
-    logits, aux = models.apply(model_config, params, rows[:, :-1], opts)
+    # With context parallelism: in the order the sequence is sharded (load balancing), positions true.
+    tokens, targets, positions = split_rows(rows, opts.plan.context, rules)
+    logits, aux = models.apply(model_config, params, tokens, opts, positions)
     with jax.named_scope("loss"):
         extra, metrics = models.aux_losses(model_config, aux)
-        loss = mean_cross_entropy(logits, rows[:, 1:]) + extra
+        loss = mean_cross_entropy(logits, targets) + extra
     return loss * scale, (loss, metrics)

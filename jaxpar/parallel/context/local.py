@@ -21,7 +21,10 @@ import jax.numpy as jnp
 
 from jaxpar.parallel.context import blockwise as bw
 
-DEFAULT_BLOCK = 512  # query / key chunk: the largest score array is [B, Hkv, G, 512, 512] fp32
+# Query / key chunk: the largest score array is [B, Hkv, G, 512, 512] fp32. Measured on the train
+# step (scripts/context_report.py, S = 16384, c = 4, ring, 8 heads): temp 135, 135, 148, 245, 632
+# MiB per device for blocks 128, 256, 512, 1024, 2048 — below 512 other activations dominate.
+DEFAULT_BLOCK = 512
 
 
 def _rows(pos):
@@ -38,6 +41,10 @@ def _query_chunks(q, q_pos, num_kv_heads, block_q):
     b, s, hq, d = q.shape
     if hq % num_kv_heads:
         raise ValueError(f"attention: {hq} query heads are not a multiple of {num_kv_heads} key/value heads")
+    # Positions are the same in every layer: without tying them to this layer's q, the masks
+    # built from them are loop-invariant, and XLA hoists them out of the layer scan for every
+    # chunk pair at once — an [S/c, S] mask per head (measured: 512 MiB buffers at S = 8192).
+    q, q_pos = jax.lax.optimization_barrier((q, q_pos))
     cq = bw.chunk_size(s, block_q)
     q5 = q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
     return bw.split_chunks(q5, cq), bw.split_chunks(q_pos, cq)
@@ -239,15 +246,20 @@ def ring_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block
 def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
                                block_kv=DEFAULT_BLOCK):
     """Swaps the sharded dimension from sequence to heads (all-to-all), attends over whole
-    sequences for 1/c of the heads, swaps back. Local query and key/value head counts must be
-    divisible by c. The all-to-alls are linear: autodiff transposes them into all-to-alls."""
+    sequences for 1/c of the heads, swaps back. The local query head count must be divisible by
+    c, the key/value head count divisible by c or a divisor of c: fewer KV heads than c are
+    repeated (adjacent copies, so each rank's query heads still meet their own KV head) before
+    the swap, as tensor parallelism does (the repeat's transpose sums dK, dV over the copies).
+    The all-to-alls are linear: autodiff transposes them into all-to-alls."""
     c = jax.lax.axis_size(axis_name)
     hq, hkv = q.shape[2], k.shape[2]
-    if hq % c or hkv % c:
+    if hq % c or (hkv % c and c % hkv):
         raise ValueError(
-            f"context attention all_to_all: {hq} query and {hkv} key/value heads per device must both be "
-            f"divisible by mesh.context={c}; use impl ring or all_gather"
+            f"context attention all_to_all: {hq} query heads per device must be divisible by mesh.context={c}, "
+            f"and {hkv} key/value heads divisible by it or a divisor of it; use impl ring or all_gather"
         )
+    if hkv < c:
+        k, v = jnp.repeat(k, c // hkv, axis=2), jnp.repeat(v, c // hkv, axis=2)
 
     def to_heads(x):  # [B, S/c, H, D] -> [B, S, H/c, D]; contiguous head groups keep GQA pairs together
         return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)

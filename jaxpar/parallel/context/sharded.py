@@ -8,13 +8,15 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import CONTEXT, TENSOR
+from jaxpar.axes import CONTEXT, DATA, TENSOR
 from jaxpar.parallel.context.local import (
     DEFAULT_BLOCK,
     all_gather_attention_local,
     all_to_all_attention_local,
     ring_attention_local,
 )
+from jaxpar.parallel.data import GradientStrategy
+from jaxpar.parallel.manual import manual_axes
 
 IMPLS = {
     "all_gather": all_gather_attention_local,
@@ -67,10 +69,11 @@ def context_attention(
         raise ValueError(f"context attention: sequence length {s} is not divisible by mesh.{context_axis}={c}")
     if hq % t or hkv % t:
         raise ValueError(f"context attention: {hq} query / {hkv} key-value heads not divisible by mesh.{heads}={t}")
-    if impl == "all_to_all" and ((hq // t) % c or (hkv // t) % c):
+    if impl == "all_to_all" and ((hq // t) % c or ((hkv // t) % c and c % (hkv // t))):
         raise ValueError(
-            f"context attention all_to_all: {hq // t} query and {hkv // t} key/value heads per device must be "
-            f"divisible by mesh.{context_axis}={c}; use impl ring or all_gather"
+            f"context attention all_to_all: {hq // t} query heads per device must be divisible by "
+            f"mesh.{context_axis}={c}, and {hkv // t} key/value heads divisible by it or a divisor of it; "
+            "use impl ring or all_gather"
         )
     if positions.shape not in ((b, s), (s,)):
         raise ValueError(f"context attention: positions {positions.shape} must be [batch, seq] {(b, s)} or [seq]")
@@ -90,6 +93,30 @@ def context_attention(
         check_vma=False,
     )
     return sharded(q, k, v, positions)
+
+
+def model_attention(q, k, v, positions, *, rules, plan):
+    """What the model's attention layer runs when `plan.context` is set (a `ContextPlan`): q, k, v
+    and positions [B, S] laid out by the rules table (sequence over `context`, heads over
+    `tensor`). Inside a shard_map already manual over `context` (the pipeline engine) the
+    sequence is this rank's shard and the per-device kernel runs directly; otherwise
+    `context_attention` enters one, manual over the batch axes the rules name (and over `data`
+    under the per-replica accumulation's vmap, which drops `data` from the rules)."""
+    ctx = plan.context
+    if CONTEXT in manual_axes():
+        # Under ZeRO-3 the engine leaves the batch axes to the partitioner, which then gathers the
+        # microbatch over them in front of these collectives (correct, more traffic); a nested
+        # shard_map over the batch axes here fails to lower in jax 0.10.2 (the custom VJP's
+        # residuals get the wrong local shape).
+        local = IMPLS[ctx.impl]
+        return local(q, k, v, positions, positions, axis_name=CONTEXT, block_q=ctx.block, block_kv=ctx.block)
+    rows = rules.spec(("batch",))[0]
+    batch_axes = () if rows is None else rows if isinstance(rows, tuple) else (rows,)
+    vmapped = (DATA,) if plan.gradient is GradientStrategy.PER_REPLICA else ()
+    return context_attention(
+        q, k, v, positions, mesh=rules.mesh, impl=ctx.impl, batch_axes=batch_axes, vmapped_axes=vmapped,
+        block_q=ctx.block, block_kv=ctx.block,
+    )
 
 
 def load_balance_order(seq_len: int, c: int) -> np.ndarray:

@@ -3,7 +3,10 @@
 What it shards: the decoder layers over `pipeline` (stage r holds its layers, see `layout.py`);
 embedding, final norm and LM head are replicated over `pipeline`.
 
-Manual axes: `pipeline`, plus the batch axes (`data`, `expert`) unless ZeRO-3 is on; tensor,
+Manual axes: `pipeline`, plus the batch axes (`data`, `expert`) unless ZeRO-3 is on, plus
+`context` with context parallelism (each context rank runs the schedule on its slice of the
+sequence; attention's all-gathers / all-to-alls over `context` run inside the stage branches,
+which every context rank of a pipeline rank takes together); tensor,
 sequence parallelism (and ZeRO-3's `data`) stay with the partitioner inside every stage, so PP
 composes with DP, ZeRO-1/3, TP, SP and expert-as-data. With manual batch axes every replica
 accumulates its own gradients over the m microbatches and they are reduced once, after the
@@ -32,7 +35,8 @@ not activations, so only the stash grows with m. The shared parameters' gradient
 over `pipeline` at the end (so tied embeddings just add the first and last stages').
 
 Proven equal to one device by `tests/test_pipeline.py` (every schedule, with data, expert-as-data,
-tensor + SP, ZeRO-1/3, remat, tied embeddings); the slot plan by `tests/test_pipeline_slots.py`.
+tensor + SP, ZeRO-1/3, remat, tied embeddings) and, with context parallelism, by
+`tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import models
 from jaxpar.axes import PIPELINE
 from jaxpar.models.llama import default_positions
+from jaxpar.parallel.context.plan import sequence_axes
+from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
 from jaxpar.parallel.manual import vary_everywhere
 from jaxpar.parallel.pipeline.layout import from_stages, to_stages
@@ -67,10 +73,10 @@ class Carry(NamedTuple):
     loss: jax.Array  # fp32 sum of this rank's microbatch losses (last stage only)
 
 
-def _inner_opts(opts, batch_axes):
+def _inner_opts(opts, manual_axes):
     """Run options whose shardings name the shard_map's abstract mesh (pipeline, and the batch
-    axes when manual, are Manual there: constraints must not name them)."""
-    rules = opts.rules.without(*batch_axes).on(jax.sharding.get_abstract_mesh())
+    and sequence axes when manual, are Manual there: constraints must not name them)."""
+    rules = opts.rules.without(*manual_axes).on(jax.sharding.get_abstract_mesh())
     return dataclasses.replace(opts, rules=rules)
 
 
@@ -86,7 +92,8 @@ def _zeros_f32(tree):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
 
 
-def _engine(staged, shared, micro, tables, scale, *, plan, model_config, opts, shared_names, layer_names, batch_axes):
+def _engine(staged, shared, inputs, targets, positions, tables, scale, *, plan, model_config, opts, shared_names,
+            layer_names, batch_axes):
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
     dtype = opts.compute_dtype
     opts = _inner_opts(opts, batch_axes)
@@ -102,11 +109,11 @@ def _engine(staged, shared, micro, tables, scale, *, plan, model_config, opts, s
         lambda a, n: vary_everywhere(shared_rules.constrain(a.astype(dtype), n)), shared, shared_names,
         is_leaf=is_logical_names,
     )
-    # Inputs and targets split once here: slicing [S+1] rows inside a branch can make the
-    # partitioner emit a collective-permute there, which deadlocks ranks not taking the branch.
-    inputs = vary_everywhere(rules.constrain(micro[:, :, :-1], (None, "batch", None)))
-    targets = vary_everywhere(rules.constrain(micro[:, :, 1:], (None, "batch", None)))
-    positions = vary_everywhere(default_positions(inputs[0]))
+    # Inputs and targets are split from the [S+1] rows outside (slicing them inside a branch can
+    # make the partitioner emit a collective-permute there, which deadlocks ranks not taking it).
+    inputs = vary_everywhere(rules.constrain(inputs, (None, "batch", None)))
+    targets = vary_everywhere(rules.constrain(targets, (None, "batch", None)))
+    positions = vary_everywhere(positions)
     rows = {k: t[:, 0] for k, t in tables.items()}
     loss_cotangent = vary_everywhere((scale / m).astype(jnp.float32))
     act_shape = inputs.shape[1:] + (model_config.hidden_size,)
@@ -219,12 +226,20 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     staged = to_stages(params["layers"], logical["layers"], rules, p, v)
     shared = {k: a for k, a in params.items() if k != "layers"}
     micro = split_microbatches(batch, m, rules)
+    # Context parallelism: tokens in the plan's sequence order, split over `context`, which is
+    # manual here like the batch axes (every (replica, context rank) pair runs the schedule on its
+    # shard; attention's collectives over `context` run inside the stage branches).
+    inputs, targets, positions = split_rows(micro, opts.plan.context, rules, names=(None, "batch", "seq"))
+    positions = default_positions(inputs[0]) if positions is None else positions[0]
     tables = {k: jnp.asarray(plan.tables[k]) for k in FIELDS}
     shared_names = {k: n for k, n in logical.items() if k != "layers"}
     # Data-parallel replicas (manual batch axes) accumulate their own gradients and reduce them
     # once, after the engine, not once per microbatch inside it. ZeRO-3 leaves the batch axes to
     # the partitioner: gradients reduce-scatter per microbatch there, as in FSDP.
     batch_axes = () if opts.plan.zero.shard_params else tuple(opts.plan.batch_axes)
+    rows, seq = batch_axes or None, sequence_axes(opts.plan.context) or None
+    # Per (replica, context rank) partial results, averaged below: each holds the mean over its tokens.
+    batch_axes += sequence_axes(opts.plan.context)
     per_replica = batch_axes or None
     engine = functools.partial(
         _engine, plan=plan, model_config=model_config, opts=opts, shared_names=shared_names,
@@ -233,11 +248,13 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     run = jax.shard_map(
         engine,
         mesh=mesh,
-        in_specs=(P(PIPELINE), P(), P(None, per_replica), P(None, PIPELINE), P()),
+        in_specs=(P(PIPELINE), P(), P(None, rows, seq), P(None, rows, seq), P(rows, seq), P(None, PIPELINE), P()),
         out_specs=(P(), P(per_replica, PIPELINE), P(per_replica)),
         axis_names={PIPELINE, *batch_axes},
     )
-    loss, layer_grads, shared_grads = run(staged, shared, micro, tables, jnp.asarray(scale, jnp.float32))
+    loss, layer_grads, shared_grads = run(
+        staged, shared, inputs, targets, positions, tables, jnp.asarray(scale, jnp.float32)
+    )
     layer_grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), layer_grads)
     shared_grads = jax.tree.map(
         lambda g, n: rules.constrain(jnp.mean(g, axis=0), n), shared_grads, shared_names, is_leaf=is_logical_names

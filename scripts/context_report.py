@@ -1,0 +1,226 @@
+"""Context parallelism by the numbers: compiled per-device temp memory and collective bytes per
+train step for mesh.context = 1, 2, 4, 8 and each implementation, and communicated bytes per
+attention FLOP. Prints a table and writes a PNG.
+
+    python scripts/context_report.py [--seq_lens=4096,16384] [--contexts=1,2,4,8] [--out=context_report.png]
+
+Everything is read from compiled programs (nothing runs): `memory_analysis()` for temp bytes, and
+the HLO text for collectives — each op's per-device bytes sent (ring-algorithm counts: all-gather
+and all-to-all R·(n-1)/n of the result R, all-reduce 2R·(n-1)/n, reduce-scatter R·(n-1),
+collective-permute R) times the trip counts of the while loops around it. Ops in conditional
+branches are counted as if taken (an upper bound; the ring's permutes are never in a branch).
+"attention" collectives are those of the attention's shard_map; the rest are the gradient and loss
+reductions over `context` (parameters are replicated over it, as over data replicas).
+
+Attention FLOPs per step (model FLOPs, causal): forward 2 matmuls of 2·B·Hq·S²·D/2, backward
+twice the forward, per layer; per device divided by c. c = 1 runs XLA's one-device attention
+(a full [S, S] score matrix per head); c > 1 the chunked flash-style kernels
+(`parallel.context_block_size` bounds their score blocks).
+"""
+
+import collections
+import re
+import time
+
+from absl import app, flags
+
+_SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["1", "2", "4", "8"], "mesh.context sizes (c = 1: one device).")
+_IMPLS = flags.DEFINE_list("impls", ["all_gather", "ring", "all_to_all"], "parallel.context_impl values.")
+_BLOCK = flags.DEFINE_integer("block", 512, "parallel.context_block_size.")
+_LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
+_HIDDEN = flags.DEFINE_integer("hidden", 128, "Hidden size.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Query heads.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "Key/value heads (GQA).")
+_OUT = flags.DEFINE_string("out", "context_report.png", "PNG path ('' for none).")
+
+COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
+
+
+def make_config(seq_len: int, c: int, impl: str):
+    from jaxpar.config import base_config, llama_model_config
+
+    config = base_config()
+    config.model = llama_model_config(
+        vocab_size=256, hidden_size=_HIDDEN.value, intermediate_size=2 * _HIDDEN.value,
+        num_hidden_layers=_LAYERS.value, num_attention_heads=_HEADS.value, num_key_value_heads=_KV_HEADS.value,
+        head_dim=16, max_position_embeddings=seq_len,
+    )
+    config.train.update(global_batch_size=1, seq_len=seq_len, warmup_steps=0)
+    config.mesh.update(data=1, pipeline=1, context=c, expert=1, tensor=1)
+    config.parallel.update(context_impl=impl, context_block_size=_BLOCK.value)
+    return config
+
+
+def compile_step(config, devices):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar import preflight
+    from jaxpar.train.setup import build
+
+    preflight.check(config, len(devices))
+    program = build(config, devices)
+    state = jax.eval_shape(program.init)
+    batch = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len + 1), jnp.int32)
+    start = time.perf_counter()
+    compiled = program.step.lower(state, batch).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _result_bytes(result_type: str, asynchronous: bool) -> int:
+    arrays = re.findall(r"([a-z]+\d*)\[([\d,]*)\]", re.sub(r"/\*index=\d+\*/", "", result_type))
+    if asynchronous:  # a -start op's result is (operand, result): count the result only
+        arrays = arrays[-1:]
+    total = 0
+    for dtype, dims in arrays:
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def _group_size(line: str) -> int:
+    """Devices per replica group, from any of XLA's three spellings of replica_groups."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)  # mesh['a'=1,'b'=2] {'b'}
+    if mesh:
+        sizes = dict((name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        n = 1
+        for name in re.findall(r"'(\w+)'", mesh.group(2)):
+            n *= sizes[name]
+        return n
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
+    if iota:
+        return int(iota.group(1).split(",")[-1])
+    groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    return len(groups.group(1).split(",")) if groups else 1
+
+
+def _sent_bytes(op: str, result: int, n: int) -> float:
+    if op == "collective-permute":
+        return result
+    if n <= 1:
+        return 0.0
+    return {"all-gather": result * (n - 1) / n, "all-to-all": result * (n - 1) / n,
+            "all-reduce": 2 * result * (n - 1) / n, "reduce-scatter": result * (n - 1)}[op]
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """Per-device bytes sent per step by collectives, keyed "attention" / "other"."""
+    calls = collections.defaultdict(list)  # computation -> [(callee, times per call)]
+    ops = []  # (computation, kind, bytes per execution)
+    computation = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            computation = "ENTRY" if header.group(1) else header.group(2)
+            continue
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+        body = re.search(r"body=%([\w.\-]+)", line)
+        if body:
+            calls[computation].append((body.group(1), int(trips.group(1)) if trips else 1))
+        for kind, callee in re.findall(r"(calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", line):
+            calls[computation].append((callee, 1))
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            calls[computation].extend((callee, 1) for callee in re.findall(r"%([\w.\-]+)", group))
+        op = COLLECTIVE.search(line)
+        if op:
+            sent = _sent_bytes(op.group(2), _result_bytes(op.group(1), bool(op.group(3))), _group_size(line))
+            ops.append((computation, "attention" if "attention/shard_map" in line else "other", sent))
+    memo = {}
+
+    def executions(name):  # how often one step runs `name`
+        if name == "ENTRY":
+            return 1
+        if name not in memo:
+            memo[name] = sum(executions(caller) * n for caller, callees in calls.items() for callee, n in callees
+                             if callee == name)
+        return memo[name]
+
+    totals = collections.Counter()
+    for comp, kind, sent in ops:
+        totals[kind] += sent * executions(comp)
+    return totals
+
+
+def attention_flops_per_device(config, c: int) -> float:
+    m, s = config.model, config.train.seq_len
+    forward = 2 * (2 * config.train.global_batch_size * m.num_attention_heads * s * s * 16) / 2
+    return 3 * forward * m.num_hidden_layers / c
+
+
+def measure(seq_len: int, c: int, impl: str):
+    import jax
+
+    config = make_config(seq_len, c, impl)
+    compiled, seconds = compile_step(config, jax.devices()[:c])
+    comm = collective_bytes(compiled.as_text())
+    flops = attention_flops_per_device(config, c)
+    return dict(seq=seq_len, c=c, impl=impl if c > 1 else "one device", temp=compiled.memory_analysis().temp_size_in_bytes,
+                attn_bytes=comm["attention"], other_bytes=comm["other"], flops=flops,
+                ratio=comm["attention"] / flops, compile_s=seconds)
+
+
+HEADER = (f"{'seq':>6}{'c':>3}  {'impl':<11}{'temp MiB/dev':>13}{'attn comm MiB':>14}{'other comm MiB':>15}"
+          f"{'attn GFLOP/dev':>15}{'attn B/FLOP':>12}{'compile s':>10}")
+
+
+def row_text(r) -> str:
+    return (f"{r['seq']:>6}{r['c']:>3}  {r['impl']:<11}{r['temp'] / 2**20:>13.1f}{r['attn_bytes'] / 2**20:>14.2f}"
+            f"{r['other_bytes'] / 2**20:>15.2f}{r['flops'] / 1e9:>15.2f}{r['ratio']:>12.5f}{r['compile_s']:>10.1f}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = sorted({r["seq"] for r in rows})
+    sizes = sorted({r["c"] for r in rows if r["c"] > 1})
+    fig, axes = plt.subplots(2, len(seqs), figsize=(5.5 * len(seqs), 8), squeeze=False)
+    for j, seq in enumerate(seqs):
+        mem, ratio = axes[0][j], axes[1][j]
+        one = [r for r in rows if r["seq"] == seq and r["c"] == 1]
+        if one:
+            mem.axhline(one[0]["temp"] / 2**20, color="gray", linestyle="--", label="c=1 (XLA attention)")
+        for impl in _IMPLS.value:
+            sel = sorted((r for r in rows if r["seq"] == seq and r["impl"] == impl), key=lambda r: r["c"])
+            cs = [r["c"] for r in sel]
+            mem.plot(cs, [r["temp"] / 2**20 for r in sel], marker="o", label=impl)
+            ratio.plot(cs, [r["ratio"] for r in sel], marker="o", label=impl)
+        mem.set(title=f"seq {seq}: compiled temp memory per device", xlabel="mesh.context", ylabel="MiB", yscale="log")
+        ratio.set(title=f"seq {seq}: attention bytes sent / attention FLOP", xlabel="mesh.context", ylabel="bytes per FLOP")
+        for ax in (mem, ratio):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [str(c) for c in sizes])
+            ax.legend()
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv):
+    del argv
+    import jax
+
+    contexts = [int(c) for c in _CONTEXTS.value]
+    jax.config.update("jax_num_cpu_devices", max(contexts))
+    print(f"Llama {_LAYERS.value} layers, hidden {_HIDDEN.value}, {_HEADS.value} query / {_KV_HEADS.value} KV heads "
+          f"of 16, batch 1, fp32, block {_BLOCK.value}; per-device numbers from compiled train steps")
+    print(HEADER + "\n" + "-" * len(HEADER))
+    rows = []
+    for seq in (int(s) for s in _SEQ_LENS.value):
+        for c in contexts:
+            for impl in _IMPLS.value if c > 1 else _IMPLS.value[:1]:
+                rows.append(measure(seq, c, impl))
+                print(row_text(rows[-1]), flush=True)
+    if _OUT.value:
+        plot(rows, _OUT.value)
+        print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)
