@@ -6,7 +6,7 @@ Config files (`configs/*.py`) start from `base_config()` and override fields. Pr
 """
 
 import jax.numpy as jnp
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 from ml_collections.config_dict import placeholder
 
 from jaxpar.axes import DATA, MESH_AXES
@@ -105,6 +105,13 @@ def base_config() -> ConfigDict:
             pipeline_schedule="1f1b",
             num_microbatches=0,  # per step, replacing train.grad_accum; 0 means mesh.pipeline
             virtual_stages=1,  # layer chunks per pipeline rank (> 1 only with interleaved_1f1b)
+            # Layers per pipeline stage (per virtual stage when interleaved, in stage order), as a
+            # list or "21,20,20,19"; "auto": balanced by modelled cost (`parallel.pipeline.balance`).
+            pipeline_stage_layers=FieldReference("auto", field_type=object),
+            # Embedding / LM head with pipeline: "spread" (vocab-parallel over the pipeline ranks:
+            # 1/p of the tables and their work on each) or "ends" (whole tables on every rank, the
+            # first stage embeds, the last runs the head + loss).
+            pipeline_vocab="spread",
         )
     )
 
