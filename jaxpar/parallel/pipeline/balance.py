@@ -183,3 +183,19 @@ def cost_shares(costs: StageCosts, num_ranks: int) -> list[float]:
     """Each global stage's share of the total per-microbatch cost (sums to 1)."""
     totals = costs.totals(num_ranks)
     return [t / sum(totals) for t in totals]
+
+
+def split_report(model, seq_len: int, schedule: Schedule, split, placement: str = "spread") -> list[str]:
+    """Lines describing a split on a schedule: layers and cost share per stage, and the modelled
+    busy time per rank against the step time (lockstep SPMD, `schedule_times`)."""
+    p = schedule.num_ranks
+    costs = stage_costs(model, seq_len, split, p, split_backward=schedule.split_backward, placement=placement)
+    busy, total = schedule_times(schedule, costs)
+    shares = ", ".join(f"{100 * s:.1f}%" for s in cost_shares(costs, p))
+    return [
+        f"stage layers ({placement} vocab): {list(split)}",
+        f"cost share per stage (layers + vocab work, {layer_flops(model, seq_len) / 1e6:.1f} MFLOP/token per "
+        f"layer forward, {vocab_flops(model) / 1e6:.1f} vocab): [{shares}]",
+        "modelled busy time per rank / step time: [" + ", ".join(f"{b / total:.3f}" for b in busy) + "]"
+        f" (idle {1 - sum(busy) / (p * total):.3f})",
+    ]

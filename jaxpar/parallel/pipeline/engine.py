@@ -114,7 +114,7 @@ def _zeros(tree, lead=(), dtype=jnp.float32):
 
 
 def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, plan, layout, model_config, opts,
-            shared_names, batch_axes, plan_vocab):
+            shared_names, batch_axes, vocab):
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
     dtype, zero3 = opts.compute_dtype, opts.plan.zero.shard_params
     opts = dataclasses.replace(opts, rules=opts.rules.without(PIPELINE, *batch_axes).on(jax.sharding.get_abstract_mesh()))
@@ -140,7 +140,7 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
     replicas = jax.lax.psum(1, batch_axes) if batch_axes else 1
     act_shape = inputs.shape[1:] + (model_config.hidden_size,)
     any_layer = jax.tree.map(lambda a: a[0], staged)  # merge needs *some* layers to build the model
-    spread = plan_vocab == "spread"
+    spread = vocab == "spread"
     offset = shard_offset(shared["embed"]["weight"].shape[0]) if spread else 0
 
     def zeros_act(lead=()):
@@ -339,16 +339,14 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     replica_grads = lambda specs: jax.tree.map(  # noqa: E731
         lambda s: _per_replica(s, batch_axes), specs, is_leaf=lambda x: isinstance(x, P)
     )
-    layer_grad_specs = replica_grads(jax.tree.map(
-        lambda s: s if layout.sharded else P(None, *tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P)
-    ))
+    layer_grad_specs = replica_grads(layer_specs)  # the storage layout (split over `pipeline` or not)
     shared_grad_specs = jax.tree.map(  # split over `pipeline` ("spread" tables) or summed over it
         lambda s: _per_replica(s if PIPELINE in _spec_axes(s) else P(), batch_axes), shared_specs,
         is_leaf=lambda x: isinstance(x, P),
     )
     engine = functools.partial(
         _engine, plan=plan, layout=layout, model_config=model_config, opts=opts, shared_names=shared_names,
-        batch_axes=batch_axes, plan_vocab=pipe.vocab,
+        batch_axes=batch_axes, vocab=pipe.vocab,
     )
     run = jax.shard_map(
         engine,

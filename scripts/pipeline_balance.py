@@ -1,0 +1,107 @@
+"""Equal vs cost-balanced pipeline stages on a model whose vocab matters: the modelled per-rank
+busy time of the schedule table, and the measured train-step time on emulated CPU devices.
+
+    python scripts/pipeline_balance.py [--stages=2 --microbatches=4 --layers=8 --vocab_size=32000]
+
+Rows: both vocab placements ("ends": embedding on the first stage, LM head + loss on the last, as
+in the source article; "spread": vocab-parallel over the ranks, the default), each with the equal
+split and the `auto` split for that placement (and "spread" also with the split that balances
+"ends"). On CPU the emulated devices share the host's cores, so a measured step is closer to the
+total work of all ranks than to the slowest rank's: see the README's pipeline section.
+"""
+
+import statistics
+import time
+
+from absl import app, flags
+
+_STAGES = flags.DEFINE_integer("stages", 2, "Pipeline ranks p (one emulated device each).")
+_MICRO = flags.DEFINE_integer("microbatches", 4, "Microbatches m per step.")
+_SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Pipeline schedule.")
+_LAYERS = flags.DEFINE_integer("layers", 8, "Decoder layers.")
+_VOCAB = flags.DEFINE_integer("vocab_size", 32000, "Vocab size.")
+_HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden size.")
+_SEQ = flags.DEFINE_integer("seq_len", 128, "Sequence length.")
+_ROWS = flags.DEFINE_integer("microbatch_rows", 2, "Rows per microbatch.")
+_STEPS = flags.DEFINE_integer("steps", 7, "Timed steps after two warm-up steps (median reported).")
+
+
+def make_config(split, vocab: str):
+    from jaxpar.config import base_config, llama_model_config
+
+    c = base_config()
+    c.model = llama_model_config(
+        vocab_size=_VOCAB.value, hidden_size=_HIDDEN.value, intermediate_size=4 * _HIDDEN.value,
+        num_hidden_layers=_LAYERS.value, num_attention_heads=8, num_key_value_heads=4,
+        max_position_embeddings=_SEQ.value,
+    )
+    c.train.update(global_batch_size=_ROWS.value * _MICRO.value, seq_len=_SEQ.value, warmup_steps=0)
+    c.mesh.update(data=1, pipeline=_STAGES.value, context=1, expert=1, tensor=1)
+    c.parallel.update(pipeline_schedule=_SCHEDULE.value, num_microbatches=_MICRO.value, pipeline_vocab=vocab,
+                      pipeline_stage_layers=list(split))
+    return c
+
+
+def measure(config, devices) -> float:
+    import jax
+    import numpy as np
+
+    from jaxpar import preflight
+    from jaxpar.train.setup import build
+
+    preflight.check(config, len(devices))
+    program = build(config, devices)
+    state = program.init()
+    shape = (config.train.global_batch_size, config.train.seq_len + 1)
+    rng = np.random.default_rng(0)
+    batch = jax.device_put(rng.integers(0, config.model.vocab_size, shape, dtype=np.int32), program.batch_sharding)
+    times = []
+    for step in range(2 + _STEPS.value):
+        start = time.perf_counter()
+        state, metrics = program.step(state, batch)
+        jax.block_until_ready(metrics)
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv):
+    del argv
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", _STAGES.value)
+    from jaxpar.parallel.pipeline import balance
+    from jaxpar.parallel.pipeline.schedules import make_schedule
+
+    p, m = _STAGES.value, _MICRO.value
+    schedule = make_schedule(_SCHEDULE.value, p, m)
+    model = make_config((1,) * p, "spread").model
+    equal = balance.auto_split(model.copy_and_resolve_references(), _SEQ.value, _SCHEDULE.value, p, m, placement="spread")
+    if _LAYERS.value % p == 0:
+        equal = (_LAYERS.value // p,) * p
+    ends_auto = balance.auto_split(model, _SEQ.value, _SCHEDULE.value, p, m, placement="ends")
+    rows = [("ends", "equal", equal), ("ends", "auto", ends_auto), ("spread", "equal = auto", equal),
+            ("spread", "ends' auto", ends_auto)]
+    tokens = _ROWS.value * m * _SEQ.value
+    print(f"Llama {_LAYERS.value} layers, hidden {_HIDDEN.value}, vocab {_VOCAB.value}, seq {_SEQ.value}; "
+          f"{_SCHEDULE.value} p={p} m={m}, {_ROWS.value} rows per microbatch; {p} emulated CPU devices")
+    print(f"layer forward {balance.layer_flops(model, _SEQ.value) / 1e6:.1f} MFLOP/token, "
+          f"vocab work {balance.vocab_flops(model) / 1e6:.1f} MFLOP/token")
+    head = f"{'vocab':<8}{'split':<14}{'layers':<14}{'modelled busy/step per rank':<32}{'modelled':>9}{'step ms':>9}{'tok/s':>8}"
+    print(head)
+    print("-" * len(head))
+    devices = jax.devices()[:p]
+    for vocab, label, split in rows:
+        costs = balance.stage_costs(model, _SEQ.value, split, p, split_backward=schedule.split_backward, placement=vocab)
+        busy, total = balance.schedule_times(schedule, costs)
+        seconds = measure(make_config(split, vocab), devices)
+        busy_text = ", ".join(f"{b / total:.2f}" for b in busy)
+        # Modelled step time in units of the equal "ends" split's.
+        if vocab == "ends" and label == "equal":
+            reference = total
+        print(f"{vocab:<8}{label:<14}{str(list(split)):<14}{busy_text:<32}{total / reference:>9.3f}"
+              f"{seconds * 1e3:>9.1f}{tokens / seconds:>8.0f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
