@@ -11,8 +11,8 @@ from the stashed input and then runs the backward (2×), so a stage costs 4× it
 norm, LM head and loss, forward + backward = 3×, no recompute) is vocab-parallel over `pipeline`
 (`vocab.py`, `parallel.pipeline_vocab="spread"`, the default): every rank does 1/p of it, so it
 does not favour any stage. With `parallel.pipeline_vocab="ends"` (the layout the source article
-balances, and Megatron's default) the first stage embeds and the last one runs norm + head + loss
-in its F, so `auto` gives the first and last stages fewer layers.
+balances, and Megatron's default) the first stage embeds (a gather: almost free) and the last one
+runs norm + head + loss in its F, so `auto` gives the last stage fewer layers.
 
 Auto: the largest per-stage cost is minimised exactly (water-filling: each layer goes to the
 stage that stays cheapest); among the splits with that maximum (e.g. which stages take the extra
