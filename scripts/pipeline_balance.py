@@ -10,6 +10,7 @@ split and the `auto` split for that placement (and "spread" also with the split 
 total work of all ranks than to the slowest rank's: see the README's pipeline section.
 """
 
+import os
 import statistics
 import time
 
@@ -23,7 +24,10 @@ _VOCAB = flags.DEFINE_integer("vocab_size", 32000, "Vocab size.")
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden size.")
 _SEQ = flags.DEFINE_integer("seq_len", 128, "Sequence length.")
 _ROWS = flags.DEFINE_integer("microbatch_rows", 2, "Rows per microbatch.")
-_STEPS = flags.DEFINE_integer("steps", 7, "Timed steps after two warm-up steps (median reported).")
+_ONE_THREAD = flags.DEFINE_bool(
+    "one_thread_per_device", False, "XLA:CPU without intra-op threads: each emulated device runs on one thread."
+)
+_STEPS = flags.DEFINE_integer("steps", 9, "Timed steps per row after two warm-up steps (median reported).")
 
 
 def make_config(split, vocab: str):
@@ -42,7 +46,8 @@ def make_config(split, vocab: str):
     return c
 
 
-def measure(config, devices) -> float:
+def prepare(config, devices):
+    """(step, state, batch) ready to time: the jitted train step compiled and run twice."""
     import jax
     import numpy as np
 
@@ -55,18 +60,33 @@ def measure(config, devices) -> float:
     shape = (config.train.global_batch_size, config.train.seq_len + 1)
     rng = np.random.default_rng(0)
     batch = jax.device_put(rng.integers(0, config.model.vocab_size, shape, dtype=np.int32), program.batch_sharding)
-    times = []
-    for step in range(2 + _STEPS.value):
-        start = time.perf_counter()
+    for _ in range(2):
         state, metrics = program.step(state, batch)
-        jax.block_until_ready(metrics)
-        if step >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    jax.block_until_ready(metrics)
+    return [program.step, state, batch]
+
+
+def time_round_robin(prepared: list, steps: int) -> list[float]:
+    """Median step time of each prepared step, timed in turns (A B C D A B C D ...) so that load
+    from other processes drifting over the run hits every row alike."""
+    import jax
+
+    times = [[] for _ in prepared]
+    for _ in range(steps):
+        for i, entry in enumerate(prepared):
+            step, state, batch = entry
+            start = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics)
+            times[i].append(time.perf_counter() - start)
+            entry[1] = state
+    return [statistics.median(t) for t in times]
 
 
 def main(argv):
     del argv
+    if _ONE_THREAD.value:  # before jax starts its backends
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
     import jax
 
     jax.config.update("jax_num_cpu_devices", _STAGES.value)
@@ -76,9 +96,7 @@ def main(argv):
     p, m = _STAGES.value, _MICRO.value
     schedule = make_schedule(_SCHEDULE.value, p, m)
     model = make_config((1,) * p, "spread").model
-    equal = balance.auto_split(model.copy_and_resolve_references(), _SEQ.value, _SCHEDULE.value, p, m, placement="spread")
-    if _LAYERS.value % p == 0:
-        equal = (_LAYERS.value // p,) * p
+    equal = balance.auto_split(model, _SEQ.value, _SCHEDULE.value, p, m, placement="spread")
     ends_auto = balance.auto_split(model, _SEQ.value, _SCHEDULE.value, p, m, placement="ends")
     rows = [("ends", "equal", equal), ("ends", "auto", ends_auto), ("spread", "equal = auto", equal),
             ("spread", "ends' auto", ends_auto)]
@@ -91,16 +109,16 @@ def main(argv):
     print(head)
     print("-" * len(head))
     devices = jax.devices()[:p]
-    for vocab, label, split in rows:
+    prepared = [prepare(make_config(split, vocab), devices) for vocab, _, split in rows]
+    seconds = time_round_robin(prepared, _STEPS.value)
+    reference = None
+    for (vocab, label, split), measured in zip(rows, seconds):
         costs = balance.stage_costs(model, _SEQ.value, split, p, split_backward=schedule.split_backward, placement=vocab)
         busy, total = balance.schedule_times(schedule, costs)
-        seconds = measure(make_config(split, vocab), devices)
+        reference = reference or total  # modelled step time in units of the first row's (ends, equal)
         busy_text = ", ".join(f"{b / total:.2f}" for b in busy)
-        # Modelled step time in units of the equal "ends" split's.
-        if vocab == "ends" and label == "equal":
-            reference = total
         print(f"{vocab:<8}{label:<14}{str(list(split)):<14}{busy_text:<32}{total / reference:>9.3f}"
-              f"{seconds * 1e3:>9.1f}{tokens / seconds:>8.0f}")
+              f"{measured * 1e3:>9.1f}{tokens / measured:>8.0f}")
 
 
 if __name__ == "__main__":

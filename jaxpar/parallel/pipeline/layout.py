@@ -49,14 +49,11 @@ class StageLayout:
     @property
     def identity(self) -> bool:
         """The staged view is the storage block itself (equal split, v = 1): a free reshape."""
-        p, v = self.num_ranks, self.virtual_stages
-        return self.sharded and v == 1 and len(set(self.split)) == 1 and not self.shifts
-
-    def starts(self) -> list[int]:
-        return [int(x) for x in np.cumsum((0,) + tuple(self.split))[:-1]]
+        return self.sharded and self.virtual_stages == 1 and len(set(self.split)) == 1
 
 
 def stage_layout(split, p: int, v: int) -> StageLayout:
+    """The index tables for `split` (layers per global stage s = u·p + r) on p ranks × v."""
     layers = sum(split)
     sharded = layers % p == 0
     block = layers // p if sharded else layers
