@@ -18,7 +18,7 @@ from absl import app, flags
 
 _STAGES = flags.DEFINE_integer("stages", 2, "Pipeline ranks p (one emulated device each).")
 _MICRO = flags.DEFINE_integer("microbatches", 4, "Microbatches m per step.")
-_SCHEDULE = flags.DEFINE_string("schedule", "1f1b", "Pipeline schedule.")
+_SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", ("gpipe", "1f1b"), "Pipeline schedule (full backward).")
 _LAYERS = flags.DEFINE_integer("layers", 8, "Decoder layers.")
 _VOCAB = flags.DEFINE_integer("vocab_size", 32000, "Vocab size.")
 _HIDDEN = flags.DEFINE_integer("hidden", 256, "Hidden size.")
@@ -66,6 +66,54 @@ def prepare(config, devices):
     return [program.step, state, batch]
 
 
+def _median_time(fn, *args, repeats: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measured_action_costs(config, p: int) -> dict:
+    """Seconds, on one device, of the engine's pieces for one microbatch: one layer's F (forward)
+    and B (recompute + backward), and the head + loss forward + backward over the whole vocab
+    ("ends") and over V/p columns ("spread")."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar import models
+    from jaxpar.models.options import RunOptions
+    from jaxpar.parallel.pipeline.slots import BackBranch
+    from jaxpar.parallel.pipeline.stage import Stage
+    from jaxpar.parallel.tensor import mean_cross_entropy
+
+    cfg = config.model
+    params = models.init_params(cfg, 0)
+    one_layer = jax.tree.map(lambda a: a[:1], params["layers"])
+    shared = {k: v for k, v in params.items() if k != "layers"}
+    stage = Stage(cfg, RunOptions())
+    rows, seq = _ROWS.value, _SEQ.value
+    x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.hidden_size))
+    positions = jnp.broadcast_to(jnp.arange(seq), (rows, seq))
+    targets = jnp.zeros((rows, seq), jnp.int32)
+    forward = jax.jit(lambda lp, x: stage.forward(lp, shared, x, positions, None)[0])
+    backward = jax.jit(lambda lp, x, g: stage.backward(BackBranch(True, True), lp, shared, x, positions, None, g, {}))
+    costs = {"F": _median_time(forward, one_layer, x), "B": _median_time(backward, one_layer, x, x)}
+    vocab = models.padded_vocab_size(cfg.vocab_size)
+    for name, cols in (("ends", vocab), ("spread", vocab // p)):
+        head = shared["lm_head"]["weight"][:, :cols]
+
+        def loss(h, w):
+            return mean_cross_entropy(jnp.einsum("bsd,dv->bsv", h, w), targets)
+
+        costs[name] = _median_time(jax.jit(jax.grad(loss, argnums=(0, 1))), x, head)
+    return costs
+
+
 def time_round_robin(prepared: list, steps: int) -> list[float]:
     """Median step time of each prepared step, timed in turns (A B C D A B C D ...) so that load
     from other processes drifting over the run hits every row alike."""
@@ -105,7 +153,11 @@ def main(argv):
           f"{_SCHEDULE.value} p={p} m={m}, {_ROWS.value} rows per microbatch; {p} emulated CPU devices")
     print(f"layer forward {balance.layer_flops(model, _SEQ.value) / 1e6:.1f} MFLOP/token, "
           f"vocab work {balance.vocab_flops(model) / 1e6:.1f} MFLOP/token")
-    head = f"{'vocab':<8}{'split':<14}{'layers':<14}{'modelled busy/step per rank':<32}{'modelled':>9}{'step ms':>9}{'tok/s':>8}"
+    timed = measured_action_costs(make_config(equal, "spread"), p)
+    print("measured on one device, per microbatch: layer F {F:.1f} ms, layer B {B:.1f} ms, head + loss fwd+bwd "
+          "{ends:.1f} ms (whole vocab), {spread:.1f} ms (1/p of it)".format(**{k: 1e3 * v for k, v in timed.items()}))
+    head = (f"{'vocab':<8}{'split':<14}{'layers':<14}{'modelled busy/step per rank':<30}{'FLOP model':>11}"
+            f"{'timed model ms':>16}{'step ms':>9}{'tok/s':>8}")
     print(head)
     print("-" * len(head))
     devices = jax.devices()[:p]
@@ -117,8 +169,17 @@ def main(argv):
         busy, total = balance.schedule_times(schedule, costs)
         reference = reference or total  # modelled step time in units of the first row's (ends, equal)
         busy_text = ", ".join(f"{b / total:.2f}" for b in busy)
-        print(f"{vocab:<8}{label:<14}{str(list(split)):<14}{busy_text:<32}{total / reference:>9.3f}"
-              f"{measured * 1e3:>9.1f}{tokens / measured:>8.0f}")
+        # The same lockstep model with the actions' measured one-device times instead of FLOPs.
+        f, b = timed["F"], timed["B"]
+        head_time = timed[vocab]
+        forward = [n * f for n in split]
+        if vocab == "ends":
+            forward[-1] += head_time
+        seconds_costs = balance.StageCosts(tuple(forward), tuple(n * b for n in split), (0.0,) * len(split),
+                                           head_time if vocab == "spread" else 0.0)
+        timed_step = balance.schedule_times(schedule, seconds_costs)[1]
+        print(f"{vocab:<8}{label:<14}{str(list(split)):<14}{busy_text:<30}{total / reference:>11.3f}"
+              f"{timed_step * 1e3:>16.1f}{measured * 1e3:>9.1f}{tokens / measured:>8.0f}")
 
 
 if __name__ == "__main__":

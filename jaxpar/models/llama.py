@@ -23,7 +23,6 @@ from jaxpar.models.layers import (
     rope_inverse_frequencies,
 )
 from jaxpar.models.options import RunOptions
-from jaxpar.parallel.manual import vary_everywhere
 from jaxpar.parallel.zero import gather_layer
 from jaxpar.sharding import RESIDUAL, constrain
 
@@ -60,11 +59,9 @@ def stacked_blocks(cfg, rngs: nnx.Rngs, make_mlp):
     return build(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn, active=None):
+def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
     """Runs `layer_fn(block, x) -> (x, layer_aux)` over the stacked blocks with `lax.scan` (and
-    remat, if asked); returns x and the per-layer aux outputs stacked on a leading axis.
-    `active` [layers] bool: entries marked False are skipped (x passes through, aux is zero) —
-    the padding of an uneven pipeline stage (`jaxpar.parallel.pipeline.layout`)."""
+    remat, if asked); returns x and the per-layer aux outputs stacked on a leading axis."""
     graphdef, state = nnx.split(blocks)
     # Each leaf's logical names without the leading `layers`: the names of one layer's slice.
     layer_names = jax.tree.map(
@@ -76,23 +73,9 @@ def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn, active=None):
         layer_state = gather_layer(layer_state, layer_names, opts.rules, opts.plan.zero)
         return layer_fn(nnx.merge(graphdef, layer_state), h)
 
-    if active is not None:
-        run = body
-
-        def body(h, xs):  # noqa: F811 (the skipping wrapper)
-            layer_state, on = xs
-
-            def skip(h):
-                aux = jax.eval_shape(run, h, layer_state)[1]
-                return h, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux)
-
-            # Inside the pipeline's shard_map both branches must agree on which axes vary.
-            typed = lambda f: lambda h: jax.tree.map(vary_everywhere, f(h))  # noqa: E731
-            return jax.lax.cond(on, typed(lambda h: run(h, layer_state)), typed(skip), h)
-
     if opts.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[opts.remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state if active is None else (state, active))
+    return jax.lax.scan(body, x, state)
 
 
 class Llama(nnx.Module):
@@ -111,11 +94,10 @@ class Llama(nnx.Module):
     def embed_tokens(self, tokens, opts: RunOptions):
         return constrain(opts.rules, self.embed(tokens), RESIDUAL)
 
-    def run_layers(self, x, positions, opts: RunOptions, active=None):
-        """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own;
-        `active`: which of them run, see `scan_blocks`)."""
+    def run_layers(self, x, positions, opts: RunOptions):
+        """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own)."""
         inv_freq = rope_inverse_frequencies(self.cfg)
-        return scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts), active)
+        return scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts))
 
     def logits_from_hidden(self, x, opts: RunOptions):
         """Final norm + LM head on the last block's output."""

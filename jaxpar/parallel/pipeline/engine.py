@@ -20,8 +20,9 @@ and the loss. No table-sized collective.
 Engine (per rank, a `lax.scan` over the table's T steps, carry `Carry`). Each step: store the
 received gradients (from rank r + 1, and the head's for the last stage); embed stage 0's two
 microbatches of this step (vocab-parallel lookup, every rank); run the cell's B or W (a
-`lax.switch` over the slot plan's `back_branches`), recomputing the stage from its stashed input
-with `jax.vjp`; pull stage 0's input gradient into the embedding shards (every rank); store the
+`lax.switch` over the slot plan's `back_branches`, one copy per distinct stage length so an
+uneven split's shorter stages run only their own layers), recomputing the stage from its stashed
+input with `jax.vjp`; pull stage 0's input gradient into the embedding shards (every rank); store the
 received activation (after B/W, so a slot released this step takes it); run the F; if the last
 stage ran F, every rank runs its share of the final norm + LM head + loss on that output and keeps
 the output's gradient for the last stage's B (a `lax.cond` every rank takes alike); then the two
@@ -101,10 +102,6 @@ def _per_replica(spec, batch_axes) -> P:
     return P(lead or None, *spec)
 
 
-def _add_at(acc, u, delta):
-    return jax.tree.map(lambda a, d: a.at[u].add(d.astype(jnp.float32)), acc, delta)
-
-
 def _add(acc, delta):
     return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, delta)
 
@@ -122,7 +119,8 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
     # Every input is marked varying over all manual axes before any vjp: differentiating with
     # respect to a value replicated over `data` would psum its gradient over `data` right there.
     staged = jax.tree.map(vary_everywhere, to_stages(jax.tree.map(lambda a: a.astype(dtype), layers), layout_tables, layout))
-    active = None if len(set(layout.split)) == 1 else vary_everywhere(layout_tables["active"][0])  # [v, Lmax]
+    lengths = layout.lengths  # one branch per distinct stage length: padding never runs
+    length_of = layout_tables["length"][0]  # [v]: this rank's virtual stages' index into `lengths`
     # ZeRO-3: embedding / head (and their gradient sums) are gathered over `data` for the whole
     # step: left data-sharded, XLA's SPMD partitioner aborts on them when tensor > 1. Layers are
     # still gathered one at a time inside the layer scan.
@@ -146,13 +144,14 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
     def zeros_act(lead=()):
         return vary_everywhere(rules.constrain(jnp.zeros(lead + act_shape, dtype), (None,) * len(lead) + RESIDUAL))
 
-    def layer(u):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, u, keepdims=False), staged)
+    def layer(u, n):
+        """Virtual stage u's first n layers (n static: the branch's stage length)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, u, keepdims=False)[:n], staged)
 
-    def active_of(u):
-        return None if active is None else jax.lax.dynamic_index_in_dim(active, u, keepdims=False)
+    def branch_of(base, u):  # base: the first of len(lengths) branches, one per stage length
+        return base + jax.lax.dynamic_index_in_dim(length_of, u, keepdims=False)
 
-    stats_shape = jax.eval_shape(lambda x: stage.forward(layer(0), shared, x, positions, active_of(0))[1], zeros_act())
+    stats_shape = jax.eval_shape(lambda x: stage.forward(layer(0, 1), shared, x, positions)[1], zeros_act())
     no_stats = _zeros(stats_shape)
     loss_cotangent = (scale / m).astype(jnp.float32)
     on_last_rank = jax.lax.axis_index(PIPELINE) == p - 1  # where losses and metrics are counted
@@ -165,27 +164,32 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
         normed = model.final_norm(vary_everywhere(h))  # the transpose sums every rank's share of d h
         return head_loss(normed, model.head_weight(), tgt, offset, model_config.vocab_size, rules)
 
-    def run_forward(x, tgt, u, shared_grads, ce):
-        y, stats = stage.forward(layer(u), shared, x, positions, active_of(u))
-        return rules.constrain(y, RESIDUAL), stats, zeros_act(), shared_grads, ce
+    def forward_branch(n, with_head):
+        def run(x, tgt, u, shared_grads, ce):
+            y, stats = stage.forward(layer(u, n), shared, x, positions)
+            y = rules.constrain(y, RESIDUAL)
+            if not with_head:
+                return y, stats, zeros_act(), shared_grads, ce
+            # "ends": the last stage runs norm + head + loss on its output right away.
+            loss, pullback = jax.vjp(lambda sh, h: head(sh, h, tgt), shared, y)
+            d_shared, d_h = pullback(vary_like(loss_cotangent, loss))
+            d_h = rules.constrain(d_h.astype(dtype), RESIDUAL)
+            return y, stats, d_h, _add(shared_grads, d_shared), ce + vary_everywhere(loss)
 
-    def run_forward_and_head(x, tgt, u, shared_grads, ce):  # "ends": the last stage runs the head
-        y, stats, _, _, _ = run_forward(x, tgt, u, shared_grads, ce)
-        loss, pullback = jax.vjp(lambda sh, h: head(sh, h, tgt), shared, y)
-        d_shared, d_h = pullback(vary_like(loss_cotangent, loss))
-        d_h = rules.constrain(d_h.astype(dtype), RESIDUAL)
-        return y, stats, d_h, _add(shared_grads, d_shared), ce + vary_everywhere(loss)
+        return run
 
     def idle_forward(x, tgt, u, shared_grads, ce):
         return zeros_act(), no_stats, zeros_act(), shared_grads, ce
 
-    fwd_branches = [idle_forward, run_forward] + ([] if spread else [run_forward_and_head])
+    # 0 idle, 1 + i: a stage of lengths[i] layers, then (ends) the same followed by the head.
+    fwd_branches = [idle_forward] + [forward_branch(n, False) for n in lengths]
+    fwd_branches += [] if spread else [forward_branch(n, True) for n in lengths]
 
-    def backward_branch(branch):
+    def backward_branch(branch, n):
         def run(x, output_grad, stats_grad, u, layer_grads):
-            d_layer, d_input = stage.backward(branch, layer(u), shared, x, positions, active_of(u), output_grad, stats_grad)
+            d_layer, d_input = stage.backward(branch, layer(u, n), shared, x, positions, output_grad, stats_grad)
             if d_layer is not None:
-                layer_grads = _add_at(layer_grads, u, d_layer)
+                layer_grads = jax.tree.map(lambda a, d: a.at[u, :n].add(d.astype(jnp.float32)), layer_grads, d_layer)
             d_input = zeros_act() if d_input is None else rules.constrain(d_input.astype(dtype), RESIDUAL)
             return d_input, layer_grads
 
@@ -194,7 +198,8 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
     def idle_back(x, output_grad, stats_grad, u, layer_grads):
         return zeros_act(), layer_grads
 
-    back_branches = [idle_back] + [backward_branch(b) for b in plan.back_branches[1:]]
+    # 0 idle, then per slot-plan branch b (from 1) and stage length i: 1 + (b - 1)·len + i.
+    back_branches = [idle_back] + [backward_branch(b, n) for b in plan.back_branches[1:] for n in lengths]
     ring = plan.schedule.virtual_stages > 1
     fwd_perm = [(r, (r + 1) % p) for r in range(p if ring else p - 1)]
     back_perm = [((r + 1) % p, r) for r in range(p if ring else p - 1)]
@@ -241,8 +246,10 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
             stats_grad = jax.tree.map(
                 lambda g: vary_everywhere(g * (replicas * loss_cotangent)), router.totals_grad(model_config, totals)
             )
+            back = row["back_branch"]
+            back = jnp.where(back == 0, 0, branch_of(1 + (back - 1) * len(lengths), row["back_stage"]))
             d_input, layer_grads = jax.lax.switch(
-                row["back_branch"], back_branches, x, grads[row["back_grad_slot"]], stats_grad, row["back_stage"],
+                back, back_branches, x, grads[row["back_grad_slot"]], stats_grad, row["back_stage"],
                 carry.layer_grads,
             )
             zero = jnp.zeros_like(d_input)
@@ -258,7 +265,8 @@ def _engine(layers, shared, micro, rank_tables, layout_tables, steps, scale, *, 
             acts = jax.lax.dynamic_update_index_in_dim(carry.acts, carry.in_act, row["recv_act"], 0)
             x = jnp.where(row["fwd_kind"] == FIRST, embedded[0], acts[row["fwd_slot"]])
             is_last = row["fwd_kind"] == LAST
-            branch = row["fwd_branch"] if spread else row["fwd_branch"] + is_last.astype(jnp.int32)
+            with_head = 0 if spread else is_last.astype(jnp.int32) * len(lengths)
+            branch = jnp.where(row["fwd_branch"] == 0, 0, branch_of(1 + with_head, row["fwd_stage"]))
             y, stats, d_head, shared_grads, ce = jax.lax.switch(
                 branch, fwd_branches, x, targets[row["fwd_mb"]], row["fwd_stage"], shared_grads, carry.ce
             )

@@ -11,10 +11,12 @@ A split gives global stage s (virtual stage u = s // p on rank r = s % p) n_s co
 layers. Inside the engine's `shard_map` each rank builds its staged view [v, Lmax, ...] (Lmax =
 the largest n_s) from its storage block: layers it owns are gathered locally; layers another
 rank owns arrive by one `ppermute` per rank distance d (every rank sends what rank r + d needs
-from it, padded to the largest such count). Entries past n_s are padding (a copy of some layer),
-marked inactive: the stage's layer scan skips them with a `lax.cond`, so a stage with fewer
-layers does proportionally less work and padding gets no gradient. Gradients go back by the
-transpose of the same exchange (`jax.linear_transpose`). An equal split with v = 1 is a free
+from it, padded to the largest such count). Entries past n_s are padding (a copy of some layer):
+the engine has one branch per distinct stage length, whose layer scan runs over the first n_s
+entries only (a static slice), so a stage with fewer layers does proportionally less work and
+padding gets no gradient. (Measured instead: one scan over Lmax with a `lax.cond` skipping the
+padding; on CPU a skipped layer still cost ~40 ms of a real layer's ~70 ms in the backward.)
+Gradients go back by the transpose of the same exchange (`jax.linear_transpose`). An equal split with v = 1 is a free
 reshape; any other split moves only the layers whose stage is not their storage rank, every step
 (e.g. L = 8, p = 2, split 3 + 5: one layer's parameters there and its gradient back).
 
@@ -43,6 +45,7 @@ class StageLayout:
     split: tuple  # layers per global stage
     sharded: bool  # storage split over `pipeline` (L % p == 0)
     max_layers: int  # Lmax
+    lengths: tuple  # the distinct stage lengths, ascending (one engine branch each)
     shifts: tuple  # ((d, K_d), ...): ppermute distance and padded count, only those with K_d > 0
     tables: dict  # name -> int32/bool array with a leading rank axis [p, ...]
 
@@ -58,12 +61,13 @@ def stage_layout(split, p: int, v: int) -> StageLayout:
     sharded = layers % p == 0
     block = layers // p if sharded else layers
     lmax = max(split)
+    lengths = tuple(sorted(set(split)))
     starts = np.cumsum((0,) + tuple(split))[:-1]
     needs = {}  # rank -> [(slot, layer)] with slot = u·Lmax + j
-    active = np.zeros((p, v, lmax), bool)
+    length = np.zeros((p, v), np.int32)  # index into `lengths` of each (rank, virtual stage)
     for s, (start, n) in enumerate(zip(starts, split)):
         r, u = s % p, s // p
-        active[r, u, :n] = True
+        length[r, u] = lengths.index(n)
         needs.setdefault(r, []).extend((u * lmax + j, int(start + j)) for j in range(n))
 
     def owner(layer):
@@ -79,7 +83,7 @@ def stage_layout(split, p: int, v: int) -> StageLayout:
     shifts = tuple((d, max(len(x) for x in sends[d].values())) for d in range(1, p))
     shifts = tuple((d, k) for d, k in shifts if k > 0)
     pool = np.zeros((p, v * lmax), np.int32)  # padding slots read entry 0 (some real layer)
-    tables = {"active": active, "pool": pool}
+    tables = {"length": length, "pool": pool}
     for d, k in shifts:
         send = np.zeros((p, k), np.int32)
         for q, sent in sends[d].items():
@@ -99,7 +103,7 @@ def stage_layout(split, p: int, v: int) -> StageLayout:
             else:
                 d = (r - q) % p
                 pool[r, slot] = offsets[d] + sends[d][q].index(layer)
-    return StageLayout(p, v, tuple(split), sharded, lmax, shifts, tables)
+    return StageLayout(p, v, tuple(split), sharded, lmax, lengths, shifts, tables)
 
 
 def to_stages(local_layers, rank_tables: dict, layout: StageLayout):

@@ -1,8 +1,7 @@
 """One pipeline stage's forward and recomputing backward, on one rank's slice of the model.
 
-A stage is a run of consecutive decoder layers, padded to the longest stage of the split: its
-`active` mask [Lmax] says which entries are real, and the model's layer scan skips the others
-(`lax.cond`), so padding costs no compute and gets no gradient (see `layout.py`). The embedding
+A stage is a run of consecutive decoder layers (the engine passes exactly the stage's n layers, a
+static slice of its padded staged view; see `layout.py`). The embedding
 and the LM head + loss are not part of any stage: every rank runs its vocab-parallel share of
 them in the engine, outside the per-step branches (`vocab.py`).
 
@@ -29,8 +28,8 @@ from jaxpar.parallel.manual import vary_everywhere
 class Stage:
     """The forward and backward of a stage for one model config and run options.
 
-    `layer_params` is the `layers` subtree holding only this stage's (padded) layers [Lmax, ...];
-    merged into the model's graph, the model's `run_layers` scans over exactly those. `shared`
+    `layer_params` is the `layers` subtree holding only this stage's layers [n, ...]; merged into
+    the model's graph, the model's `run_layers` scans over exactly those. `shared`
     (embedding / norm / head, any shard of them) only completes the graph; stages never read it.
     """
 
@@ -41,13 +40,13 @@ class Stage:
     def model(self, layer_params, shared):
         return models.merge(self.cfg, {**shared, "layers": layer_params})
 
-    def forward(self, layer_params, shared, x, positions, active):
-        """(stage output [mb, S, D], router statistics summed over the active layers)."""
-        y, aux = self.model(layer_params, shared).run_layers(x, positions, self.opts, active=active)
+    def forward(self, layer_params, shared, x, positions):
+        """(stage output [mb, S, D], router statistics summed over the stage's layers)."""
+        y, aux = self.model(layer_params, shared).run_layers(x, positions, self.opts)
         # Typed alike (varying over every manual axis), so cotangents and branch outputs match.
         return y, jax.tree.map(lambda a: vary_everywhere(jnp.sum(a, axis=0)), aux)
 
-    def backward(self, branch, layer_params, shared, x, positions, active, output_grad, stats_grad):
+    def backward(self, branch, layer_params, shared, x, positions, output_grad, stats_grad):
         """Recomputes `forward` and pulls (output_grad, stats_grad) back. Returns (d layer_params |
         None, d x | None): only what the `BackBranch` asks for."""
         primals = {0: layer_params, 1: x}
@@ -55,7 +54,7 @@ class Stage:
 
         def f(*diff):
             args = dict(primals) | dict(zip(wrt, diff))
-            return self.forward(args[0], shared, args[1], positions, active)
+            return self.forward(args[0], shared, args[1], positions)
 
         (y, stats), pullback = jax.vjp(f, *(primals[i] for i in wrt))
         got = dict(zip(wrt, pullback((output_grad.astype(y.dtype), stats_grad))))
