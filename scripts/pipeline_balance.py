@@ -100,8 +100,8 @@ def measured_action_costs(config, p: int) -> dict:
     x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.hidden_size))
     positions = jnp.broadcast_to(jnp.arange(seq), (rows, seq))
     targets = jnp.zeros((rows, seq), jnp.int32)
-    forward = jax.jit(lambda lp, x: stage.forward(lp, shared, x, positions, None)[0])
-    backward = jax.jit(lambda lp, x, g: stage.backward(BackBranch(True, True), lp, shared, x, positions, None, g, {}))
+    forward = jax.jit(lambda lp, x: stage.forward(lp, shared, x, positions)[0])
+    backward = jax.jit(lambda lp, x, g: stage.backward(BackBranch(True, True), lp, shared, x, positions, g, {}))
     costs = {"F": _median_time(forward, one_layer, x), "B": _median_time(backward, one_layer, x, x)}
     vocab = models.padded_vocab_size(cfg.vocab_size)
     for name, cols in (("ends", vocab), ("spread", vocab // p)):
