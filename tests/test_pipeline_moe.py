@@ -6,7 +6,7 @@ router.py`) and averages them — as the non-pipelined step does with `train.gra
 the same rows. So each case is compared with one device running `grad_accum` = m: 3 fp32 steps,
 identical initial params, step-1 loss and gradients within 1e-5 relative, every step's loss and
 gradient norm within 1e-4, and the per-expert token shares equal. Cases: 1f1b, interleaved (uneven
-chunks) and zb_h1, each with expert parallelism and data or tensor; dropless and capacity modes.
+stages) and zb_h1, each with expert parallelism and data or tensor; dropless and capacity modes.
 """
 
 import math
@@ -17,21 +17,23 @@ import pytest
 from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.parallel.pipeline.options import checks as pipeline_checks
 from tests import tiny
-from tests.reference import assert_matches_reference, run, single_device, synthetic_batches
+from tests.reference import assert_matches_reference, max_relative_error, run, single_device, synthetic_batches
 
 STEPS = 3
 M = 4  # microbatches
 
-# name: (model overrides, mesh, parallel)
+# name: (model overrides, mesh, parallel). Only 1f1b runs an uneven (auto) split: compile time
+# grows with the distinct stage lengths, and uneven interleaving is covered by test_pipeline.py.
 CASES = {
-    "1f1b_p2_data2_expert2": ({}, {"pipeline": 2, "data": 2, "expert": 2}, {"pipeline_schedule": "1f1b"}),
-    "interleaved_p2_v2_expert2_tensor2_5layers": (
-        {"num_hidden_layers": 5}, {"pipeline": 2, "expert": 2, "tensor": 2},
+    "1f1b_p2_data2_expert2_3layers": (
+        {"num_hidden_layers": 3}, {"pipeline": 2, "data": 2, "expert": 2}, {"pipeline_schedule": "1f1b"}
+    ),
+    "interleaved_p2_v2_expert2_tensor2_4layers": (
+        {"num_hidden_layers": 4}, {"pipeline": 2, "expert": 2, "tensor": 2},
         {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
     ),
-    "zb_h1_p2_data2_expert2_capacity_3layers": (
-        {"num_hidden_layers": 3, "capacity_factor": 1.0}, {"pipeline": 2, "data": 2, "expert": 2},
-        {"pipeline_schedule": "zb_h1"},
+    "zb_h1_p2_data2_expert2_capacity": (
+        {"capacity_factor": 1.0}, {"pipeline": 2, "data": 2, "expert": 2}, {"pipeline_schedule": "zb_h1"}
     ),
 }
 
@@ -52,11 +54,12 @@ def test_matches_single_device(name, shared_cache):
     result = run(config, synthetic_batches(config, STEPS), devices)
     assert_matches_reference(result, expected)
     np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)
-    if name == "1f1b_p2_data2_expert2":
-        # The comparison can tell: router losses over the whole batch (grad_accum 1) give a
-        # different loss than the per-microbatch average the pipeline must match.
+    if name.startswith("1f1b"):
+        # The comparison can tell: router losses over the whole batch (grad_accum 1) give a loss
+        # and gradients the per-microbatch reference's tolerances reject.
         whole = single_device(shared_cache, config, STEPS)
-        assert abs(whole["losses"][0] - expected["losses"][0]) > 10 * 1e-5 * abs(expected["losses"][0])
+        assert abs(whole["losses"][0] - expected["losses"][0]) > 1e-5 * abs(expected["losses"][0])
+        assert max_relative_error(whole["grads1"], expected["grads1"]) > 1e-3  # measured 9e-2
 
 
 def test_preflight_refuses_zero3_moe_pipeline():
