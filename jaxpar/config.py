@@ -6,7 +6,7 @@ Config files (`configs/*.py`) start from `base_config()` and override fields. Pr
 """
 
 import jax.numpy as jnp
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 from ml_collections.config_dict import placeholder
 
 from jaxpar.axes import DATA, MESH_AXES
@@ -109,6 +109,13 @@ def base_config() -> ConfigDict:
             context_impl="all_gather",
             context_load_balance=True,  # 2c chunks, rank r holds chunks r and 2c-1-r (causal balance)
             context_block_size=512,  # query / key chunk of the flash-style attention (bounds temp memory)
+            # Layers per pipeline stage (per virtual stage when interleaved, in stage order), as a
+            # list or "21,20,20,19"; "auto": balanced by modelled cost (`parallel.pipeline.balance`).
+            pipeline_stage_layers=FieldReference("auto", field_type=object),
+            # Embedding / LM head with pipeline: "spread" (vocab-parallel over the pipeline ranks:
+            # 1/p of the tables and their work on each) or "ends" (whole tables on every rank, the
+            # first stage embeds, the last runs the head + loss).
+            pipeline_vocab="spread",
         )
     )
 

@@ -85,22 +85,23 @@ def constrain(rules: Rules | None, x, names):
 
 
 def rules_table(plan, *, zero_on_params: bool) -> dict:
-    tensor = plan.tensor
+    tensor, pipeline = plan.tensor, plan.pipeline
     zero = (DATA,) if zero_on_params else ()
     # Context parallelism splits the sequence of every activation (and of the batch's tokens,
     # targets, positions) over `context`; sequence parallelism splits each shard over `tensor`.
     context = (CONTEXT,) if plan.context is not None else ()
     return {
         # parameters
-        "vocab": (TENSOR,),
+        # Embedding / LM head rows also split over the pipeline ranks (`parallel.pipeline.vocab`).
+        "vocab": (PIPELINE, TENSOR) if pipeline is not None and pipeline.vocab == "spread" else (TENSOR,),
         "embed": zero,
         "norm": (),
         "heads": (TENSOR,),
         "kv_heads": (TENSOR,) if tensor.kv_heads_sharded else (),
         "head_dim": (),
         "mlp": (TENSOR,),
-        # Stacked layers split into contiguous pipeline stages (the engine reshapes them).
-        "layers": (PIPELINE,) if plan.pipeline is not None else (),
+        # Stacked layers split over pipeline when it divides them (`parallel.pipeline.layout`).
+        "layers": (PIPELINE,) if pipeline is not None and pipeline.shard_layers else (),
         "experts": (EXPERT,),
         # activations
         "batch": tuple(plan.batch_axes),

@@ -1,7 +1,9 @@
 """Compares pipeline schedules on emulated CPU devices: bubble (table vs theory), stash, compiled
-temp memory per device, and measured train-step time.
+temp memory per device, and measured train-step time; and the stage split each one runs (explicit
+or `auto`) with each stage's modelled share of the cost.
 
     python scripts/pipeline_report.py [--stages=4 --microbatches=8 --virtual_stages=2 --data=2]
+        [--layers=7 --stage_layers=auto|2,2,2,1 --vocab=spread|ends]
 
 Each schedule runs the same tiny Llama (`--layers`, `--hidden`, `--seq_len`, `--microbatch_rows`
 rows per microbatch) on a mesh of `--stages` pipeline ranks × `--data` replicas. On CPU the
@@ -23,6 +25,9 @@ _HIDDEN = flags.DEFINE_integer("hidden", 128, "Hidden size.")
 _SEQ = flags.DEFINE_integer("seq_len", 64, "Sequence length.")
 _ROWS = flags.DEFINE_integer("microbatch_rows", 2, "Rows per microbatch per data replica.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps after one warm-up step.")
+_SPLIT = flags.DEFINE_string("stage_layers", "auto", "parallel.pipeline_stage_layers ('auto' or a list per stage).")
+_VOCAB_AT = flags.DEFINE_enum("vocab", "spread", ("spread", "ends"), "parallel.pipeline_vocab.")
+_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 256, "Vocab size.")
 
 
 def make_config(schedule: str | None, p: int, m: int, v: int):
@@ -30,14 +35,15 @@ def make_config(schedule: str | None, p: int, m: int, v: int):
 
     c = base_config()
     c.model = llama_model_config(
-        vocab_size=256, hidden_size=_HIDDEN.value, intermediate_size=4 * _HIDDEN.value,
+        vocab_size=_VOCAB_SIZE.value, hidden_size=_HIDDEN.value, intermediate_size=4 * _HIDDEN.value,
         num_hidden_layers=_LAYERS.value, num_attention_heads=8, num_key_value_heads=4,
         max_position_embeddings=_SEQ.value,
     )
     c.train.update(global_batch_size=_ROWS.value * m * _DATA.value, seq_len=_SEQ.value, warmup_steps=0)
     c.mesh.update(data=_DATA.value, pipeline=p if schedule else 1, context=1, expert=1, tensor=1)
     if schedule:
-        c.parallel.update(pipeline_schedule=schedule, num_microbatches=m, virtual_stages=v)
+        c.parallel.update(pipeline_schedule=schedule, num_microbatches=m, virtual_stages=v,
+                          pipeline_stage_layers=_SPLIT.value, pipeline_vocab=_VOCAB_AT.value)
     else:  # the same global batch on the same devices, all data parallel
         c.mesh.data = _DATA.value * p
     return c
@@ -54,7 +60,8 @@ def measure(config, devices):
     program = build(config, devices)
     state = program.init()
     shape = (config.train.global_batch_size, config.train.seq_len + 1)
-    batch = jax.device_put(np.random.default_rng(0).integers(0, 256, shape, dtype=np.int32), program.batch_sharding)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
+    batch = jax.device_put(tokens, program.batch_sharding)
     compiled = program.step.lower(state, batch).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     state, metrics = compiled(state, batch)
@@ -73,7 +80,9 @@ def main(argv):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    from jaxpar.parallel.pipeline.balance import split_report
     from jaxpar.parallel.pipeline.checks import peak_in_flight
+    from jaxpar.parallel.pipeline.options import pipeline_options
     from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, bubble_fraction, theoretical_bubble
     from jaxpar.parallel.pipeline.slots import slot_plan_for
 
@@ -90,10 +99,12 @@ def main(argv):
     )
     print(header)
     print("-" * len(header))
+    splits = {}
     for name in SCHEDULE_NAMES:
         v = _VIRTUAL.value if name == "interleaved_1f1b" else 1
         plan = slot_plan_for(name, p, m, v)
-        temp, seconds = measure(make_config(name, p, m, v), devices)
+        splits[name] = make_config(name, p, m, v)
+        temp, seconds = measure(splits[name], devices)
         # The engine's activation buffers per device: both slot arrays plus the two in-flight ones.
         buffers = (plan.act_slots + plan.grad_slots + 4) * _ROWS.value * _SEQ.value * _HIDDEN.value * 4
         print(
@@ -105,6 +116,11 @@ def main(argv):
     print(f"{'no pipeline':<22}{'':>6}{'':>8}{'':>8}{'':>7}{'':>13}{temp / 2**20:>14.2f}{seconds * 1e3:>10.1f}"
           f"   (data={_DATA.value * p}, same global batch)")
     print("stash: most microbatch inputs a rank holds (peak in flight); buffers: the engine's stash + mailbox arrays per device")
+    print()
+    for name, config in splits.items():
+        plan = slot_plan_for(name, p, m, config.parallel.virtual_stages)
+        split = pipeline_options(config, dict(config.mesh)).stage_layers
+        print(f"{name}: " + "\n  ".join(split_report(config.model, config.train.seq_len, plan.schedule, split, _VOCAB_AT.value)))
 
 
 if __name__ == "__main__":

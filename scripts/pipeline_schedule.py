@@ -1,13 +1,17 @@
-"""Prints a pipeline schedule table, its bubble (table vs theory) and peak stash per rank.
+"""Prints a pipeline schedule table, its bubble (table vs theory) and peak stash per rank; with a
+model config also the stage split (explicit or `auto`) and each stage's modelled cost share.
 
     python scripts/pipeline_schedule.py --schedule=1f1b --stages=4 --microbatches=8
     python scripts/pipeline_schedule.py --schedule=interleaved_1f1b --stages=4 --microbatches=8 \
         --virtual_stages=2
+    python scripts/pipeline_schedule.py --config=configs/llama3_70b.py --stages=4 --microbatches=8 \
+        [--stage_layers=auto|21,20,20,19] [--vocab=spread|ends]
 
-Pure Python + numpy: no jax import, no device setup.
+No device setup: the table is pure Python + numpy, the cost model arithmetic on the config.
 """
 
 from absl import app, flags
+from ml_collections import config_flags
 
 from jaxpar.parallel.pipeline.checks import peak_in_flight, validate
 from jaxpar.parallel.pipeline.schedules import (
@@ -24,6 +28,9 @@ _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m per step
 _VIRTUAL = flags.DEFINE_integer(
     "virtual_stages", 1, "Virtual stages v per rank (interleaved_1f1b only).", lower_bound=1
 )
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file: also print the stage split.")
+_SPLIT = flags.DEFINE_string("stage_layers", "auto", "Layers per stage ('auto' or a comma-separated list).")
+_VOCAB = flags.DEFINE_enum("vocab", "spread", ("spread", "ends"), "Where embedding / LM head run.")
 
 
 def main(argv):
@@ -40,6 +47,18 @@ def main(argv):
     print(f"bubble (theory):                {theoretical_bubble(name, p, m, v):.4f}")
     unit = "microbatches" if v == 1 else "(microbatch, virtual stage) stashes"
     print(f"peak in-flight {unit} per rank: {peak_in_flight(schedule)}")
+    if _CONFIG.value is None:
+        return
+    from jaxpar.parallel.pipeline import balance
+
+    config = _CONFIG.value
+    split = balance.parse_split(_SPLIT.value)
+    if split == balance.AUTO:
+        split = balance.auto_split(config.model, config.train.seq_len, name, p, m, v, placement=_VOCAB.value)
+    elif problems := balance.split_problems(split, config.model.num_hidden_layers, p, v):
+        raise app.UsageError(f"--stage_layers={_SPLIT.value}: " + "; ".join(problems))
+    print()
+    print("\n".join(balance.split_report(config.model, config.train.seq_len, schedule, split, _VOCAB.value)))
 
 
 if __name__ == "__main__":

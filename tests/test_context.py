@@ -185,3 +185,13 @@ def test_ring_step_temp_memory_falls_with_context():
     assert temps[1] >= scores[1], temps
     assert temps[2] < scores[2] and temps[8] < scores[8], temps
     assert temps[1] > temps[2] > temps[8], temps
+
+
+def test_preflight_rejects_capacity_inside_pipeline_stages():
+    # Inside the pipeline engine the dispatch is per device: a context rank sees only its slice.
+    config = tiny.with_overrides(
+        tiny.mixtral(capacity_factor=2.0, num_hidden_layers=4), {"context": 2, "pipeline": 2},
+        parallel=cp("all_gather", balanced=False),
+    )
+    (error,) = context_checks(config, resolve_mesh_shape(config.mesh, 4), backend="gpu")
+    assert error.startswith("model.capacity_factor=2.0") and "set model.capacity_factor=0" in error

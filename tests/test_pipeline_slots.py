@@ -1,8 +1,10 @@
 """The engine's slot plan, checked by replaying its buffer operations on labels (no jax).
 
 The replay does exactly what `jaxpar.parallel.pipeline.engine` does each step — store the
-received gradient, run B/W, store the received activation, run F, pass values one rank on — but
-with (microbatch, stage) labels instead of arrays, and asserts every read finds the right label.
+received gradients (from the next rank, and the LM head's for the last stage), run B/W, store the
+received activation, run F (the last stage's output goes to the head, whose gradient is stored
+next step), pass values one rank on — but with (microbatch, stage) labels instead of arrays, and
+asserts every read finds the right label.
 Which action a cell holds comes from the schedule table; everything the engine reads (slots,
 stage kinds, branches) comes from the slot plan.
 """
@@ -31,14 +33,17 @@ def replay(plan):
     tab = plan.tables
     acts = [[None] * (plan.act_slots + 1) for _ in range(p)]
     grads = [[None] * (plan.grad_slots + 1) for _ in range(p)]
-    in_act, in_grad = [None] * p, [None] * p
+    in_act, in_grad, in_head = [None] * p, [None] * p, [None] * p
     done = set()
     for t in range(sched.num_steps):
-        send_act, send_grad = [None] * p, [None] * p
+        send_act, send_grad, head = [None] * p, [None] * p, [None] * p
         for r in range(p):
             slot = tab["recv_grad"][t, r]
             assert (in_grad[r] is None) == (slot == plan.grad_slots), (t, r, in_grad[r])
             grads[r][slot] = in_grad[r]
+            slot = tab["recv_head"][t, r]
+            assert (in_head[r] is None) == (slot == plan.grad_slots), (t, r, in_head[r])
+            grads[r][slot] = in_head[r]
             back = [a for a in sched.grid[t][r] if a.kind in (B, W)]
             branch = plan.back_branches[tab["back_branch"][t, r]]
             if back:
@@ -49,8 +54,9 @@ def replay(plan):
                 assert branch == back_branch(stage_kind(s, S), is_w, split)
                 if s > 0:
                     assert acts[r][tab["back_slot"][t, r]] == (mb, s)
-                if s < S - 1:
-                    assert grads[r][tab["back_grad_slot"][t, r]] == (mb, s)
+                else:
+                    assert (plan.steps["embed_back_mb"][t] == mb) or branch is None
+                assert grads[r][tab["back_grad_slot"][t, r]] == (mb, s)
                 if not is_w and s > 0:
                     send_grad[r] = (mb, s - 1)
                 done.add(("W" if is_w else "B", mb, s))
@@ -62,16 +68,24 @@ def replay(plan):
             if any(a.kind == "F" for a in sched.grid[t][r]):
                 mb, s = tab["fwd_mb"][t, r], tab["fwd_stage"][t, r] * p + r
                 assert tab["fwd_kind"][t, r] == stage_kind(s, S)
-                assert tab["fwd_branch"][t, r] == int(s < S - 1)
+                assert tab["fwd_branch"][t, r] == 1
                 if s > 0:
                     assert acts[r][tab["fwd_slot"][t, r]] == (mb, s)
+                else:
+                    assert plan.steps["embed_fwd_mb"][t] == mb
                 if s < S - 1:
                     send_act[r] = (mb, s + 1)
+                else:  # every rank runs the head on it now; its gradient is stored next step
+                    assert plan.steps["has_head"][t] == 1 and plan.steps["head_mb"][t] == mb
+                    head[r] = (mb, s)
                 done.add(("F", mb, s))
             else:
                 assert tab["fwd_branch"][t, r] == 0
+        if not any(head):
+            assert plan.steps["has_head"][t] == 0
         in_act = [send_act[(r - 1) % p] for r in range(p)]
         in_grad = [send_grad[(r + 1) % p] for r in range(p)]
+        in_head = head
     m = sched.num_microbatches
     kinds = ("F", "B", "W") if split else ("F", "B")
     assert done == {(k, mb, s) for k in kinds for mb in range(m) for s in range(S)}
@@ -107,8 +121,8 @@ def test_literal_table_replays_and_dedupes_branches():
     assert table == make_schedule("zb_h1", 2, 2)
     plan = build_slot_plan(table)
     replay(plan)
-    # Last-stage B: input only (+ loss); last-stage W: params; first-stage W: params + input (for
-    # the embedding's weight gradient); first-stage split B: nothing to do, so idle.
+    # Last-stage B: input only; last-stage W: params; first-stage W: params + input (for the
+    # embedding's weight gradient); first-stage split B: nothing to do, so idle.
     assert set(plan.back_branches) == {
         None, back_branch(LAST, False, True), back_branch(LAST, True, True), back_branch(FIRST, True, True)
     }

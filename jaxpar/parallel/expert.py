@@ -17,7 +17,8 @@ rows (of S / context tokens when dropless) and E / ep experts, ep = mesh.expert,
   5. `all_to_all` back, picks each assignment's output out of the returned blocks, un-sorts, and
      sums each token's k outputs weighted by the router.
 With ep = 1 steps 2, 3 and 5 vanish: no collective at all. With no mesh (rules None) the same
-local code runs on the whole batch, without shard_map.
+local code runs on the whole batch, without shard_map; inside a caller's shard_map that is already
+manual over the batch axes (the pipeline engine) it runs on that device's rows and experts.
 
 Two modes:
 - capacity (`capacity` C > 0), grouped per sequence: an expert takes the first C assignments of each
@@ -51,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import EXPERT
 from jaxpar.kernels.grouped_matmul import grouped_matmul
+from jaxpar.parallel.manual import manual_axes
 
 
 def checks(model, mesh: dict) -> list[str]:
@@ -93,6 +95,8 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     if rules is None:
         return local(x, ids, weights, *experts, ep=1, exchange=None)
     ep = rules.mesh.shape[EXPERT]
+    if EXPERT in manual_axes():  # already per device (the pipeline engine's shard_map): rows and experts are local
+        return local(x, ids, weights, *experts, ep=ep, exchange=_all_to_all if ep > 1 else None)
     # Manual over the batch axes (data and expert), not expert alone (see the module docstring);
     # tensor stays auto. The step's per-replica gradient accumulation runs this under
     # vmap(spmd_axis_name="data") with `data` dropped from the batch rule; jax 0.10.2 then marks

@@ -94,4 +94,12 @@ def checks(config, mesh: dict, *, backend: str) -> list[str]:
             f"model.capacity_factor={model.capacity_factor} drops tokens by sequence order, which "
             "parallel.context_load_balance permutes; set parallel.context_load_balance=False or model.capacity_factor=0"
         )
+    elif model.get("capacity_factor", 0) > 0 and mesh[PIPELINE] > 1:
+        # Inside the pipeline engine the dispatch runs per device, on this context rank's slice of
+        # each sequence; a per-sequence capacity needs the whole sequence.
+        errors.append(
+            f"model.capacity_factor={model.capacity_factor} with mesh.{CONTEXT}={c} and mesh.{PIPELINE}="
+            f"{mesh[PIPELINE]}: per-sequence capacity needs whole sequences inside pipeline stages; "
+            "set model.capacity_factor=0 (dropless)"
+        )
     return errors

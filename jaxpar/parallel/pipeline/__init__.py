@@ -2,10 +2,13 @@
 
 - `schedules`: the tables (gpipe, 1f1b, interleaved_1f1b, zb_h1), their printer and parser.
 - `checks`: what makes a table valid, and its peak stash per rank.
+- `balance`: stage splits (explicit or `auto`) from an analytic per-stage cost, modelled step time.
 - `options`: `PipelineOptions` from the config, and the config checks.
 - `slots`: turns a table into the engine's per-step branch indices and buffer slots.
-- `layout`: the `[L, ...]` layer stacks viewed as `[p, v, Lc, ...]` stages.
+- `layout`: the `[L, ...]` layer stacks viewed as each rank's (possibly uneven) stages.
 - `stage`: one stage's forward and recomputing backward.
+- `vocab`: the embedding and LM head + loss split by vocab over the pipeline ranks.
+- `router`: MoE router statistics through the pipeline (per-microbatch aux losses).
 - `engine`: the `shard_map` + `lax.scan` that runs a table.
 
 Nothing is imported here: `schedules` and `checks` stay usable without jax.

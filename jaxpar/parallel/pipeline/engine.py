@@ -1,42 +1,49 @@
 """The pipeline engine: runs any valid schedule table inside `jax.shard_map` over `pipeline`.
 
-What it shards: the decoder layers over `pipeline` (stage r holds its layers, see `layout.py`);
-embedding, final norm and LM head are replicated over `pipeline`.
+What it shards: the decoder layers over `pipeline`, in any split into stages (`balance.py`,
+`layout.py`: storage stays [L, ...]); the embedding and LM head by vocab over `pipeline` ×
+`tensor` (`vocab.py`), so no rank holds a whole table; the final norm is replicated.
 
 Manual axes: `pipeline`, plus the batch axes (`data`, `expert`) unless ZeRO-3 is on, plus
 `context` with context parallelism (each context rank runs the schedule on its slice of the
 sequence; attention's all-gathers / all-to-alls over `context` run inside the stage branches,
 which every context rank of a pipeline rank takes together); tensor,
 sequence parallelism (and ZeRO-3's `data`) stay with the partitioner inside every stage, so PP
-composes with DP, ZeRO-1/3, TP, SP and expert-as-data. With manual batch axes every replica
+composes with DP, ZeRO-1/3, TP, SP, expert-as-data and expert parallelism (MoE layers run their
+dispatch per device, with the all-to-all over `expert`). With manual batch axes every replica
 accumulates its own gradients over the m microbatches and they are reduced once, after the
 engine; under ZeRO-3 the partitioner reduce-scatters per microbatch instead, as FSDP does.
 
-Collectives: per time step one `ppermute` of a microbatch's activations to rank r + 1 and one of
-its output gradient to rank r - 1 (rings when v > 1); after the scan one psum over `pipeline` of
-the shared parameters' gradients and of the loss.
+Collectives: before the scan, the layer exchange of an uneven split (`layout.py`). Per time step
+one `ppermute` of a microbatch's activations to rank r + 1 and one of its output gradient to rank
+r - 1 (rings when v > 1), and the vocab-parallel all-reduces over `pipeline` (`vocab.py`). After
+the scan: the transposed layer exchange, and a psum over `pipeline` of the final norm's gradient
+and the loss. No table-sized collective.
 
 Engine (per rank, a `lax.scan` over the table's T steps, carry `Carry`). Each step: store the
-received gradient; run the cell's B or W (a `lax.switch` over the slot plan's `back_branches`),
-recomputing the stage from its stashed input with `jax.vjp`; store the received activation
-(after B/W, so a slot released this step takes it); run the F; then the two ppermutes; idle
-ranks send zeros. Slots come from `slots.py`: a 1F1B rank holds at most min(m, 2(p - r) - 1)
-stashed inputs, GPipe m.
+received gradients (from rank r + 1, and the head's for the last stage); embed stage 0's two
+microbatches of this step (vocab-parallel lookup, every rank); run the cell's B or W (a
+`lax.switch` over the slot plan's `back_branches`, one copy per distinct stage length so an
+uneven split's shorter stages run only their own layers), recomputing the stage from its stashed
+input with `jax.vjp`; pull stage 0's input gradient into the embedding shards (every rank); store the
+received activation (after B/W, so a slot released this step takes it); run the F; if the last
+stage ran F, every rank runs its share of the final norm + LM head + loss on that output and keeps
+the output's gradient for the last stage's B (a `lax.cond` every rank takes alike); then the two
+ppermutes; idle ranks send zeros. Slots come from `slots.py`: a 1F1B rank holds at most
+min(m, 2(p - r) - 1) stashed inputs, GPipe m.
 
-Where the rest runs. Final norm + LM head + loss run inside the last stage: its F only keeps its
-input, its B recomputes the stage with the loss on top (cotangent scale / m), so the loss
-gradient is born where it is needed and 1F1B starts the backward the step after the forward.
-The embedding runs in the engine but outside the branches, on every rank every step (a gather
-for this step's F and one for its B/W, then the pullback of stage 0's input gradient into the
-table, zero elsewhere): inside a branch the vocab-parallel gather makes the partitioner emit
-collective-permutes, and the CPU runtime waits for every device at one, so ranks not taking the
-branch would deadlock. Keeping the embedding in the engine makes its input tokens [m, mb, S+1],
-not activations, so only the stash grows with m. The shared parameters' gradients are one psum
-over `pipeline` at the end (so tied embeddings just add the first and last stages').
+Everything with a collective over `pipeline` runs outside the per-rank branches: on XLA:CPU a
+collective-permute (a ppermute, or one the partitioner inserts for a gather on a sharded table)
+waits for every device, so ranks not taking the branch would deadlock. Keeping the embedding in
+the engine makes its input tokens [m, mb, S+1], not activations, so only the stash grows with m.
 
-Proven equal to one device by `tests/test_pipeline.py` (every schedule, with data, expert-as-data,
-tensor + SP, ZeRO-1/3, remat, tied embeddings) and, with context parallelism, by
-`tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
+MoE: router statistics are accumulated per microbatch beside the activations (`router.py`), so
+the load-balancing and z losses equal the non-pipelined step's (per microbatch, averaged).
+
+Proven equal to one device by `tests/test_pipeline.py` (every schedule, uneven and auto splits,
+with data, expert-as-data, tensor + SP, ZeRO-1/3, remat, tied embeddings) and
+`tests/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), with context parallelism
+by `tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
 """
 
 from __future__ import annotations
@@ -55,10 +62,13 @@ from jaxpar.models.llama import default_positions
 from jaxpar.parallel.context.plan import sequence_axes
 from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.parallel.manual import vary_everywhere
-from jaxpar.parallel.pipeline.layout import from_stages, to_stages
-from jaxpar.parallel.pipeline.slots import FIELDS, FIRST, slot_plan_for
+from jaxpar.parallel.manual import vary_everywhere, vary_like
+from jaxpar.parallel.pipeline import router
+from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
+from jaxpar.parallel.pipeline.slots import FIELDS, FIRST, LAST, STEP_FIELDS, slot_plan_for
 from jaxpar.parallel.pipeline.stage import Stage
+from jaxpar.parallel.pipeline.vocab import head_loss, lookup, shard_offset
+from jaxpar.parallel.tensor import mean_cross_entropy
 from jaxpar.parallel.zero import in_use
 from jaxpar.sharding import RESIDUAL, is_logical_names
 
@@ -68,43 +78,58 @@ class Carry(NamedTuple):
     grads: jax.Array  # [K_g + 1, mb, S, D]: output gradients waiting for B (and W)
     in_act: jax.Array  # what the forward ppermute delivered at the end of the previous step
     in_grad: jax.Array  # what the backward ppermute delivered
-    layer_grads: Any  # [v, Lc, ...] fp32, this rank's stages
-    shared_grads: Any  # embedding / norm / head, fp32
-    loss: jax.Array  # fp32 sum of this rank's microbatch losses (last stage only)
+    in_head: jax.Array  # the head's gradient of the last stage's output, computed last step
+    layer_grads: Any  # [v, Lmax, ...] fp32, this rank's stages
+    shared_grads: Any  # embedding / head shards and final norm, fp32
+    ce: jax.Array  # fp32 sum of the microbatches' cross-entropies (this replica's rows)
+    aux: jax.Array  # fp32 sum of the microbatches' MoE aux losses (global)
+    metrics: Any  # sums of the microbatches' MoE metrics ({} for dense models)
+    stats: Any  # [m, ...] this rank's router statistics per microbatch, summed over its stages
+    totals: Any  # [m, ...] per microbatch, summed over all stages and replicas (once known)
 
 
-def _inner_opts(opts, manual_axes):
-    """Run options whose shardings name the shard_map's abstract mesh (pipeline, and the batch
-    and sequence axes when manual, are Manual there: constraints must not name them)."""
-    rules = opts.rules.without(*manual_axes).on(jax.sharding.get_abstract_mesh())
-    return dataclasses.replace(opts, rules=rules)
+def _manual_spec(rules, names, manual) -> P:
+    """The shard_map spec of a parameter: its rule's mesh axes, keeping only the manual ones."""
+    entries = []
+    for name in names:
+        axes = () if name is None else tuple(a for a in rules.table[name] if a in manual)
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*entries)
 
 
-def _add_at(acc, u, delta):
-    return jax.tree.map(lambda a, d: a.at[u].add(d.astype(jnp.float32)), acc, delta)
+def _spec_axes(spec) -> set:
+    return {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
+
+
+def _per_replica(spec, batch_axes) -> P:
+    """`spec` behind a leading per-replica axis over the batch axes it does not already use."""
+    lead = tuple(a for a in batch_axes if a not in _spec_axes(spec))
+    return P(lead or None, *spec)
 
 
 def _add(acc, delta):
     return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, delta)
 
 
-def _zeros_f32(tree):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+def _zeros(tree, lead=(), dtype=jnp.float32):
+    return jax.tree.map(lambda a: vary_everywhere(jnp.zeros(lead + tuple(a.shape), dtype)), tree)
 
 
-def _engine(staged, shared, inputs, targets, positions, tables, scale, *, plan, model_config, opts, shared_names,
-            layer_names, batch_axes):
+def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tables, steps, scale, *, plan, layout, model_config, opts,
+            shared_names, batch_axes, vocab):
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
-    dtype = opts.compute_dtype
-    opts = _inner_opts(opts, batch_axes)
+    dtype, zero3 = opts.compute_dtype, opts.plan.zero.shard_params
+    opts = dataclasses.replace(opts, rules=opts.rules.without(PIPELINE, *batch_axes).on(jax.sharding.get_abstract_mesh()))
     stage, rules = Stage(model_config, opts), opts.rules
     # Every input is marked varying over all manual axes before any vjp: differentiating with
     # respect to a value replicated over `data` would psum its gradient over `data` right there.
-    staged = jax.tree.map(lambda a: vary_everywhere(a[0].astype(dtype)), staged)  # [v, Lc, ...]
+    staged = jax.tree.map(vary_everywhere, to_stages(jax.tree.map(lambda a: a.astype(dtype), layers), layout_tables, layout))
+    lengths = layout.lengths  # one branch per distinct stage length: padding never runs
+    length_of = layout_tables["length"][0]  # [v]: this rank's virtual stages' index into `lengths`
     # ZeRO-3: embedding / head (and their gradient sums) are gathered over `data` for the whole
     # step: left data-sharded, XLA's SPMD partitioner aborts on them when tensor > 1. Layers are
     # still gathered one at a time inside the layer scan.
-    shared_rules = in_use(rules) if opts.plan.zero.shard_params else rules
+    shared_rules = in_use(rules) if zero3 else rules
     shared = jax.tree.map(
         lambda a, n: vary_everywhere(shared_rules.constrain(a.astype(dtype), n)), shared, shared_names,
         is_leaf=is_logical_names,
@@ -114,79 +139,152 @@ def _engine(staged, shared, inputs, targets, positions, tables, scale, *, plan, 
     inputs = vary_everywhere(rules.constrain(inputs, (None, "batch", None)))
     targets = vary_everywhere(rules.constrain(targets, (None, "batch", None)))
     positions = vary_everywhere(positions)
-    rows = {k: t[:, 0] for k, t in tables.items()}
-    loss_cotangent = vary_everywhere((scale / m).astype(jnp.float32))
+    rows = {k: t[:, 0] for k, t in rank_tables.items()}
+    replicas = jax.lax.psum(1, batch_axes) if batch_axes else 1
     act_shape = inputs.shape[1:] + (model_config.hidden_size,)
-    any_layer = jax.tree.map(lambda a: a[0], staged)  # merge needs *some* layers to embed
+    any_layer = jax.tree.map(lambda a: a[0], staged)  # merge needs *some* layers to build the model
+    spread = vocab == "spread"
+    offset = shard_offset(shared["embed"]["weight"].shape[0]) if spread else 0
 
     def zeros_act(lead=()):
         return vary_everywhere(rules.constrain(jnp.zeros(lead + act_shape, dtype), (None,) * len(lead) + RESIDUAL))
 
-    def layer(u):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, u, keepdims=False), staged)
+    def layer(u, n):
+        """Virtual stage u's first n layers (n static: the branch's stage length)."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, u, keepdims=False)[:n], staged)
 
-    def embed(shared, tokens):
-        return stage.embed(any_layer, shared, tokens)
+    def branch_of(base, u):  # base: the first of len(lengths) branches, one per stage length
+        return base + jax.lax.dynamic_index_in_dim(length_of, u, keepdims=False)
 
-    def run_forward(x, u):
-        return rules.constrain(stage.forward(False, layer(u), shared, x, positions, None), RESIDUAL)
+    stats_shape = jax.eval_shape(lambda x: stage.forward(layer(0, 1), shared, x, positions)[1], zeros_act())
+    no_stats = _zeros(stats_shape)
+    loss_cotangent = (scale / m).astype(jnp.float32)
+    on_last_rank = jax.lax.axis_index(PIPELINE) == p - 1  # where losses and metrics are counted
 
-    # fwd_branch 0: nothing to send (idle, or the last stage's F, which only keeps its input).
-    fwd_branches = [lambda x, u: zeros_act(), run_forward]
+    def head(sh, h, tgt):
+        """Final norm + LM head + mean cross-entropy of the last stage's output h."""
+        model = stage.model(any_layer, sh)
+        if not spread:  # this rank holds the whole (tensor-sharded) head
+            return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt)
+        normed = model.final_norm(vary_everywhere(h))  # the transpose sums every rank's share of d h
+        return head_loss(normed, model.head_weight(), tgt, offset, model_config.vocab_size, rules)
 
-    def backward_branch(branch):
-        def run(x, output_grad, tgt, u, layer_grads, shared_grads, loss):
-            cotangent = loss_cotangent if branch.last else output_grad
-            d_layer, d_shared, d_input, mb_loss = stage.backward(
-                branch, layer(u), shared, x, positions, tgt, cotangent
-            )
-            if d_layer is not None:
-                layer_grads = _add_at(layer_grads, u, d_layer)
-            if d_shared is not None:
-                shared_grads = _add(shared_grads, d_shared)
-            if branch.last and branch.inputs:  # each microbatch's loss once: at its B (full or input-grad)
-                loss = loss + mb_loss
-            d_input = zeros_act() if d_input is None else rules.constrain(d_input.astype(dtype), RESIDUAL)
-            return d_input, layer_grads, shared_grads, loss
+    def forward_branch(n, with_head):
+        def run(x, tgt, u, shared_grads, ce):
+            y, stats = stage.forward(layer(u, n), shared, x, positions)
+            y = rules.constrain(y, RESIDUAL)
+            if not with_head:
+                return y, stats, zeros_act(), shared_grads, ce
+            # "ends": the last stage runs norm + head + loss on its output right away.
+            loss, pullback = jax.vjp(lambda sh, h: head(sh, h, tgt), shared, y)
+            d_shared, d_h = pullback(vary_like(loss_cotangent, loss))
+            d_h = rules.constrain(d_h.astype(dtype), RESIDUAL)
+            return y, stats, d_h, _add(shared_grads, d_shared), ce + vary_everywhere(loss)
 
         return run
 
-    def idle_back(x, output_grad, tgt, u, layer_grads, shared_grads, loss):
-        return zeros_act(), layer_grads, shared_grads, loss
+    def idle_forward(x, tgt, u, shared_grads, ce):
+        return zeros_act(), no_stats, zeros_act(), shared_grads, ce
 
-    back_branches = [idle_back] + [backward_branch(b) for b in plan.back_branches[1:]]
+    # 0 idle, 1 + i: a stage of lengths[i] layers, then (ends) the same followed by the head.
+    fwd_branches = [idle_forward] + [forward_branch(n, False) for n in lengths]
+    fwd_branches += [] if spread else [forward_branch(n, True) for n in lengths]
+
+    def backward_branch(branch, n):
+        def run(x, output_grad, stats_grad, u, layer_grads):
+            d_layer, d_input = stage.backward(branch, layer(u, n), shared, x, positions, output_grad, stats_grad)
+            if d_layer is not None:
+                layer_grads = jax.tree.map(lambda a, d: a.at[u, :n].add(d.astype(jnp.float32)), layer_grads, d_layer)
+            d_input = zeros_act() if d_input is None else rules.constrain(d_input.astype(dtype), RESIDUAL)
+            return d_input, layer_grads
+
+        return run
+
+    def idle_back(x, output_grad, stats_grad, u, layer_grads):
+        return zeros_act(), layer_grads
+
+    # 0 idle, then per slot-plan branch b (from 1) and stage length i: 1 + (b - 1)·len + i.
+    back_branches = [idle_back] + [backward_branch(b, n) for b in plan.back_branches[1:] for n in lengths]
     ring = plan.schedule.virtual_stages > 1
     fwd_perm = [(r, (r + 1) % p) for r in range(p if ring else p - 1)]
     back_perm = [((r + 1) % p, r) for r in range(p if ring else p - 1)]
 
-    def time_step(carry: Carry, row):
+    def head_step(c: Carry, y, is_last, mb):
+        """After the last stage's F of microbatch `mb`, on every rank: the vocab-parallel head
+        ("spread") and the microbatch's router totals (MoE)."""
+        if spread:
+            h = jax.lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), PIPELINE)  # the last stage's output
+            ce, pullback = jax.vjp(lambda sh, hh: head(sh, hh, targets[mb]), shared, h)
+            d_shared, d_h = pullback(vary_like(loss_cotangent, ce))
+            c = c._replace(
+                in_head=vary_everywhere(rules.constrain(d_h.astype(dtype), RESIDUAL)),
+                shared_grads=_add(c.shared_grads, d_shared),
+                ce=c.ce + jnp.where(on_last_rank, vary_everywhere(ce), 0.0),
+            )
+        if not c.stats:
+            return c
+        totals = jax.lax.psum(jax.tree.map(lambda a: a[mb], c.stats), (PIPELINE, *batch_axes))
+        extra, metrics = router.loss_and_metrics(model_config, totals)
+        count = lambda a, b: a + jnp.where(on_last_rank, vary_everywhere(b), 0.0)  # noqa: E731
+        return c._replace(
+            aux=count(c.aux, extra),
+            metrics=jax.tree.map(count, c.metrics, metrics),
+            totals=jax.tree.map(lambda a, t: a.at[mb].set(vary_everywhere(t)), c.totals, totals),
+        )
+
+    def time_step(carry: Carry, xs):
+        row, step = xs
         with jax.named_scope("pipeline_step"):
             grads = jax.lax.dynamic_update_index_in_dim(carry.grads, carry.in_grad, row["recv_grad"], 0)
-            # Embedding forward for this step's B/W microbatch (used if it is on stage 0), with its
-            # pullback applied after the branch: gathers and scatters on the vocab-sharded table
-            # run outside the branches on every rank (see the module docstring for why).
-            x_first, embed_pullback = jax.vjp(lambda sh: embed(sh, inputs[row["back_mb"]]), shared)
+            grads = jax.lax.dynamic_update_index_in_dim(grads, carry.in_head, row["recv_head"], 0)
+            # Stage 0's inputs for this step's F and B/W (used by rank 0 only). "spread": every
+            # rank looks up the tokens it holds rows for, one psum completes both.
+            table = shared["embed"]["weight"]
+            part_fwd = lookup(table, inputs[step["embed_fwd_mb"]], offset)
+            part_back, embed_pullback = jax.vjp(lambda t: lookup(t, inputs[step["embed_back_mb"]], offset), table)
+            embedded = jnp.stack([part_fwd, part_back])
+            embedded = jax.lax.psum(embedded, PIPELINE) if spread else embedded
+            embedded = vary_everywhere(rules.constrain(embedded, (None,) + RESIDUAL))
             back_on_first = row["back_kind"] == FIRST
-            x = jnp.where(back_on_first, x_first, carry.acts[row["back_slot"]])
-            d_input, layer_grads, shared_grads, loss = jax.lax.switch(
-                row["back_branch"], back_branches, x, grads[row["back_grad_slot"]], targets[row["back_mb"]],
-                row["back_stage"], carry.layer_grads, carry.shared_grads, carry.loss,
+            x = jnp.where(back_on_first, embedded[1], carry.acts[row["back_slot"]])
+            totals = jax.tree.map(lambda a: a[row["back_mb"]], carry.totals)
+            stats_grad = jax.tree.map(
+                lambda g: vary_everywhere(g * (replicas * loss_cotangent)), router.totals_grad(model_config, totals)
+            )
+            back = row["back_branch"]
+            back = jnp.where(back == 0, 0, branch_of(1 + (back - 1) * len(lengths), row["back_stage"]))
+            d_input, layer_grads = jax.lax.switch(
+                back, back_branches, x, grads[row["back_grad_slot"]], stats_grad, row["back_stage"],
+                carry.layer_grads,
             )
             zero = jnp.zeros_like(d_input)
             send_grad = jnp.where(back_on_first, zero, d_input)
-            shared_grads = _add(shared_grads, embed_pullback(jnp.where(back_on_first, d_input, zero))[0])
+            # Stage 0's input gradient into the embedding: "spread": psummed to every rank, each
+            # scatters it into its own rows; "ends": rank 0's, summed over ranks after the scan.
+            d_embedded = jnp.where(back_on_first, d_input, zero)
+            d_embedded = jax.lax.psum(d_embedded, PIPELINE) if spread else d_embedded
+            (d_table,) = embed_pullback(vary_everywhere(d_embedded))
+            shared_grads = dict(carry.shared_grads)
+            shared_grads["embed"] = {"weight": shared_grads["embed"]["weight"] + d_table.astype(jnp.float32)}
             # After B/W: a slot it released this step may take this step's arrival.
             acts = jax.lax.dynamic_update_index_in_dim(carry.acts, carry.in_act, row["recv_act"], 0)
-            x = jnp.where(row["fwd_kind"] == FIRST, embed(shared, inputs[row["fwd_mb"]]), acts[row["fwd_slot"]])
-            send_act = jax.lax.switch(row["fwd_branch"], fwd_branches, x, row["fwd_stage"])
-            return Carry(
-                acts=acts,
-                grads=grads,
-                in_act=jax.lax.ppermute(send_act, PIPELINE, fwd_perm),
+            x = jnp.where(row["fwd_kind"] == FIRST, embedded[0], acts[row["fwd_slot"]])
+            is_last = row["fwd_kind"] == LAST
+            with_head = 0 if spread else is_last.astype(jnp.int32) * len(lengths)
+            branch = jnp.where(row["fwd_branch"] == 0, 0, branch_of(1 + with_head, row["fwd_stage"]))
+            y, stats, d_head, shared_grads, ce = jax.lax.switch(
+                branch, fwd_branches, x, targets[row["fwd_mb"]], row["fwd_stage"], shared_grads, carry.ce
+            )
+            carry = carry._replace(
+                acts=acts, grads=grads, layer_grads=layer_grads, shared_grads=shared_grads, ce=ce, in_head=d_head,
+                stats=jax.tree.map(lambda a, s: a.at[row["fwd_mb"]].add(s), carry.stats, stats),
+            )
+            if spread or carry.stats:  # every rank takes this cond alike (a per-step table entry)
+                step_fn = functools.partial(head_step, y=y, is_last=is_last, mb=step["head_mb"])
+                carry = jax.lax.cond(step["has_head"] > 0, step_fn, lambda c: c, carry)
+            return carry._replace(
+                in_act=jax.lax.ppermute(y, PIPELINE, fwd_perm),
                 in_grad=jax.lax.ppermute(send_grad, PIPELINE, back_perm),
-                layer_grads=layer_grads,
-                shared_grads=shared_grads,
-                loss=loss,
             ), None
 
     start = Carry(
@@ -194,24 +292,37 @@ def _engine(staged, shared, inputs, targets, positions, tables, scale, *, plan, 
         grads=zeros_act((plan.grad_slots + 1,)),
         in_act=zeros_act(),
         in_grad=zeros_act(),
-        layer_grads=jax.tree.map(
-            lambda z, n: vary_everywhere(rules.constrain(z, (None, None) + n[1:])), _zeros_f32(staged), layer_names,
-            is_leaf=is_logical_names,
-        ),
+        in_head=zeros_act(),
+        layer_grads=_zeros(staged),
         shared_grads=jax.tree.map(
-            lambda z, n: vary_everywhere(shared_rules.constrain(z, n)), _zeros_f32(shared), shared_names,
-            is_leaf=is_logical_names,
+            lambda z, n: shared_rules.constrain(z, n), _zeros(shared), shared_names, is_leaf=is_logical_names
         ),
-        loss=vary_everywhere(jnp.zeros((), jnp.float32)),
+        ce=vary_everywhere(jnp.zeros((), jnp.float32)),
+        aux=vary_everywhere(jnp.zeros((), jnp.float32)),
+        metrics=_zeros(router.zero_metrics(model_config, stats_shape)),
+        stats=_zeros(stats_shape, (m,)),
+        totals=_zeros(stats_shape, (m,)),
     )
-    end, _ = jax.lax.scan(time_step, start, rows)
-    shared_grads = jax.tree.map(
-        shared_rules.constrain, jax.lax.psum(end.shared_grads, PIPELINE), shared_names, is_leaf=is_logical_names
+    end, _ = jax.lax.scan(time_step, start, (rows, steps))
+
+    layer_grads = from_stages(end.layer_grads, _zeros(layers), layout_tables, layout)
+    if not layout.sharded:  # storage replicated over `pipeline`: each rank has its stages' share
+        layer_grads = jax.lax.psum(layer_grads, PIPELINE)
+    shared_grads = jax.tree.map(  # "spread": the tables are this rank's own shard; the rest are shares
+        lambda g, n: shared_rules.constrain(g if spread and "vocab" in n else jax.lax.psum(g, PIPELINE), n),
+        end.shared_grads, shared_names, is_leaf=is_logical_names,
     )
-    # Per data replica: a leading axis over the manual batch axes (size 1 each), reduced outside.
-    replicas = jax.lax.psum(1, batch_axes) if batch_axes else 1
-    loss = jax.lax.psum(end.loss, (PIPELINE, *batch_axes)) / (m * replicas)
-    return loss, jax.tree.map(lambda a: a[None, None], end.layer_grads), jax.tree.map(lambda a: a[None], shared_grads)
+    # Losses and metrics are counted on the last rank, per replica: sum them and divide.
+    everyone = (PIPELINE, *batch_axes)
+    loss = jax.lax.psum(end.ce + end.aux, everyone) / (m * replicas)
+    metrics = jax.tree.map(lambda a: jax.lax.psum(a, everyone) / (m * replicas), end.metrics)
+    lead = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+    return loss, lead(layer_grads), lead(shared_grads), metrics
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(split, p, v):
+    return stage_layout(split, p, v)
 
 
 def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
@@ -222,17 +333,19 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     mesh = rules.mesh
     p, m, v = mesh.shape[PIPELINE], pipe.microbatches, pipe.virtual_stages
     plan = slot_plan_for(pipe.schedule, p, m, v)
+    layout = _layout(pipe.stage_layers, p, v)
     logical = models.logical_axes(model_config)
-    staged = to_stages(params["layers"], logical["layers"], rules, p, v)
     shared = {k: a for k, a in params.items() if k != "layers"}
+    shared_names = {k: n for k, n in logical.items() if k != "layers"}
     micro = split_microbatches(batch, m, rules)
     # Context parallelism: tokens in the plan's sequence order, split over `context`, which is
     # manual here like the batch axes (every (replica, context rank) pair runs the schedule on its
     # shard; attention's collectives over `context` run inside the stage branches).
     inputs, targets, positions = split_rows(micro, opts.plan.context, rules, names=(None, "batch", "seq"))
     positions = default_positions(inputs[0]) if positions is None else positions[0]
-    tables = {k: jnp.asarray(plan.tables[k]) for k in FIELDS}
-    shared_names = {k: n for k, n in logical.items() if k != "layers"}
+    rank_tables = {k: jnp.asarray(plan.tables[k]) for k in FIELDS}
+    steps = {k: jnp.asarray(plan.steps[k]) for k in STEP_FIELDS}
+    layout_tables = {k: jnp.asarray(t) for k, t in layout.tables.items()}
     # Data-parallel replicas (manual batch axes) accumulate their own gradients and reduce them
     # once, after the engine, not once per microbatch inside it. ZeRO-3 leaves the batch axes to
     # the partitioner: gradients reduce-scatter per microbatch there, as in FSDP.
@@ -240,25 +353,43 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     rows, seq = batch_axes or None, sequence_axes(opts.plan.context) or None
     # Per (replica, context rank) partial results, averaged below: each holds the mean over its tokens.
     batch_axes += sequence_axes(opts.plan.context)
-    per_replica = batch_axes or None
+    manual = {PIPELINE, *batch_axes}
+    spec = functools.partial(_manual_spec, rules, manual=manual)
+    layer_specs = jax.tree.map(spec, logical["layers"], is_leaf=is_logical_names)
+    shared_specs = jax.tree.map(spec, shared_names, is_leaf=is_logical_names)
+    replica_grads = lambda specs: jax.tree.map(  # noqa: E731
+        lambda s: _per_replica(s, batch_axes), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+    layer_grad_specs = replica_grads(layer_specs)  # the storage layout (split over `pipeline` or not)
+    shared_grad_specs = jax.tree.map(  # split over `pipeline` ("spread" tables) or summed over it
+        lambda s: _per_replica(s if PIPELINE in _spec_axes(s) else P(), batch_axes), shared_specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
     engine = functools.partial(
-        _engine, plan=plan, model_config=model_config, opts=opts, shared_names=shared_names,
-        layer_names=logical["layers"], batch_axes=batch_axes,
+        _engine, plan=plan, layout=layout, model_config=model_config, opts=opts, shared_names=shared_names,
+        batch_axes=batch_axes, vocab=pipe.vocab,
     )
     run = jax.shard_map(
         engine,
         mesh=mesh,
-        in_specs=(P(PIPELINE), P(), P(None, rows, seq), P(None, rows, seq), P(rows, seq), P(None, PIPELINE), P()),
-        out_specs=(P(), P(per_replica, PIPELINE), P(per_replica)),
-        axis_names={PIPELINE, *batch_axes},
+        in_specs=(
+            layer_specs, shared_specs, P(None, rows, seq), P(None, rows, seq), P(rows, seq), P(None, PIPELINE),
+            P(PIPELINE), P(), P(),
+        ),
+        out_specs=(P(), layer_grad_specs, shared_grad_specs, P()),
+        axis_names=manual,
     )
-    loss, layer_grads, shared_grads = run(
-        staged, shared, inputs, targets, positions, tables, jnp.asarray(scale, jnp.float32)
+    loss, layer_grads, shared_grads, metrics = run(
+        params["layers"], shared, inputs, targets, positions, rank_tables, layout_tables, steps,
+        jnp.asarray(scale, jnp.float32),
     )
-    layer_grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), layer_grads)
-    shared_grads = jax.tree.map(
-        lambda g, n: rules.constrain(jnp.mean(g, axis=0), n), shared_grads, shared_names, is_leaf=is_logical_names
-    )
-    grads = {**shared_grads, "layers": from_stages(layer_grads, logical["layers"], rules)}
-    grads = jax.tree.map(lambda g: g / scale, grads)
-    return loss, grads, {}
+    # Sum over the per-replica axis, divided by the replica count: a mean, except for expert
+    # weights, whose entries are already sums over their expert group (the dispatch's transpose).
+    replicas = 1
+    for axis in batch_axes:
+        replicas *= mesh.shape[axis]
+    reduce = lambda g, n: rules.constrain(jnp.sum(g, axis=0) / replicas, n)  # noqa: E731
+    layer_grads = jax.tree.map(reduce, layer_grads, logical["layers"], is_leaf=is_logical_names)
+    shared_grads = jax.tree.map(reduce, shared_grads, shared_names, is_leaf=is_logical_names)
+    grads = jax.tree.map(lambda g: g / scale, {**shared_grads, "layers": layer_grads})
+    return loss, grads, metrics

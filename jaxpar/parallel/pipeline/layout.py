@@ -1,46 +1,132 @@
-"""Layer stacks as pipeline stages: the `[L, ...]` storage layout viewed as `[p, v, Lc, ...]`.
+"""Layer stacks as pipeline stages: the `[L, ...]` storage layout and any split of it into stages.
 
-Parameters keep their mesh-independent shapes ([L, ...] stacks, logical axis `layers`, which the
-rules table maps to `pipeline` when it is > 1), so checkpoints stay portable. Entry [r, u] of the
-staged view is global stage u·p + r, i.e. layers [(u·p + r)·Lc, (u·p + r + 1)·Lc), so the global
-layer order is kept. For v = 1 that is a free reshape of the contiguous shards. For v > 1 rank r
-needs the strided chunks r, p + r, ... while storage gives it the contiguous chunks r·v ... r·v +
-v - 1: the engine transposes once per step (the partitioner emits an all-to-all +
-collective-permute of the layer params, and the same for their gradients). Chosen over a
-mesh-dependent storage order (breaks portable checkpoints) and over replicating the layers over
-`pipeline` (p× the memory).
+Storage never changes: parameters (and checkpoints) keep their mesh-independent `[L, ...]`
+stacks, so a checkpoint moves between stage splits and meshes unchanged. When `pipeline` divides
+L the rules table shards the stack over `pipeline` in equal contiguous blocks (rank q holds
+layers [q·c, (q+1)·c), c = L/p); otherwise the stack is replicated over `pipeline` (jax arrays
+cannot be split unevenly), which costs p× the layer memory and one all-reduce of the layer
+gradients over `pipeline` per step — pick L divisible by p for large models.
+
+A split gives global stage s (virtual stage u = s // p on rank r = s % p) n_s consecutive
+layers. Inside the engine's `shard_map` each rank builds its staged view [v, Lmax, ...] (Lmax =
+the largest n_s) from its storage block: layers it owns are gathered locally; layers another
+rank owns arrive by one `ppermute` per rank distance d (every rank sends what rank r + d needs
+from it, padded to the largest such count). Entries past n_s are padding (a copy of some layer):
+the engine has one branch per distinct stage length, whose layer scan runs over the first n_s
+entries only (a static slice), so a stage with fewer layers does proportionally less work and
+padding gets no gradient. (Measured instead: one scan over Lmax with a `lax.cond` skipping the
+padding; on CPU a skipped layer still cost ~40 ms of a real layer's ~70 ms in the backward.)
+Gradients go back by the transpose of the same exchange (`jax.linear_transpose`). An equal split with v = 1 is a free
+reshape; any other split moves only the layers whose stage is not their storage rank, every step
+(e.g. L = 8, p = 2, split 3 + 5: one layer's parameters there and its gradient back).
+
+Chosen over storing the staged layout in the train state (mesh-dependent shapes: checkpoints,
+HF export and the optimizer would all need converting) and over a storage split that follows
+the stage split (jax shards only evenly). Proven equal to one device by `tests/test_pipeline.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.axes import PIPELINE
-from jaxpar.sharding import Rules, is_logical_names
 
 
-def _stage_spec(rules: Rules, names) -> P:
-    rest = tuple(rules.spec(names))[1:]
-    return P(PIPELINE, None, None, *rest)
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Static index tables (numpy, per rank) for one split of L layers on p ranks × v stages."""
+
+    num_ranks: int
+    virtual_stages: int
+    split: tuple  # layers per global stage
+    sharded: bool  # storage split over `pipeline` (L % p == 0)
+    max_layers: int  # Lmax
+    lengths: tuple  # the distinct stage lengths, ascending (one engine branch each)
+    shifts: tuple  # ((d, K_d), ...): ppermute distance and padded count, only those with K_d > 0
+    tables: dict  # name -> int32/bool array with a leading rank axis [p, ...]
+
+    @property
+    def identity(self) -> bool:
+        """The staged view is the storage block itself (equal split, v = 1): a free reshape."""
+        return self.sharded and self.virtual_stages == 1 and len(set(self.split)) == 1
 
 
-def to_stages(layers, logical, rules: Rules, p: int, v: int):
-    """[L, ...] → [p, v, Lc, ...], entry [r, u] = global stage u·p + r, sharded over pipeline."""
+def stage_layout(split, p: int, v: int) -> StageLayout:
+    """The index tables for `split` (layers per global stage s = u·p + r) on p ranks × v."""
+    layers = sum(split)
+    sharded = layers % p == 0
+    block = layers // p if sharded else layers
+    lmax = max(split)
+    lengths = tuple(sorted(set(split)))
+    starts = np.cumsum((0,) + tuple(split))[:-1]
+    needs = {}  # rank -> [(slot, layer)] with slot = u·Lmax + j
+    length = np.zeros((p, v), np.int32)  # index into `lengths` of each (rank, virtual stage)
+    for s, (start, n) in enumerate(zip(starts, split)):
+        r, u = s % p, s // p
+        length[r, u] = lengths.index(n)
+        needs.setdefault(r, []).extend((u * lmax + j, int(start + j)) for j in range(n))
 
-    def one(a, names):
-        chunk = a.shape[0] // (p * v)
-        staged = a.reshape(v, p, chunk, *a.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(staged, NamedSharding(rules.mesh, _stage_spec(rules, names)))
+    def owner(layer):
+        return layer // block if sharded else None
 
-    return jax.tree.map(one, layers, logical, is_leaf=is_logical_names)
+    # What rank q sends rank (q + d) % p, in the receiver's slot order.
+    sends = {d: {q: [] for q in range(p)} for d in range(1, p)}
+    for r, pairs in needs.items():
+        for _, layer in pairs:
+            q = owner(layer)
+            if q is not None and q != r:
+                sends[(r - q) % p][q].append(layer)
+    shifts = tuple((d, max(len(x) for x in sends[d].values())) for d in range(1, p))
+    shifts = tuple((d, k) for d, k in shifts if k > 0)
+    pool = np.zeros((p, v * lmax), np.int32)  # padding slots read entry 0 (some real layer)
+    tables = {"length": length, "pool": pool}
+    for d, k in shifts:
+        send = np.zeros((p, k), np.int32)
+        for q, sent in sends[d].items():
+            send[q, : len(sent)] = [layer - q * block for layer in sent]
+        tables[f"send{d}"] = send
+    offsets, at = {}, block
+    for d, k in shifts:
+        offsets[d] = at
+        at += k
+    for r, pairs in needs.items():
+        for slot, layer in pairs:
+            q = owner(layer)
+            if q is None:
+                pool[r, slot] = layer
+            elif q == r:
+                pool[r, slot] = layer - r * block
+            else:
+                d = (r - q) % p
+                pool[r, slot] = offsets[d] + sends[d][q].index(layer)
+    return StageLayout(p, v, tuple(split), sharded, lmax, lengths, shifts, tables)
 
 
-def from_stages(staged, logical, rules: Rules):
-    """The inverse of `to_stages`, back to the storage layout [L, ...]."""
+def to_stages(local_layers, rank_tables: dict, layout: StageLayout):
+    """Inside the engine's shard_map: this rank's storage block (a tree of [c, ...] or [L, ...]
+    leaves) → its staged view [v, Lmax, ...]. `rank_tables` are `layout.tables` with the rank
+    axis sharded away ([1, ...] each)."""
+    p, v, lmax = layout.num_ranks, layout.virtual_stages, layout.max_layers
 
-    def one(a, names):
-        flat = a.swapaxes(0, 1).reshape(-1, *a.shape[3:])
-        return jax.lax.with_sharding_constraint(flat, rules.sharding(names))
+    def one(a):
+        if layout.identity:
+            return a.reshape(1, *a.shape)
+        parts = [a]
+        for d, _ in layout.shifts:
+            sent = jnp.take(a, rank_tables[f"send{d}"][0], axis=0)
+            parts.append(jax.lax.ppermute(sent, PIPELINE, [(q, (q + d) % p) for q in range(p)]))
+        pool = jnp.concatenate(parts) if len(parts) > 1 else a
+        return jnp.take(pool, rank_tables["pool"][0], axis=0).reshape(v, lmax, *a.shape[1:])
 
-    return jax.tree.map(one, staged, logical, is_leaf=is_logical_names)
+    return jax.tree.map(one, local_layers)
+
+
+def from_stages(staged_grads, like, rank_tables: dict, layout: StageLayout):
+    """The transpose of `to_stages`: staged gradients [v, Lmax, ...] → this rank's storage block,
+    padding dropped. `like` holds arrays shaped and typed like the block (fp32)."""
+    (local,) = jax.linear_transpose(lambda t: to_stages(t, rank_tables, layout), like)(staged_grads)
+    return local

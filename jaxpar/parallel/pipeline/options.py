@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxpar.axes import DATA, EXPERT, PIPELINE
+from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
+from jaxpar.config import padded_vocab_size
+from jaxpar.parallel.pipeline.balance import AUTO, PLACEMENTS, auto_split, parse_split, split_problems
 from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
 
 
@@ -13,6 +15,30 @@ class PipelineOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
+    stage_layers: tuple = ()  # layers per global stage s = u·p + r (virtual stage u on rank r)
+    vocab: str = "spread"  # where embedding / head run: a `balance.PLACEMENTS` entry (see `vocab.py`)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.stage_layers) // self.virtual_stages
+
+    @property
+    def shard_layers(self) -> bool:
+        """The [L, ...] layer stacks split over `pipeline` (else replicated: see `layout.py`)."""
+        return sum(self.stage_layers) % self.num_ranks == 0
+
+
+def stage_split(config, p: int) -> tuple:
+    """`parallel.pipeline_stage_layers` resolved: the explicit list, or the `auto` split."""
+    parallel, train = config.parallel, config.train
+    split = parse_split(parallel.pipeline_stage_layers)
+    if split != AUTO:
+        return split
+    m = parallel.num_microbatches or p
+    return auto_split(
+        config.model, train.seq_len, parallel.pipeline_schedule, p, m, parallel.virtual_stages,
+        placement=parallel.pipeline_vocab,
+    )
 
 
 def pipeline_options(config, mesh: dict) -> PipelineOptions | None:
@@ -21,7 +47,10 @@ def pipeline_options(config, mesh: dict) -> PipelineOptions | None:
     if p == 1:
         return None
     parallel = config.parallel
-    return PipelineOptions(parallel.pipeline_schedule, parallel.num_microbatches or p, parallel.virtual_stages)
+    return PipelineOptions(
+        parallel.pipeline_schedule, parallel.num_microbatches or p, parallel.virtual_stages, stage_split(config, p),
+        parallel.pipeline_vocab,
+    )
 
 
 def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
@@ -37,6 +66,14 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
         errors.append(f"parallel.virtual_stages={v} needs parallel.pipeline_schedule='interleaved_1f1b' (got {name!r})")
     if m < 0:
         errors.append(f"parallel.num_microbatches={m} must be >= 1 (or 0: mesh.{PIPELINE})")
+    if parallel.pipeline_vocab not in PLACEMENTS:
+        errors.append(f"parallel.pipeline_vocab={parallel.pipeline_vocab!r} is not one of {PLACEMENTS}")
+    key = "parallel.pipeline_stage_layers"
+    try:
+        split = parse_split(parallel.pipeline_stage_layers)
+    except ValueError as e:
+        errors.append(f"{key}: {e}")
+        split = AUTO
     p = mesh[PIPELINE]
     if p == 1 or errors:
         return errors
@@ -54,17 +91,29 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
             "the pipeline's parallel.num_microbatches already accumulates"
         )
     layers = model.num_hidden_layers
-    if layers % (p * v):
-        # The [L, ...] layer stack is split evenly over `pipeline` (see `layout`).
-        errors.append(
-            f"model.num_hidden_layers={layers} is not divisible by mesh.{PIPELINE} × parallel.virtual_stages={p * v}; "
-            "uneven pipeline stages are not supported"
-        )
+    if split == AUTO:
+        if layers < p * v:
+            errors.append(
+                f"model.num_hidden_layers={layers} cannot fill mesh.{PIPELINE} × parallel.virtual_stages={p * v} "
+                "stages (each needs at least one layer)"
+            )
+    else:
+        errors += [f"{key}={list(split)} {problem}" for problem in split_problems(split, layers, p, v)]
     if name == "interleaved_1f1b" and m % p:
         errors.append(f"parallel.num_microbatches={m} must be a multiple of mesh.{PIPELINE}={p} for interleaved_1f1b")
-    if has_aux_losses:
+    if has_aux_losses and parallel.zero_stage == 3:
+        # ZeRO-3 leaves the batch axes to the partitioner inside the engine, so the expert dispatch
+        # would nest its own shard_map over them inside the pipeline's; Shardy rejects that.
         errors.append(
-            f"model.model_type={model.model_type!r} has auxiliary (router) losses, which the pipeline "
-            f"engine does not carry yet; set mesh.{PIPELINE}=1"
+            f"parallel.zero_stage=3 with mesh.{PIPELINE}={p} is not supported for model.model_type="
+            f"{model.model_type!r} (expert dispatch inside the pipeline); use parallel.zero_stage 0 or 1"
+        )
+    # "spread": the embedding and LM head are split by vocab over pipeline × tensor (`vocab.py`).
+    vocab, shards = padded_vocab_size(model.vocab_size), p * mesh[TENSOR]
+    if parallel.pipeline_vocab == "spread" and vocab % shards:
+        errors.append(
+            f"padded vocab (model.vocab_size={model.vocab_size} → {vocab}) is not divisible by "
+            f"mesh.{PIPELINE} × mesh.{TENSOR}={shards}; change model.vocab_size, mesh.{PIPELINE}, mesh.{TENSOR} "
+            "or parallel.pipeline_vocab"
         )
     return errors

@@ -1,67 +1,61 @@
 """One pipeline stage's forward and recomputing backward, on one rank's slice of the model.
 
-A stage is a run of consecutive decoder layers. The last global stage also runs the final norm,
-LM head and loss, so the loss gradient is born on the rank that needs it and 1F1B can start a
-microbatch's backward the step after its forward. The embedding is applied by the engine
-outside the per-step branches (see `engine.py`); the first stage's backward only returns the
-gradient of its input, which the engine pulls back into the embedding table. Embedding / head
-parameters ("shared": every top-level param but `layers`) are replicated over `pipeline`.
+A stage is a run of consecutive decoder layers (the engine passes exactly the stage's n layers, a
+static slice of its padded staged view; see `layout.py`). The embedding
+and the LM head + loss are not part of any stage: every rank runs its vocab-parallel share of
+them in the engine, outside the per-step branches (`vocab.py`).
+
+A stage's output is its last layer's activations and, for MoE models, its router statistics
+summed over its layers (`jaxpar.models.moe.router_statistics`; {} for dense models): the engine
+accumulates those per microbatch, so the load-balancing and z losses see every layer.
 
 Backwards recompute the stage forward from its stashed input with `jax.vjp`, differentiating
-only what the action needs (a `BackBranch`): full B (params, head, input), split B (input only:
-what the previous stage waits for), W (params and head only; on the first stage also the
-input, for the embedding's weight gradient).
+only what the action needs (a `BackBranch`): full B (params and input), split B (input only:
+what the previous stage waits for), W (params; on the first stage also the input, for the
+embedding's weight gradient). The cotangent is the output gradient plus the router statistics'
+(the gradient of the aux losses with respect to this microbatch's totals).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar import models
-from jaxpar.parallel.tensor import mean_cross_entropy
+from jaxpar.parallel.manual import vary_everywhere
 
 
 class Stage:
     """The forward and backward of a stage for one model config and run options.
 
-    `layer_params` is the `layers` subtree holding only this stage's layers [Lc, ...]; merged into
-    the model's graph, the model's `run_layers` scans over exactly those.
+    `layer_params` is the `layers` subtree holding only this stage's layers [n, ...]; merged into
+    the model's graph, the model's `run_layers` scans over exactly those. `shared`
+    (embedding / norm / head, any shard of them) only completes the graph; stages never read it.
     """
 
     def __init__(self, model_config, opts):
         self.cfg = models.frozen(model_config)
         self.opts = opts
 
-    def _model(self, layer_params, shared):
+    def model(self, layer_params, shared):
         return models.merge(self.cfg, {**shared, "layers": layer_params})
 
-    def embed(self, layer_params, shared, tokens):
-        return self._model(layer_params, shared).embed_tokens(tokens, self.opts)
+    def forward(self, layer_params, shared, x, positions):
+        """(stage output [mb, S, D], router statistics summed over the stage's layers)."""
+        y, aux = self.model(layer_params, shared).run_layers(x, positions, self.opts)
+        # Typed alike (varying over every manual axis), so cotangents and branch outputs match.
+        return y, jax.tree.map(lambda a: vary_everywhere(jnp.sum(a, axis=0)), aux)
 
-    def forward(self, last: bool, layer_params, shared, x, positions, targets):
-        """The stage output [mb, S, D]; on the last stage the microbatch's mean loss (fp32)."""
-        model = self._model(layer_params, shared)
-        y, _ = model.run_layers(x, positions, self.opts)
-        if not last:
-            return y
-        with jax.named_scope("loss"):
-            return mean_cross_entropy(model.logits_from_hidden(y, self.opts), targets)
-
-    def backward(self, branch, layer_params, shared, x, positions, targets, cotangent):
-        """Recomputes `forward` and pulls `cotangent` back. Returns (d layer_params | None,
-        d shared | None, d x | None, loss | None): only what the `BackBranch` asks for; the loss
-        is the recomputed primal on the last stage."""
-        primals = [layer_params, shared, x]
-        wrt = ([0] + ([1] if branch.last else [])) if branch.params else []
-        if branch.inputs:
-            wrt.append(2)
+    def backward(self, branch, layer_params, shared, x, positions, output_grad, stats_grad):
+        """Recomputes `forward` and pulls (output_grad, stats_grad) back. Returns (d layer_params |
+        None, d x | None): only what the `BackBranch` asks for."""
+        primals = {0: layer_params, 1: x}
+        wrt = ([0] if branch.params else []) + ([1] if branch.inputs else [])
 
         def f(*diff):
-            args = list(primals)
-            for i, d in zip(wrt, diff):
-                args[i] = d
-            return self.forward(branch.last, *args, positions, targets)
+            args = dict(primals) | dict(zip(wrt, diff))
+            return self.forward(args[0], shared, args[1], positions)
 
-        out, pullback = jax.vjp(f, *(primals[i] for i in wrt))
-        got = dict(zip(wrt, pullback(cotangent.astype(out.dtype))))
-        return got.get(0), got.get(1), got.get(2), (out if branch.last else None)
+        (y, stats), pullback = jax.vjp(f, *(primals[i] for i in wrt))
+        got = dict(zip(wrt, pullback((output_grad.astype(y.dtype), stats_grad))))
+        return got.get(0), got.get(1)
