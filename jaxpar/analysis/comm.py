@@ -56,7 +56,6 @@ import dataclasses
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
 from jaxpar.analysis.memory import ParamCounts, moe_rows_per_token, param_counts
-from jaxpar.parallel.pipeline.schedules import make_schedule
 
 
 def wire_bytes(kind: str, size: float, group: int) -> float:
@@ -255,10 +254,10 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.p == 1:
         return []
 
-    schedule = make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    steps = layout.pipeline_shape.num_steps
     mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes
     out = [
-        Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * schedule.num_steps, "PP: activations and gradients per time step"),
+        Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step"),
         Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared, 1, "PP: shared (embedding / head / norm) gradients"),
     ]
     if layout.t > 1:
@@ -269,7 +268,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         low = lowering_for(layout)
         per_bwd = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
         out.append(Planned(ALL_REDUCE, (TENSOR,), act, L * (2 * 2 + per_bwd), "PP+TP: stage layers (in branches)"))
-        out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * schedule.num_steps, "PP+TP: embedding lookups each step"))
+        out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * steps, "PP+TP: embedding lookups each step"))
     return out
 
 

@@ -23,13 +23,16 @@ forward (`jaxpar.parallel.pipeline_stage`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+
+from ml_collections import ConfigDict
 
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.comm import Planned, planned_collectives
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
 from jaxpar.flops import train_flops_per_step
-from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +132,7 @@ def flops_per_device(layout: Layout) -> float:
 
 def step_time(layout: Layout, flops: float, collectives: list[Planned], hardware: hw.Hardware, efficiency: float) -> StepTime:
     compute = flops / (hardware.peak(layout.compute_dtype_name) * efficiency)
-    fraction = 0.0
-    if layout.p > 1:
-
-        fraction = bubble_fraction(make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages))
+    fraction = layout.bubble_fraction
     comm: dict = {}
     for p in collectives:
         if not p.axes:
@@ -140,6 +140,12 @@ def step_time(layout: Layout, flops: float, collectives: list[Planned], hardware
         seconds = p.wire_bytes(layout.mesh) / hw.link_bandwidth(hardware, layout.mesh, p.axes)
         comm[p.axes] = comm.get(p.axes, 0.0) + seconds
     return StepTime(compute, compute * fraction / (1 - fraction), comm, fraction)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_flops(model_json: str, batch: int, seq: int) -> float:
+    """`train_flops_per_step`, cached: the planner prices thousands of layouts of one model."""
+    return train_flops_per_step(ConfigDict(json.loads(model_json)), batch, seq)
 
 
 def estimate(
@@ -162,6 +168,6 @@ def estimate(
     counts = param_counts(layout)
     collectives = planned_collectives(layout, counts)
     flops = flops_per_device(layout)
-    model = train_flops_per_step(config.model, layout.global_batch, layout.seq)
+    model = _model_flops(config.model.to_json(), layout.global_batch, layout.seq)
     time = step_time(layout, flops, collectives, hardware, efficiency) if hardware is not None else None
     return Estimate(layout, estimate_memory(layout), collectives, flops, model, time, hardware)

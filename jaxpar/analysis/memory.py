@@ -35,14 +35,16 @@ Pipeline (p > 1) and MoE layers are priced by `pipeline_memory` / the MoE residu
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 
 import jax
+from ml_collections import ConfigDict
 
 from jaxpar import models
 from jaxpar.analysis.layout import DATA, Layout
 from jaxpar.kernels.grouped_matmul import TILE
-from jaxpar.parallel.pipeline.slots import slot_plan_for
 from jaxpar.models.families import family
 from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import rules_table
@@ -98,10 +100,9 @@ class MemoryEstimate:
 # ---- parameters under the rules table ------------------------------------------------------------
 
 
-def _table(layout: Layout, zero_on_params: bool) -> dict:
+def _plan(layout: Layout):
     config = layout.config
-    plan = make_plan(config, layout.mesh, has_aux_losses=family(config.model.model_type).aux_losses is not None)
-    return rules_table(plan, zero_on_params=zero_on_params)
+    return make_plan(config, layout.mesh, has_aux_losses=family(config.model.model_type).aux_losses is not None)
 
 
 def _shard_elements(shape, names, table, mesh, drop=()) -> int:
@@ -127,15 +128,30 @@ class ParamCounts:
 
 
 def param_counts(layout: Layout) -> ParamCounts:
-    shapes, logical = models.param_shapes(layout.config.model), models.logical_axes(layout.config.model)
-    params_table = _table(layout, zero_on_params=layout.zero_stage >= 3)
-    opt_table = _table(layout, zero_on_params=layout.zero_stage >= 1)
-    mesh = layout.mesh
+    return _param_counts(layout.config.model.to_json(), _plan(layout), tuple(layout.mesh.items()), layout.zero_stage)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_leaves(model_json: str) -> tuple:
+    """((path keys, shape, logical names), ...) of the model's parameters; cached because the
+    planner prices thousands of layouts of one model (abstract init costs milliseconds)."""
+    model = ConfigDict(json.loads(model_json))
+    shapes, logical = models.param_shapes(model), models.logical_axes(model)
+    return tuple(
+        (tuple(getattr(k, "key", str(k)) for k in path), leaf.shape, names)
+        for (path, leaf), names in zip(
+            jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+        )
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _param_counts(model_json: str, plan, mesh_items: tuple, zero_stage: int) -> ParamCounts:
+    params_table = rules_table(plan, zero_on_params=zero_stage >= 3)
+    opt_table = rules_table(plan, zero_on_params=zero_stage >= 1)
+    mesh = dict(mesh_items)
     as_params = as_opt = layer = shared = total = embedding = head = experts = 0
-    for (path, leaf), names in zip(
-        jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
-    ):
-        shape, keys = leaf.shape, [getattr(k, "key", str(k)) for k in path]
+    for keys, shape, names in _model_leaves(model_json):
         total += math.prod(shape)
         here = _shard_elements(shape, names, params_table, mesh)
         as_params += here
@@ -294,7 +310,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     configured remat policy."""
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
-    plan = slot_plan_for(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    plan = layout.pipeline_shape
     mb_tokens = layout.tokens / layout.microbatches
     act = mb_tokens * layout.hidden * cb
     buffers = (plan.act_slots + 1 + plan.grad_slots + 1 + 2) * act
