@@ -34,7 +34,7 @@ from jaxpar.analysis.cost_model import estimate
 from jaxpar.analysis.fidelity import compare
 from jaxpar.analysis.hlo import DTYPE_BYTES
 from jaxpar.analysis.layout import Layout
-from jaxpar.analysis.memory import estimate_memory, saved_per_token_layer
+from jaxpar.analysis.memory import estimate_memory, param_counts, saved_per_token_layer
 from jaxpar.config import base_config, llama_model_config, mixtral_model_config
 from jaxpar.models.options import RunOptions
 from jaxpar.train.loss import mean_cross_entropy
@@ -165,10 +165,12 @@ def test_sequence_parallel_matches_compiled_step():
 def test_zero3_without_remat_does_not_keep_gathered_weights():
     config = with_overrides(llama(32), {"data": 8}, parallel={"zero_stage": 3, "remat": "none"})
     fidelity = compare(config)
-    memory = fidelity.estimate.memory
-    assert memory.zero3_saved > 0.15 * memory.peak  # the test can tell the difference
-    intended = memory.peak - memory.zero3_saved
-    assert fidelity.compiled.memory.live_total <= 1.05 * intended, fidelity.table()
+    layout, memory = fidelity.estimate.layout, fidelity.estimate.memory
+    # Keeping every layer's gathered weights would add this much: the test can tell.
+    kept = layout.layers * param_counts(layout).layer_gathered * layout.activation_bytes
+    assert kept > 0.15 * memory.peak
+    assert fidelity.compiled.memory.live_total <= memory.peak + 0.5 * kept, fidelity.table()
+    assert abs(fidelity.memory_error) <= 0.15, fidelity.table()
 
 
 # ---- hardware and time -----------------------------------------------------------------------------

@@ -22,9 +22,8 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   reduce-scatter of the gradients over data, then all-gather of the updated parameters (param
   dtype); the embedding's gradient instead moves its cotangent activations by all-to-all (and
   the token ids by all-gather). ZeRO-3: each layer's weights all-gathered (compute dtype) inside
-  the layer scan, again in the backward unless remat is none (then the gathered weights are
-  saved, see `jaxpar.analysis.memory`), and each layer's gradient reduce-scattered, per
-  microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
+  the layer scan and again in the backward (three times in a pipeline stage, whose backward
+  re-runs its forward), and each layer's gradient reduce-scattered, per microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
   lookup all-to-alls its activations (and all-gathers token ids) forward and backward.
 - expert (`jaxpar.parallel.expert`): per MoE layer, forward two all-to-alls of the dispatch
   buffer (tokens · rows-per-token · D; dropless buffers are worst-case sized) plus one of the
@@ -119,35 +118,41 @@ def _scatter(layout: Layout) -> str:
 # ---- tensor ----------------------------------------------------------------------------------
 
 
+def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> list[Planned]:
+    """The tensor-parallel exchanges of this device's layers over activations of `act` bytes:
+    two per layer per forward pass (attention and MLP outputs, row-parallel), one more per layer
+    with remat full (it recomputes the attention, not the MLP's down projection, whose output
+    the backward never needs: measured, tensor=4 remat full), and the backward's input
+    gradients as the lowering reduces them. With sequence parallelism every all-reduce is an
+    all-gather of the sequence plus a reduce-scatter of the same bytes."""
+    axes, low, L = (TENSOR,), lowering_for(layout), layout.layers_per_device
+    fwd = (2 * forward_passes + (1 if layout.remat == "full" else 0)) * L
+    if layout.sequence_parallel:
+        scatter = _scatter(layout)
+        bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
+        return [
+            Planned(ALL_GATHER, axes, act, fwd, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
+            Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
+            Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
+            Planned(scatter, axes, act, bwd_scatters * L, f"{tag}: SP scatters input gradients (bwd)"),
+        ]
+    out = [
+        Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"),
+        Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"),
+    ]
+    if not layout.is_moe:
+        out.append(Planned(ALL_REDUCE, axes, act, L * low.mlp_input_grad_all_reduces, f"{tag}: MLP input gradient (bwd)"))
+    return out
+
+
 def tensor_collectives(layout: Layout) -> list[Planned]:
     if layout.t == 1 or layout.p > 1:  # inside pipeline stages: `pipeline_collectives`
         return []
-    axes, low = (TENSOR,), lowering_for(layout)
+    axes = (TENSOR,)
     act = layout.tokens * layout.hidden * layout.activation_bytes
-    L = layout.layers_per_device
-    # Remat full recomputes each layer's forward in the backward, but not the MLP's down
-    # projection (its output only feeds the layer output, which the backward does not need), so
-    # one more exchange per layer (measured: tensor=4 remat full).
-    recomputed = L if layout.remat == "full" else 0
-    out = []
+    out = _tp_layers(layout, act, 1, "TP")
     if layout.sequence_parallel:
-        # Megatron SP: each block entry gathers the sequence, each exit reduce-scatters it.
-        scatter = _scatter(layout)
-        bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
-        out += [
-            Planned(ALL_GATHER, axes, act, 2 * L + recomputed, "SP: gather sequence before attention / MLP (fwd)"),
-            Planned(scatter, axes, act, 2 * L + recomputed, "SP: scatter attention / MLP outputs (fwd)"),
-            Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, "SP: gather output gradients (bwd)"),
-            Planned(scatter, axes, act, bwd_scatters * L, "SP: scatter input gradients (bwd)"),
-            Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"),
-        ]
-    else:
-        out += [
-            Planned(ALL_REDUCE, axes, act, 2 * L + recomputed, "TP: attention and MLP outputs (fwd, row-parallel)"),
-            Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, "TP: attention input gradient (bwd)"),
-        ]
-        if not layout.is_moe:
-            out.append(Planned(ALL_REDUCE, axes, act, L * low.mlp_input_grad_all_reduces, "TP: MLP input gradient (bwd)"))
+        out.append(Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"))
     head_dx = layout.tokens * layout.hidden * 4
     out += [
         Planned(ALL_REDUCE, axes, act, 1, "TP: vocab-parallel embedding lookup"),
@@ -187,8 +192,9 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         return out
     # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
     data, zero_axes = _axes(layout, DATA), batch
-    # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1 accum2).
-    by_all_to_all = k == 1 and layout.microbatches == 1
+    # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
+    # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
+    by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
         out += [
@@ -199,19 +205,27 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         if by_all_to_all:
             out += _embedding_by_all_to_all(layout, zero_axes, forward=False)
         return out
-    # ZeRO-3: per layer inside the scan, per microbatch.
+    # ZeRO-3: per layer inside the scan, per microbatch: gathered for the forward and again for
+    # the backward whatever the remat policy (`zero.layer_remat_policy`); a pipeline stage's
+    # backward re-runs its forward first, a third gather (measured, data 2 x pipeline 4).
     L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
-    gathers = 1 if layout.remat == "none" else 2
+    gathers = 3 if layout.p > 1 else 2
     layer = counts.layer_gathered - counts.experts
     out += [
-        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd, and bwd unless remat none)"),
+        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"),
         Planned(_scatter(layout), data, cb * layer, L * m, "ZeRO-3: layer gradients"),
         Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
     ]
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
-    out += _embedding_by_all_to_all(layout, data, forward=True)
+    if layout.t == 1:
+        out += _embedding_by_all_to_all(layout, data, forward=True)
+    else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
+        out += [
+            Planned(ALL_GATHER, data, cb * counts.embedding, m, "ZeRO-3: embedding table"),
+            Planned(_scatter(layout), data, 4 * counts.embedding, m, "ZeRO-3: embedding gradient"),
+        ]
     return out
 
 
@@ -256,18 +270,19 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
 
     steps = layout.pipeline_shape.num_steps
     mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes
+    if layout.sequence_parallel:
+        mb_act /= layout.t  # stage boundaries carry the sequence-sharded activations
     out = [
         Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step"),
-        Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared, 1, "PP: shared (embedding / head / norm) gradients"),
+        Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared_gathered, 1, "PP: shared (embedding / head / norm) gradients"),
     ]
     if layout.t > 1:
         # Inside every stage action the layers' TP collectives run on microbatches: F runs the
-        # chunk forward, B recomputes it and runs the backward (so forwards count twice).
-        L = layout.layers_per_device
+        # chunk forward, B recomputes it and runs the backward (so forwards count twice). That
+        # is a non-last rank's count, the busiest: the last one skips F and adds the head's
+        # exchanges (measured, pipeline 2 x tensor 4, per rank from the schedule's branch runs).
         act = layout.tokens * layout.hidden * layout.activation_bytes
-        low = lowering_for(layout)
-        per_bwd = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
-        out.append(Planned(ALL_REDUCE, (TENSOR,), act, L * (2 * 2 + per_bwd), "PP+TP: stage layers (in branches)"))
+        out += _tp_layers(layout, act, 2, "PP+TP")
         out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * steps, "PP+TP: embedding lookups each step"))
     return out
 

@@ -91,9 +91,7 @@ class Estimate:
 
 
 def _attention_factor(layout: Layout) -> float:
-    cfg = layout.config.parallel
-    cudnn = layout.target == "gpu" and layout.compute_bytes == 2 and cfg.attention_impl in ("auto", "cudnn")
-    return 0.5 if cudnn else 1.0
+    return 0.5 if layout.flash_attention else 1.0
 
 
 def forward_flops_per_token(layout: Layout) -> dict:

@@ -171,6 +171,13 @@ class Layout:
         return 4 if self.target == "cpu" else self.compute_bytes
 
     @property
+    def flash_attention(self) -> bool:
+        """cuDNN's fused attention (GPU, 16-bit compute, attention_impl auto / cudnn): no [S, S]
+        scores are materialised or saved, and the causal kernel skips the masked half."""
+        impl = self.config.parallel.attention_impl
+        return self.target == "gpu" and self.compute_bytes == 2 and impl in ("auto", "cudnn")
+
+    @property
     def compute_dtype_name(self) -> str:
         return self.config.train.compute_dtype
 

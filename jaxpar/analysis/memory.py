@@ -12,19 +12,18 @@ count of the buffers the step keeps, per device:
                  none: every intermediate autodiff needs; save_dots: the projection outputs;
                  full: the layer input. Counted from the block's structure; the test suite
                  checks the count against `jax`'s own list of saved residuals.
-  zero3_saved    ZeRO-3 with remat none: the scan saves each layer's *gathered* weights for the
-                 backward, so every layer's full weights stay live (a jaxpar memory bug: ZeRO-3
-                 only saves parameter memory with remat full / save_dots).
   param_cast     a compute-dtype copy of the parameters when it differs from the param dtype
                  (`models.apply` casts them once; the copy is a residual of the whole step).
   working        one layer's backward at a time: its full residuals (times a factor measured on
                  XLA:CPU: x1.0 none, x0.8 save_dots, x1.3 full — recompute holds the recomputed
                  residuals and their cotangents), the layer's unsharded fp32 weight gradients, and
-                 one vocab-table gradient; or the loss phase: ~4 fp32 [tokens, vocab/t] buffers,
-                 whichever is larger.
+                 one vocab-table gradient; or, at long sequences, the attention's [S, S] buffers
+                 (`SCORE_WORKING_FACTOR`); or the loss phase: ~4 fp32 [tokens, vocab/t] buffers;
+                 whichever is largest. With flash attention (cuDNN on GPU) there are no [S, S]
+                 buffers: not measured in this project (no GPU), taken from how the kernel works.
 
 Peak = state + max(backward phase, optimizer phase). The backward phase holds grads, stash,
-zero3_saved, param_cast and the working set; the optimizer phase holds two gradient-sized fp32
+param_cast and the working set; the optimizer phase holds two gradient-sized fp32
 buffers (the gradients and the clipped update, measured: temp = 2 x grads exactly on XLA:CPU
 when it dominates). Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
 models read low.
@@ -55,6 +54,13 @@ WORKING_FACTOR = {"none": 1.0, "save_dots": 0.8, "full": 1.3}
 # MoE layers hold their dispatch buffers (send, receive, return) and their cotangents on top:
 # measured 1.7-3.0 (ep 2-8, all remat policies, XLA:CPU's tiled expert matmuls); 2.2 is the middle.
 MOE_WORKING_FACTOR = 2.2
+# The backward of one attention layer holds its [S, S] score buffers (recomputed, saved or not,
+# their cotangents) several times over, in multiples of the scores and probabilities one layer
+# saves without remat; measured on XLA:CPU at Llama-3-70B width (64 and 16 heads, S 2048 / 8192,
+# bf16): one row per device: none 1.55, save_dots 2.27, full 2.28; 64 rows: save_dots 1.80, full
+# 1.82. The middle is taken (peak within 10% at both ends). Where the scores dominate, this is the
+# working set (the D-sized buffers fit into it: with 64 heads at S 8192 they add under 2%).
+SCORE_WORKING_FACTOR = {"none": 1.5, "save_dots": 2.0, "full": 2.0}
 # fp32 [tokens, vocab/t] buffers live while the loss and its gradient are computed (exp, masked
 # logits, label mask, the logits' cotangent; JAX's saved-residual list shows three plus bools).
 LOSS_BUFFERS = 4
@@ -68,7 +74,6 @@ class MemoryEstimate:
     optimizer: int
     grads: int
     stash: int
-    zero3_saved: int
     param_cast: int
     working: int
     pipeline_buffers: int = 0
@@ -79,7 +84,7 @@ class MemoryEstimate:
 
     @property
     def backward_phase(self) -> int:
-        return self.grads + self.stash + self.zero3_saved + self.param_cast + self.working + self.pipeline_buffers
+        return self.grads + self.stash + self.param_cast + self.working + self.pipeline_buffers
 
     @property
     def optimizer_phase(self) -> int:
@@ -121,6 +126,7 @@ class ParamCounts:
     as_optimizer: int  # sharded like the optimizer state (ZeRO >= 1: over data)
     layer_gathered: int  # one layer's weights with the data split removed (what ZeRO-3 gathers)
     shared: int  # embedding / head / final norm, as parameters
+    shared_gathered: int  # the same without the data split (as the pipeline reduces their gradients)
     total: int  # unsharded
     embedding: int  # the token table, without the data split
     head: int  # the LM head (0 when tied), without the data split
@@ -150,7 +156,7 @@ def _param_counts(model_json: str, plan, mesh_items: tuple, zero_stage: int) -> 
     params_table = rules_table(plan, zero_on_params=zero_stage >= 3)
     opt_table = rules_table(plan, zero_on_params=zero_stage >= 1)
     mesh = dict(mesh_items)
-    as_params = as_opt = layer = shared = total = embedding = head = experts = 0
+    as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
     for keys, shape, names in _model_leaves(model_json):
         total += math.prod(shape)
         here = _shard_elements(shape, names, params_table, mesh)
@@ -164,9 +170,10 @@ def _param_counts(model_json: str, plan, mesh_items: tuple, zero_stage: int) -> 
         else:
             shared += here
             whole = _shard_elements(shape, names, params_table, mesh, drop=(DATA,))
+            shared_gathered += whole
             embedding += whole if keys[0] == "embed" else 0
             head += whole if keys[0] == "lm_head" else 0
-    return ParamCounts(as_params, as_opt, layer, shared, total, embedding, head, experts)
+    return ParamCounts(as_params, as_opt, layer, shared, shared_gathered, total, embedding, head, experts)
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -193,9 +200,10 @@ def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
         raise ValueError(f"parallel.remat={remat!r} is not one of ('none', 'full', 'save_dots')")
     # none, per JAX's residual list: 4 hidden-sized values in the compute dtype plus 2 in fp32
     # (RMSNorm works in fp32), q (grouped), k, v, roped q and k, scores and probabilities (one of
-    # them fp32), softmax statistics.
-    compute = 4 * D / ts + 2 * q + 2 * kv + H * S / t
-    fp32 = 2 * D / ts + H * S / t + 2 * H / t + 4 / ts
+    # them fp32), softmax statistics. Flash attention keeps no scores (its statistics instead).
+    scores = 0 if layout.flash_attention else H * S / t
+    compute = 4 * D / ts + 2 * q + 2 * kv + scores
+    fp32 = 2 * D / ts + scores + 2 * H / t + 4 / ts
     return cb * compute + 4 * fp32 + mlp
 
 
@@ -268,8 +276,6 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         grads = 2 * 4 * (counts.as_optimizer if layout.zero_stage >= 3 else counts.as_params)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
     stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
-    zero3 = layout.zero_stage >= 3
-    zero3_saved = layout.layers * counts.layer_gathered * cb if zero3 and layout.remat == "none" else 0
     param_cast = counts.as_params * cb if cb != pb else 0
     working = _working_set(layout, counts, micro_tokens, layout.layers)
     return MemoryEstimate(
@@ -277,25 +283,35 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         optimizer=optimizer,
         grads=grads,
         stash=int(stash),
-        zero3_saved=zero3_saved,
         param_cast=param_cast,
         working=int(working),
     )
 
 
+def score_bytes_per_token(layout: Layout) -> float:
+    """The [S, S] attention buffers one layer saves per token without remat (scores in the
+    compute dtype, probabilities in fp32); 0 with flash attention."""
+    if layout.flash_attention:
+        return 0.0
+    return layout.heads / layout.t * layout.seq * (layout.activation_bytes + 4)
+
+
 def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk_layers: int) -> float:
-    """max(one layer's backward, the loss) for `micro_tokens` tokens at once (see module doc)."""
+    """max(one layer's backward, its attention scores, the loss) for `micro_tokens` tokens at
+    once (see module doc)."""
     t = layout.t
     layer_residuals = micro_tokens * saved_per_token_layer(layout, "none")
     factor = MOE_WORKING_FACTOR if layout.is_moe else WORKING_FACTOR[layout.remat]
+    score_factor = SCORE_WORKING_FACTOR[layout.remat]
     if chunk_layers == 1:
-        factor = 0.0  # XLA unrolls a one-layer scan: its residuals are the stash (measured: pp8)
+        factor = score_factor = 0.0  # XLA unrolls a one-layer scan: its residuals are the stash (measured: pp8)
     # The layer's unsharded fp32 weight gradients. (ZeRO-3's re-gathered weights for the
     # recompute do not add to it: measured, data=8 remat full within 2% without them.)
     layer = factor * layer_residuals + 4 * counts.layer_gathered
     table_grad = 4 * layout.vocab * layout.hidden / t
+    scores = score_factor * micro_tokens * score_bytes_per_token(layout)
     loss = LOSS_BUFFERS * 4 * micro_tokens * layout.vocab / t
-    return max(layer + table_grad, loss)
+    return max(layer + table_grad, scores, loss)
 
 
 # ---- pipeline ------------------------------------------------------------------------------------
@@ -324,7 +340,6 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         optimizer=2 * counts.as_optimizer * pb,
         grads=grads,
         stash=int(stage),
-        zero3_saved=0,
         param_cast=counts.as_params * cb if cb != pb else 0,
         working=int(working),
         pipeline_buffers=int(buffers + accumulators),

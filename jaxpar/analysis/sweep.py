@@ -127,11 +127,11 @@ def record(row: SweepRow) -> dict:
         memory_error=round(fid.memory_error, 4) if fid else "",
         compiled_matmul_flops=c.hlo_matmul_flops if c else "",
         predicted_matmul_flops=cpu.flops_per_device if cpu else "",
-        compiled_collective_bytes=sum(t.wire_bytes for t in c.comm_totals()) if c else "",
+        compiled_collective_bytes=sum((fid.compiled_bytes_by_axes() if fid else c.wire_bytes_by_axes()).values()) if c else "",
         predicted_collective_bytes=sum(cpu.wire_bytes_by_axes().values()) if cpu else "",
         max_axis_bytes_error=round(max(map(abs, row.axis_errors().values()), default=0.0), 4) if fid else "",
         within_tolerance=row.within_tolerance if fid else "",
-        compiled_collectives=_collectives_text(c.comm_totals()) if c else "",
+        compiled_collectives=_collectives_text(fid.compiled_totals() if fid else c.comm_totals()) if c else "",
         unexpected_collectives=_collectives_text(fid.unexpected(min_fraction=0.0)) if fid else "",
         predicted_peak_bytes_hw=target.memory.peak if target else "",
         predicted_step_s=round(target.time.seconds, 4) if target else "",
@@ -154,7 +154,8 @@ def collective_records(row: SweepRow) -> list[dict]:
             if p.axes:
                 key = (p.kind, p.axes)
                 predicted[key] = predicted.get(key, 0.0) + p.wire_bytes(row.cpu.layout.mesh)
-    compiled = {(t.kind, t.axes): t for t in row.compiled.comm_totals()}
+    totals = row.fidelity.compiled_totals() if row.fidelity else row.compiled.comm_totals()
+    compiled = {(t.kind, t.axes): t for t in totals}
     out = []
     for kind, axes in sorted(set(compiled) | set(predicted)):
         t = compiled.get((kind, axes))
