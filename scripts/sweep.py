@@ -2,7 +2,7 @@
 
     python scripts/sweep.py --config=configs/llama3_70b.py --devices=8 --out=/tmp/sweep70b \
         [--hardware=a100-80g] [--global_batch_size=..] [--seq_len=..] [--zero_stages=0,1,3] \
-        [--remats=full] [--limit=0] [--config.X=...]
+        [--remats=full] [--microbatch_rows=1] [--limit=0] [--config.X=...]
 
 Enumerates the meshes (data, pipeline, context, expert, tensor) preflight admits, with each ZeRO
 stage where mesh.data > 1 (and each remat policy in --remats; default the config's), AOT-compiles
@@ -27,6 +27,9 @@ _SEQ = flags.DEFINE_integer("seq_len", None, "Override train.seq_len.")
 _ZERO = flags.DEFINE_list("zero_stages", ["0", "1", "3"], "ZeRO stages to try where mesh.data > 1.")
 _REMATS = flags.DEFINE_list("remats", [], "Remat policies to try (default: the config's).")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Compile at most this many layouts (0: all).")
+_ROWS = flags.DEFINE_integer(
+    "microbatch_rows", 0, "Rows per microbatch per data replica on every mesh (0: the config's accumulation keys)."
+)
 _PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
 flags.mark_flags_as_required(["config", "out"])
 
@@ -51,7 +54,9 @@ def main(argv):
         config.train.global_batch_size = _BATCH.value
     if _SEQ.value:
         config.train.seq_len = _SEQ.value
-    space = Space.of_config(zero_stages=tuple(int(z) for z in _ZERO.value), remats=tuple(_REMATS.value) or None)
+    space = Space.of_config(
+        zero_stages=tuple(int(z) for z in _ZERO.value), remats=tuple(_REMATS.value) or None, microbatch_rows=_ROWS.value
+    )
     os.makedirs(_OUT.value, exist_ok=True)
     start = time.perf_counter()
     rows, screen = sw.sweep(config, _DEVICES.value, _HARDWARE.value, space=space, limit=_LIMIT.value or None)

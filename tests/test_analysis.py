@@ -119,6 +119,11 @@ CASES = {
     "tensor4_remat_full": (llama(8), {"data": 2, "tensor": 4}, {"remat": "full"}),
     "expert4_mixtral": (mixtral(16), {"data": 2, "expert": 4}, {}),
     "pipeline4_1f1b": (llama(32, num_hidden_layers=8), {"data": 2, "pipeline": 4}, {"num_microbatches": 4}),
+    "zero3_tensor4": (llama(8), {"data": 2, "tensor": 4}, {"zero_stage": 3, "remat": "full"}),
+    "pipeline2_tensor4_sp": (
+        llama(16, num_hidden_layers=8), {"pipeline": 2, "tensor": 4},
+        {"num_microbatches": 4, "sequence_parallel": True, "remat": "full"},
+    ),
 }
 
 
@@ -146,13 +151,19 @@ def test_model_matches_compiled_step(name):
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_matches_compiled_step():
-    fidelity = _fidelity("pipeline4_1f1b")
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("pipeline")])
+def test_pipeline_matches_compiled_step(name):
+    fidelity = _fidelity(name)
     # Stage work sits in `lax.switch` branches; the HLO count takes every branch every time
-    # step, an upper bound, so FLOPs are only checked to stay below it.
+    # step, an upper bound, so FLOPs are only checked to stay below it. Collective bytes are
+    # counted per rank from the schedule's branch runs (`fidelity.pipeline_branch_runs`).
     _check(fidelity, flops=False)
     assert fidelity.compiled.matmul_flops_upper_bound
     assert fidelity.estimate.flops_per_device < fidelity.compiled.hlo_matmul_flops
+    if fidelity.estimate.layout.t > 1:
+        # Positive control: counting every branch every step would overstate the stage collectives.
+        upper = fidelity.compiled.wire_bytes_by_axes()[("tensor",)]
+        assert upper > 1.5 * fidelity.compiled_bytes_by_axes()[("tensor",)]
 
 
 @pytest.mark.timeout(300)

@@ -116,6 +116,7 @@ def test_best_layout_keeps_command_line_keys():
     fixed = command_line_keys(argv)
     assert fixed == {"mesh.tensor", "parallel.remat"}
     config.mesh.tensor, config.parallel.remat = 2, "full"
+    config.lock()  # as scripts/train.py's config flag hands it over
     keys, why = best_layout(config, "a100-80g", 8, fixed=fixed)
     assert "mesh.tensor" not in keys and "parallel.remat" not in keys
     apply_layout(config, keys, explicit=fixed)
@@ -142,10 +143,10 @@ def test_70b_on_eight_a100s_fits_no_mesh():
     text = report(config, "a100-80g", 8, compare={TENSOR: 4, PIPELINE: 2})
     assert text.count("no mesh fits") == 1 and "Ranking for 32 x a100-80g" in text
     assert "The pipeline 2 x tensor 4 mesh" in text and "replicated over data to 32 x a100-80g" in text
+    assert "Binding vertex: memory" in text  # at 32 devices faster layouts overflow
 
 
-def test_memory_binds_for_70b_and_not_for_a_small_model():
-    assert "Binding vertex: memory" in report(_load("llama3_70b.py"), "a100-80g", 32)
+def test_memory_does_not_bind_a_small_model_on_big_devices():
     assert "Memory does not bind" in report(small_llama(), "h200", 8)
 
 

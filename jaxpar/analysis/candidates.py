@@ -68,11 +68,18 @@ class Space:
     sequence_parallel: tuple | None = (False, True)
     schedules: tuple | None = ("1f1b", "interleaved_1f1b", "zb_h1")
     microbatch_options: int = 4
+    # > 0: every mesh splits each data replica's rows into microbatches of this many rows
+    # (pipeline microbatches, or gradient accumulation without a pipeline), overriding the above.
+    microbatch_rows: int = 0
 
     @classmethod
-    def of_config(cls, zero_stages=(0, 1, 3), remats=None) -> "Space":
-        """The sweep's default: ZeRO stages vary, everything else as the config says."""
-        return cls(zero_stages=zero_stages, remats=remats, sequence_parallel=None, schedules=None, microbatch_options=0)
+    def of_config(cls, zero_stages=(0, 1, 3), remats=None, microbatch_rows: int = 0) -> "Space":
+        """The sweep's default: ZeRO stages vary, everything else as the config says (or
+        `microbatch_rows` rows per microbatch on every mesh)."""
+        return cls(
+            zero_stages=zero_stages, remats=remats, sequence_parallel=None, schedules=None, microbatch_options=0,
+            microbatch_rows=microbatch_rows,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +165,13 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
     remats = space.remats or (par.remat,)
     sps = (space.sequence_parallel or (par.sequence_parallel,)) if t > 1 else (None,)
     rows = train.global_batch_size // (d * e) if train.global_batch_size % (d * e) == 0 else 0
-    if p > 1:
+    split = max(1, rows // space.microbatch_rows) if space.microbatch_rows and rows else 0
+    if p > 1 and split:
+        v = par.virtual_stages if par.pipeline_schedule == "interleaved_1f1b" else 1
+        layouts = [{SCHEDULE_KEY: par.pipeline_schedule, MICROBATCH_KEY: max(split, p), "parallel.virtual_stages": v, ACCUM_KEY: 1}]
+    elif split:
+        layouts = [{ACCUM_KEY: split}]
+    elif p > 1:
         layouts = []
         for schedule in space.schedules or (par.pipeline_schedule,):
             if space.microbatch_options:

@@ -33,7 +33,7 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   collective-permutes of one microbatch's activations [mb, S, D] (forward activations, backward
   gradients); after the engine the shared (embedding / head / norm) gradients are all-reduced
   over pipeline, then all gradients over the batch axes once.
-- context: not implemented in jaxpar yet (`context_collectives` raises for mesh.context > 1).
+- context: not modelled yet (`context_collectives` is the hook; it raises for mesh.context > 1).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
 Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
@@ -96,8 +96,11 @@ class Planned:
     count: float
     what: str
     quirk: bool = False  # a known jaxpar inefficiency (see `jaxpar_quirks`)
+    group_size: int = 0  # devices per group when smaller than the axes (0: all of them)
 
     def group(self, mesh: dict) -> int:
+        if self.group_size:
+            return self.group_size
         n = 1
         for a in self.axes:
             n *= mesh[a]
@@ -288,20 +291,52 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
 
 
 def context_collectives(layout: Layout) -> list[Planned]:
-    """Placeholder: jaxpar has no context parallelism yet. Ring attention would add, per layer,
-    (c - 1) collective-permutes of each device's K and V shard forward and twice that backward."""
+    """The hook for context parallelism (branch `cp`), to be filled when it lands: until then any
+    mesh.context > 1 raises NotImplementedError, which the planner and the sweep report as "not
+    priced" (the sweep still compiles such layouts once preflight admits them).
+
+    What it must return, per `parallel.context_impl` (c = mesh.context, Lc = layers per device,
+    kv = tokens / c x KV heads / t x head_dim x compute bytes, one device's K or V shard):
+      all_gather  per layer: all-gather of K and V over context (forward, and again in the
+                  backward's recompute), reduce-scatter of their gradients; size c x kv each.
+      ring        per layer: (c - 1) collective-permutes of K and V forward, twice that backward
+                  (the gradients travel the ring too); size kv each.
+      all_to_all  per layer: four all-to-alls (q, k, v in, output back) forward, as many backward.
+    plus the loss and the batch reorder for load balancing, if they move anything. Measure the
+    counts on compiled HLO (`tests/test_analysis.py` style) before trusting them. `memory.py` needs
+    the matching change: a device holds tokens / c of each sequence (`Layout.tokens`), and the
+    attention's working set is the kernel's chunked buffers, not [S, S] scores.
+    """
     if layout.c > 1:
-        raise NotImplementedError(f"mesh.context={layout.c}: context parallelism is not modelled (not in jaxpar yet)")
+        raise NotImplementedError(f"mesh.context={layout.c}: context parallelism is not modelled yet (comm.context_collectives)")
     return []
 
 
 # ---- jaxpar's known inefficiencies -------------------------------------------------------------
 
 
-def jaxpar_quirks(layout: Layout) -> list[Planned]:
+def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
     """Collectives jaxpar causes today beyond the design, found in compiled HLO (see the report
     in tests/test_analysis.py): each is a candidate fix in jaxpar."""
     out = []
+    if layout.p > 1 and layout.virtual_stages > 1:
+        # Interleaved schedules: the [L] layer stack is stored split contiguously over pipeline,
+        # but rank r runs chunks r, r + p, ...: every step the partitioner moves the rank's
+        # layer parameters into stage order, and their gradients back: all-to-alls between pairs
+        # of ranks, and beyond two ranks collective-permutes of the whole local stack too
+        # (measured, v = 2: 1x the local stack's bytes per step at p = 2, 3x at p = 4 and 8).
+        # Storing the stack in stage order would remove them.
+        layer = counts.as_params - counts.shared
+        params, grads = layout.param_bytes * layer, 4 * layer
+        out += [
+            Planned(ALL_TO_ALL, (PIPELINE,), params, 1, "interleaved: layers into stage order", True, 2),
+            Planned(ALL_TO_ALL, (PIPELINE,), grads, 1, "interleaved: layer gradients back to stack order", True, 2),
+        ]
+        if layout.p > 2:
+            out += [
+                Planned(COLLECTIVE_PERMUTE, (PIPELINE,), params, 1, "interleaved: layers into stage order", True),
+                Planned(COLLECTIVE_PERMUTE, (PIPELINE,), grads, 1, "interleaved: gradients back to stack order", True),
+            ]
     if layout.is_moe and layout.batch_axes:
         # `lax.top_k` on batch-sharded router probabilities: the partitioner gathers the whole
         # batch's [B, S, E] probabilities on every device (and every device runs top-k on all).
@@ -321,7 +356,7 @@ def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> li
         + expert_collectives(layout)
         + pipeline_collectives(layout, counts)
         + context_collectives(layout)
-        + jaxpar_quirks(layout)
+        + jaxpar_quirks(layout, counts)
     )
 
 

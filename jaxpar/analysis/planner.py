@@ -67,6 +67,7 @@ def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | 
     out += [plan_text.ranking(ranked, top), "", plan_text.choice(ranked)]
     if compare:
         out += ["", plan_text.discuss_mesh(config, hardware, plan, ranked, compare)]
-    timing = "step time = compute at peak FLOP/s" + (f" x {efficiency:g}" if efficiency != 1 else "")
-    out += ["", f"({timing} + communication at link bandwidth + pipeline bubble, no overlap: an upper bound per step)"]
+    peak = "at peak FLOP/s (optimistic)" if efficiency == 1 else f"at {efficiency:g} x peak FLOP/s"
+    out += ["", f"(step time = matmuls {peak} + communication at link bandwidth, not overlapped with compute "
+                "(pessimistic) + pipeline bubble)"]
     return "\n".join(out)
