@@ -31,6 +31,9 @@ _ROWS = flags.DEFINE_integer(
     "microbatch_rows", 0, "Rows per microbatch per data replica on every mesh (0: the config's accumulation keys)."
 )
 _PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
+_REPRICE = flags.DEFINE_bool(
+    "reprice", False, "Do not compile: re-price OUT/compiled.pkl from an earlier run with the current model."
+)
 flags.mark_flags_as_required(["config", "out"])
 
 
@@ -47,7 +50,7 @@ def main(argv):
     import csv
 
     from jaxpar.analysis import sweep as sw
-    from jaxpar.analysis.candidates import Space
+    from jaxpar.analysis.candidates import Screen, Space, candidates
 
     config = _CONFIG.value
     if _BATCH.value:
@@ -58,9 +61,24 @@ def main(argv):
         zero_stages=tuple(int(z) for z in _ZERO.value), remats=tuple(_REMATS.value) or None, microbatch_rows=_ROWS.value
     )
     os.makedirs(_OUT.value, exist_ok=True)
+    pickled = os.path.join(_OUT.value, "compiled.pkl")
     start = time.perf_counter()
-    rows, screen = sw.sweep(config, _DEVICES.value, _HARDWARE.value, space=space, limit=_LIMIT.value or None)
-    seconds = time.perf_counter() - start
+    screen = Screen(config, _DEVICES.value)
+    if _REPRICE.value:
+        rows = sw.reprice(config, pickled, _DEVICES.value, _HARDWARE.value)
+        for candidate in candidates(config, _DEVICES.value, space):  # the refusal counts, as when compiled
+            screen.admit(candidate)
+        with open(os.path.join(_OUT.value, "sweep.md")) as f:  # keep the compiling run's command and time
+            notes = [line.rstrip() for line in f.read().splitlines()[2:4]]
+        notes.append(f"Re-priced with the current model: `python scripts/sweep.py {' '.join(sys.argv[1:])}`.")
+    else:
+        rows, screen = sw.sweep(config, _DEVICES.value, _HARDWARE.value, space=space, limit=_LIMIT.value or None)
+        sw.save(rows, pickled)
+        seconds = time.perf_counter() - start
+        notes = [
+            f"Command: `python scripts/sweep.py {' '.join(sys.argv[1:])}`",
+            f"Sweep wall time: {seconds:.0f} s for {len(rows)} compiles ({os.cpu_count()} cores, shared with other jobs).",
+        ]
 
     records = [sw.record(r) for r in rows]
     for name, table in (("sweep.csv", records), ("collectives.csv", [c for r in rows for c in sw.collective_records(r)])):
@@ -71,10 +89,6 @@ def main(argv):
                 writer.writerows(table)
     config_name = os.path.basename(sys.argv[[a.startswith("--config=") for a in sys.argv].index(True)].split("=", 1)[1])
     title = f"{config_name} on {_DEVICES.value} devices ({_HARDWARE.value} for time and fit)"
-    notes = [
-        f"Command: `python scripts/sweep.py {' '.join(sys.argv[1:])}`",
-        f"Sweep wall time: {seconds:.0f} s for {len(rows)} compiles ({os.cpu_count()} cores, shared with other jobs).",
-    ]
     with open(os.path.join(_OUT.value, "sweep.md"), "w") as f:
         f.write(sw.markdown(rows, screen, title=title, notes=notes))
     if _PLOTS.value and rows:
@@ -82,7 +96,7 @@ def main(argv):
 
         plot_memory(rows, os.path.join(_OUT.value, "memory.png"), title=f"Per-device memory: {title}")
         plot_step_time(rows, os.path.join(_OUT.value, "step_time.png"), title=f"Predicted step time: {title}")
-    print(f"{len(rows)} layouts in {seconds:.0f} s; {screen.summary()}; wrote {_OUT.value}/sweep.csv, sweep.md")
+    print(f"{len(rows)} layouts in {time.perf_counter() - start:.0f} s; {screen.summary()}; wrote {_OUT.value}/sweep.csv, sweep.md")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ import dataclasses
 
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
-from jaxpar.analysis.memory import ParamCounts, moe_rows_per_token, param_counts
+from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
 
 
 def wire_bytes(kind: str, size: float, group: int) -> float:
@@ -129,17 +129,27 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     gradients as the lowering reduces them. With sequence parallelism every all-reduce is an
     all-gather of the sequence plus a reduce-scatter of the same bytes."""
     axes, low, L = (TENSOR,), lowering_for(layout), layout.layers_per_device
-    fwd = (2 * forward_passes + (1 if layout.remat == "full" else 0)) * L
+    # XLA:CPU runs MoE experts as a tiled loop (`kernels.grouped_matmul`) and reduces each
+    # tile's partial sums over tensor inside it: per layer the forward's down projection, the
+    # backward's gate and up input gradients, and the recomputed forward unless remat is none
+    # (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts every tile, taken or not.
+    tiled = layout.is_moe and layout.target == "cpu"
+    fwd = ((1 if tiled else 2) * forward_passes + (1 if layout.remat == "full" else 0)) * L
+    out = []
+    if tiled:
+        rows = moe_matmul_rows_per_token(layout) * layout.tokens
+        passes = 3 if layout.remat == "none" else 4
+        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, L * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
     if layout.sequence_parallel:
         scatter = _scatter(layout)
         bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
-        return [
+        return out + [
             Planned(ALL_GATHER, axes, act, fwd, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
             Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
             Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
             Planned(scatter, axes, act, bwd_scatters * L, f"{tag}: SP scatters input gradients (bwd)"),
         ]
-    out = [
+    out += [
         Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"),
         Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"),
     ]
@@ -156,6 +166,11 @@ def tensor_collectives(layout: Layout) -> list[Planned]:
     out = _tp_layers(layout, act, 1, "TP")
     if layout.sequence_parallel:
         out.append(Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"))
+        if _reductions_per_step(layout) == 1 and layout.microbatches > 1:
+            # Per-replica accumulation (vmapped over data) gathers each layer's attention and MLP
+            # inputs once more per forward pass (measured: data 2 x tensor 4, accum 2 and 4).
+            passes = 2 if layout.remat == "full" else 1
+            out.append(Planned(ALL_GATHER, axes, act, 2 * passes * layout.layers_per_device, "SP: per-replica re-gathers", True))
     head_dx = layout.tokens * layout.hidden * 4
     out += [
         Planned(ALL_REDUCE, axes, act, 1, "TP: vocab-parallel embedding lookup"),
@@ -187,7 +202,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.is_moe and layout.e > 1:
         # Expert weights live on one expert rank: their gradients reduce over data only.
         expert_grads = 4 * counts.experts * layout.layers_per_device
-        if layout.d > 1:
+        if layout.d > 1 and layout.zero_stage < 3:  # ZeRO-3 reduce-scatters them below
             out.append(Planned(ALL_REDUCE, _axes(layout, DATA), expert_grads, k, "DP: expert weight gradients"))
         grads -= expert_grads
     if layout.zero_stage == 0:
@@ -200,6 +215,11 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
+        if layout.is_moe and layout.e > 1:
+            # Reduce-scattered over data, then the data shard all-reduced over expert (measured,
+            # MoE data 2 x expert 4).
+            zero_axes = data
+            out.append(Planned(ALL_REDUCE, (EXPERT,), (grads - embed_bytes) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
         out += [
             Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
@@ -213,16 +233,22 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     # backward re-runs its forward first, a third gather (measured, data 2 x pipeline 4).
     L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
     gathers = 3 if layout.p > 1 else 2
-    layer = counts.layer_gathered - counts.experts
+    layer = counts.layer_gathered  # experts included: ZeRO-3 splits their embed dim too (measured, MoE data 8)
+    # Layer gradients are reduce-scattered over data; with experts on their own axis only the
+    # expert weights' are, the rest are all-reduced over data x expert (measured, MoE data 2 x
+    # expert 4).
+    scattered = counts.experts if layout.is_moe and layout.e > 1 else layer
     out += [
         Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"),
-        Planned(_scatter(layout), data, cb * layer, L * m, "ZeRO-3: layer gradients"),
+        Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"),
         Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
     ]
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
-    if layout.t == 1:
+    if layout.is_moe and layout.e > 1:
+        out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - scattered), L * m, "ZeRO-3 MoE: other layer gradients"))
+    if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)
     else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
         out += [

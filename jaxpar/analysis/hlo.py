@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxpar.analysis.hlo_groups import HloParseError, _ints, iota_groups, mesh_axes_groups, parse_replica_groups
+from jaxpar.analysis.hlo_groups import (  # noqa: F401 (iota_groups, mesh_axes_groups: re-exported)
+    HloParseError, _ints, iota_groups, mesh_axes_groups, parse_replica_groups,
+)
 
 ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis import plan_text
 from jaxpar.analysis.candidates import set_keys
-from jaxpar.analysis.search import Plan, plan_layouts, smallest_fitting_plan
+from jaxpar.analysis.search import plan_layouts, smallest_fitting_plan
 
 
 class PlanError(ValueError):

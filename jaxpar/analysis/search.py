@@ -212,11 +212,11 @@ def param_total(config) -> int:
 
 def memory_terms(memory: MemoryEstimate) -> list[tuple[str, int]]:
     """The peak split into the terms the reports name, in the order they are added."""
-    activations = memory.temp - memory.grads - memory.param_cast
+    activations = memory.temp - memory.backward_grads - memory.param_cast
     return [
         ("parameters", memory.params),
         ("optimizer state", memory.optimizer),
-        ("gradients", memory.grads),
+        ("gradients", memory.backward_grads),
         ("compute-dtype copy", memory.param_cast),
         ("activations and work buffers", activations),
     ]

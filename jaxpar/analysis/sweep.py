@@ -9,6 +9,8 @@ allocated, so a 70B step compiles on emulated CPU devices) and prices it twice:
                             memory and collectives (the fidelity columns);
   predicted (hardware)      as the hardware's compiler would lower it: step time and fit.
 
+`save(rows, path)` keeps the compiled side (memory, FLOPs, collectives; not the HLO text) so
+`reprice(config, path, ...)` can set a changed model beside it without compiling again.
 `records(rows)` are the rows of `sweep.csv`; `markdown(...)` the table and the fidelity summary,
 including every collective XLA emitted that the model does not plan ("unexpected": a model gap or
 a sharding bug in jaxpar). Layouts the model cannot price yet (context parallelism) are compiled
@@ -21,6 +23,7 @@ XLA:CPU's own `peak_memory_in_bytes` reports only the arguments.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 
 from jaxpar.analysis import hardware as hw
@@ -94,13 +97,53 @@ def _one(candidate, applied, num_devices, hardware, devices) -> SweepRow:
         row.compiled = compile_step(applied, devices)
     except Exception as e:  # a layout XLA or jaxpar cannot compile is a finding, not a crash
         row.error = f"compile: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    _price(row, applied, num_devices, hardware)
+    row.wall_seconds = time.perf_counter() - start
+    return row
+
+
+def _price(row: SweepRow, applied, num_devices: int, hardware) -> None:
     try:
         row.cpu = estimate(applied, num_devices=num_devices, target="cpu")
         row.target = estimate(applied, hardware, num_devices=num_devices)
     except NotImplementedError as e:
         row.error = row.error or f"model: {e}"
-    row.wall_seconds = time.perf_counter() - start
-    return row
+
+
+def save(rows: list[SweepRow], path: str) -> None:
+    """The compiled side of each row (HLO text and the device mesh left out) for `reprice`."""
+    kept = []
+    for r in rows:
+        c = r.compiled and dataclasses.replace(r.compiled, mesh=None, hlo_text=None)
+        shape = tuple(r.compiled.mesh.devices.shape) if r.compiled else None
+        compile_error = r.error if r.error.startswith("compile") else ""
+        kept.append(dict(keys=r.candidate.keys, compiled=c, mesh_shape=shape, error=compile_error, wall=r.wall_seconds))
+    with open(path, "wb") as f:
+        pickle.dump(kept, f)
+
+
+def reprice(config, path: str, num_devices: int, hardware="a100-80g") -> list[SweepRow]:
+    """Rows from `save`d compiled results, priced by the model as it is now."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jaxpar.axes import MESH_AXES as AXES
+
+    hardware = hw.get(hardware) if isinstance(hardware, str) else hardware
+    with open(path, "rb") as f:
+        kept = pickle.load(f)
+    rows = []
+    for k in kept:
+        candidate = Candidate(k["keys"])
+        row = SweepRow(candidate, usable=USABLE_FRACTION * hardware.hbm_bytes, error=k["error"], wall_seconds=k["wall"])
+        if k["compiled"] is not None:
+            # Collectives name logical device ids, so any mesh of the same shape reads them alike.
+            devices = np.array(jax.devices()[:num_devices]).reshape(k["mesh_shape"])
+            row.compiled = dataclasses.replace(k["compiled"], mesh=Mesh(devices, AXES))
+        _price(row, candidate.apply(config), num_devices, hardware)
+        rows.append(row)
+    return rows
 
 
 def _collectives_text(totals) -> str:
