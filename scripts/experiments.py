@@ -111,7 +111,7 @@ def section_tp() -> list[str]:
         f"  and {100 * speed8:+.0f}% from 4 to 8: with the global batch fixed, TP does not add compute throughput (every",
         "  layout does the same matmuls on 8 devices); it only adds communication, so it can only lose unless it is",
         "  what makes the model fit.",
-        f"- *\"each TP all-reduce syncs about 1.2 GB of parameters\"*: TP all-reduces move activations, not parameters:",
+        "- *\"each TP all-reduce syncs about 1.2 GB of parameters\"*: TP all-reduces move activations, not parameters:",
         f"  one microbatch's [tokens, hidden] output per all-reduce, {act / 1e6:.0f} MB in bf16 at TP 8 here, about four per layer",
         f"  per pass. The step moves {b8 / 1e9:.1f} GB per device at TP 8 (compiled), {b4 / 1e9:.1f} GB at TP 4.",
         "",
@@ -187,10 +187,10 @@ def section_context() -> list[str]:
     lines += [
         "What the article claims, by arithmetic (Llama-3-8B shapes: 32 layers, 8 KV heads of 128, bf16):",
         "",
-        f"- *\"KV cache at 128k is 128k^2 x 2 x 2 B = 64 GB (O(seq^2))\"*: K and V grow linearly with the sequence:",
+        "- *\"KV cache at 128k is 128k^2 x 2 x 2 B = 64 GB (O(seq^2))\"*: K and V grow linearly with the sequence:",
         f"  2 x layers x S x kv_heads x head_dim x 2 B = {kv_cache / 1e9:.1f} GB at 128k. The quadratic object is the",
         "  attention score matrix, which flash attention never materialises.",
-        f"- *\"CP=4 all-gathers about 16 MB per step\"*: all-gathering one layer's K and V over 4 ranks sends",
+        "- *\"CP=4 all-gathers about 16 MB per step\"*: all-gathering one layer's K and V over 4 ranks sends",
         f"  {gathered / 1e6:.0f} MB per device per layer, x 32 layers forward (and again backward): gigabytes, not 16 MB.",
         "",
     ]
@@ -222,8 +222,8 @@ def _context_measured() -> list[str]:
             ctx = sum(b for axes, b in by.items() if CONTEXT in axes)
             rows.append([c, seq, f"{ctx / 1e6:.1f}", f"{step.memory.live_total / 2**20:.0f}"])
     return [
-        "Compiled (tiny Llama, hidden 256, 8 heads, 2 layers, one sequence per context group; "
-        f"parallel.context_impl as configured by default):",
+        "Compiled (tiny Llama, hidden 256, 8 heads, 2 layers, one sequence per context group;",
+        "parallel.context_impl as configured by default):",
         "",
         *_table(["context", "seq", "context-axis MB per device", "compiled MiB"], rows),
         "",
@@ -309,6 +309,14 @@ def section_plan() -> list[str]:
         text,
         "```",
         "",
+        "Read top to bottom: the first verdict is the honest answer to the article's question (no layout of 8",
+        "A100-80G holds full-parameter AdamW training of 70B: parameters and moments alone overflow, whatever the",
+        "split); the ranking is for the smallest A100 count that does hold it; the last block prices the article's",
+        "TP 4 x PP 2 itself, on every profile at 8 devices and replicated over data where 70B fits. The article's",
+        "reasons for it (TP inside NVLink, PP to cut memory) hold in the model, but on 8 devices they are moot, and",
+        "at 32 the best layouts keep tensor parallelism inside a node and use the remaining factor for a deeper",
+        "pipeline rather than for data parallelism across InfiniBand. `configs/llama3_70b.py` ships the winner.",
+        "",
     ]
 
 
@@ -324,6 +332,25 @@ def section_fidelity(dirs: list[str]) -> list[str]:
         "Each sweep compiles every layout preflight admits on emulated CPU devices (`scripts/sweep.py`, command and",
         "wall time in its sweep.md) and prices the same program analytically. Targets: peak memory within 15%,",
         "collective bytes per mesh axis within 10%.",
+        "",
+    ]
+    lines += [
+        "What comparing the model with compiled programs found in jaxpar (each priced by the model now, as",
+        "`comm.jaxpar_quirks` or an XLA:CPU lowering rule, and each a candidate fix):",
+        "",
+        "- Interleaved pipeline schedules move every layer's parameters into stage order and the gradients back",
+        "  each step (all-to-alls between rank pairs, plus permutes of the whole local stack beyond two ranks):",
+        "  about 3x the rank's layer bytes per step at p = 4 and 8. Storing the stack in stage order removes it;",
+        "  until then the planner prefers plain 1F1B.",
+        "- MoE on XLA:CPU: the tiled expert loop reduces each tile's partial sums over tensor inside the loop, and",
+        "  save_dots cannot see its dots (it recomputes the experts).",
+        "- ZeRO-3 x tensor: the partitioner re-lays the embedding table for the lookup in shape-dependent ways",
+        "  (an all-to-all of activations over data, or a permute plus a gather within tensor): listed, not priced.",
+        "- Sequence parallelism with per-replica accumulation gathers each layer's inputs again per forward pass.",
+        "- ZeRO-1 with an expert axis: the gradient reduce-scatter runs over data and then over expert; a small",
+        "  all-reduce over data x expert per microbatch remains unpriced (the 89% rows in the Mixtral table below).",
+        "- Mixtral with mesh tensor=8 and nothing else fails to compile (XLA SPMD RET_CHECK: a cross-partition",
+        "  all-reduce outside manual partitioning), see the Mixtral sweep's last line.",
         "",
     ]
     if not dirs:

@@ -16,35 +16,37 @@ def _pyplot():
 
 
 def plot_memory(rows, path: str, *, title: str) -> None:
-    """Stacked predicted terms on the hardware (bars), compiled and predicted XLA:CPU peaks
-    (markers), the usable HBM (line)."""
+    """Top: the model's per-device terms on the hardware (stacked, linear) against the usable
+    HBM. Bottom: compiled and predicted XLA:CPU peaks (log: fp32 activations, [S, S] scores)."""
     plt = _pyplot()
     from jaxpar.analysis.sweep import memory_breakdown
 
     labels = [r.candidate.describe() for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(rows) + 2), 5.5))
-    x = range(len(rows))
-    bottom = [0.0] * len(rows)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.45 * len(rows) + 2), 8), sharex=True)
+    x = list(range(len(rows)))
+    bottoms = [0.0] * len(rows)
     names = [name for name, _ in memory_breakdown(next((r for r in rows if r.target), rows[0]))] if rows else []
     for i, name in enumerate(names):
         heights = [dict(memory_breakdown(r)).get(name, 0) / GIB for r in rows]
-        ax.bar(x, heights, bottom=bottom, label=f"hw: {name}", color=plt.cm.tab10(i))
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        top.bar(x, heights, bottom=bottoms, label=name, color=plt.cm.tab10(i))
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if rows:
+        top.axhline(rows[0].usable / GIB, color="gray", linestyle="--", label="usable HBM")
+    top.set_ylabel("GiB per device (model, hardware)")
+    top.set_title(title, fontsize=10)
+    top.legend(fontsize=7, loc="upper left")
     compiled = [(i, r.compiled.memory.live_total / GIB) for i, r in enumerate(rows) if r.compiled]
     predicted = [(i, r.cpu.memory.peak / GIB) for i, r in enumerate(rows) if r.cpu]
     if compiled:
-        ax.scatter(*zip(*compiled), marker="o", color="black", zorder=3, label="compiled (XLA:CPU)")
+        bottom.scatter(*zip(*compiled), marker="o", color="black", label="compiled (XLA:CPU)")
     if predicted:
-        ax.scatter(*zip(*predicted), marker="x", color="red", zorder=4, label="predicted (XLA:CPU)")
-    if rows:
-        ax.axhline(rows[0].usable / GIB, color="gray", linestyle="--", label="usable HBM")
-    ax.set_yscale("log")
-    ax.set_ylabel("GiB per device")
-    ax.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
+        bottom.scatter(*zip(*predicted), marker="x", color="red", label="model (XLA:CPU)")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("GiB per device (XLA:CPU)")
+    bottom.legend(fontsize=7, loc="upper left")
+    bottom.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
