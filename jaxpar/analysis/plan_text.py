@@ -156,10 +156,10 @@ def _listing(items: list[tuple[float, str]]) -> str:
 
 def _compute_reason(a: Priced, b: Priced) -> str:
     la, lb = a.estimate.layout, b.estimate.layout
-    if la.remat != lb.remat:
-        return f" (remat {la.remat} vs {lb.remat})"
     if la.p > 1 and lb.p == 1:
         return " (pipeline stages re-run their forward in the backward)"
+    if la.remat != lb.remat:
+        return f" (remat {la.remat} vs {lb.remat})"
     if la.t > lb.t and not la.kv_sharded:
         return f" (KV heads replicated over tensor {la.t})"
     return ""
