@@ -1,4 +1,17 @@
-"""Llama 3.1 70B shapes (for mesh experiments and planning; real training needs accelerators)."""
+"""Llama 3.1 70B (70.6B parameters), full-parameter AdamW training.
+
+Laid out for 32 x a100-80g (4 nodes of 8 GPUs: NVLink inside a node, InfiniBand across), the
+layout `python scripts/plan.py --config=configs/llama3_70b.py --hardware=a100-80g --devices=32`
+ranks first: tensor 4 (NVLink) x pipeline 8, sequence parallel, 1F1B with 512 one-row
+microbatches, no remat (cuDNN's flash attention keeps no [S, S] scores), about 69 of the 72 GiB
+it lets a layout use. (Interleaving would cut the bubble, but jaxpar re-lays the layer stack into
+stage order every step, which costs more memory and traffic than it saves here.) Parameters stay fp32 (the master copy AdamW updates; the forward
+runs in bf16): with two fp32 moments and fp32 gradients that is 16 B per parameter, 1.13 TB
+before activations, so no layout fits 8 x A100-80G (parameters + AdamW state alone are
+70.6e9 x 12 B / 8 = 98.6 GiB per device; `--devices=8` says so and names 32 as the smallest
+count). More devices extend `data`; keep train.global_batch_size / mesh.data a multiple of
+parallel.num_microbatches.
+"""
 
 from jaxpar.config import base_config, llama_model_config
 
@@ -20,8 +33,13 @@ def get_config():
     c.model.rope_scaling.update(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
     )
-    c.mesh.update(data=-1, tensor=8)
-    c.parallel.update(zero_stage=3, sequence_parallel=True, remat="full")
-    c.train.update(global_batch_size=512, seq_len=8192, compute_dtype="bfloat16", learning_rate=1.5e-4, warmup_steps=2000)
+    c.mesh.update(data=-1, pipeline=8, tensor=4)
+    c.parallel.update(
+        zero_stage=0, sequence_parallel=True, remat="none", pipeline_schedule="1f1b", num_microbatches=512,
+    )
+    c.train.update(
+        global_batch_size=512, seq_len=8192, compute_dtype="bfloat16", param_dtype="float32", learning_rate=1.5e-4,
+        warmup_steps=2000,
+    )
     c.train.steps = 100_000
     return c

@@ -34,7 +34,7 @@ from jaxpar.analysis.cost_model import estimate
 from jaxpar.analysis.fidelity import compare
 from jaxpar.analysis.hlo import DTYPE_BYTES
 from jaxpar.analysis.layout import Layout
-from jaxpar.analysis.memory import estimate_memory, saved_per_token_layer
+from jaxpar.analysis.memory import estimate_memory, param_counts, saved_per_token_layer
 from jaxpar.config import base_config, llama_model_config, mixtral_model_config
 from jaxpar.models.options import RunOptions
 from jaxpar.train.loss import mean_cross_entropy
@@ -119,6 +119,11 @@ CASES = {
     "tensor4_remat_full": (llama(8), {"data": 2, "tensor": 4}, {"remat": "full"}),
     "expert4_mixtral": (mixtral(16), {"data": 2, "expert": 4}, {}),
     "pipeline4_1f1b": (llama(32, num_hidden_layers=8), {"data": 2, "pipeline": 4}, {"num_microbatches": 4}),
+    "zero3_tensor4": (llama(32), {"data": 2, "tensor": 4}, {"zero_stage": 3, "remat": "full"}),
+    "pipeline2_tensor4_sp": (
+        llama(16, num_hidden_layers=8), {"pipeline": 2, "tensor": 4},
+        {"num_microbatches": 4, "sequence_parallel": True, "remat": "full"},
+    ),
 }
 
 
@@ -127,14 +132,20 @@ def _fidelity(name):
     return compare(with_overrides(config, mesh, parallel=parallel))
 
 
-def _check(fidelity, *, flops: bool = True):
+# Under ZeRO-3 x TP the partitioner re-lays the embedding table for the lookup in shape-dependent
+# ways (a permute over data x tensor and a gather within tensor here; an all-to-all over data at
+# other shapes): ~1% of the step's bytes, which the model does not price; they stay listed.
+MINOR = {"zero3_tensor4": 0.01}
+
+
+def _check(fidelity, *, flops: bool = True, minor: float = 0.001):
     report = fidelity.table()
     print(report)
     assert abs(fidelity.memory_error) <= 0.15, report
     for row in fidelity.axis_bytes():
-        if row.compiled > 0.001 * sum(r.compiled for r in fidelity.axis_bytes()):
+        if row.compiled > minor * sum(r.compiled for r in fidelity.axis_bytes()):
             assert abs(row.error) <= 0.10, report
-    assert not fidelity.unexpected(min_fraction=0.005), report
+    assert not fidelity.unexpected(min_fraction=max(minor, 0.005)), report
     if flops:
         assert abs(fidelity.flops_error) <= 0.02, report
 
@@ -142,17 +153,23 @@ def _check(fidelity, *, flops: bool = True):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("pipeline")])
 def test_model_matches_compiled_step(name):
-    _check(_fidelity(name))
+    _check(_fidelity(name), minor=MINOR.get(name, 0.001))
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_matches_compiled_step():
-    fidelity = _fidelity("pipeline4_1f1b")
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("pipeline")])
+def test_pipeline_matches_compiled_step(name):
+    fidelity = _fidelity(name)
     # Stage work sits in `lax.switch` branches; the HLO count takes every branch every time
-    # step, an upper bound, so FLOPs are only checked to stay below it.
+    # step, an upper bound, so FLOPs are only checked to stay below it. Collective bytes are
+    # counted per rank from the schedule's branch runs (`fidelity.pipeline_branch_runs`).
     _check(fidelity, flops=False)
     assert fidelity.compiled.matmul_flops_upper_bound
     assert fidelity.estimate.flops_per_device < fidelity.compiled.hlo_matmul_flops
+    if fidelity.estimate.layout.t > 1:
+        # Positive control: counting every branch every step would overstate the stage collectives.
+        upper = fidelity.compiled.wire_bytes_by_axes()[("tensor",)]
+        assert upper > 1.5 * fidelity.compiled_bytes_by_axes()[("tensor",)]
 
 
 @pytest.mark.timeout(300)
@@ -165,10 +182,12 @@ def test_sequence_parallel_matches_compiled_step():
 def test_zero3_without_remat_does_not_keep_gathered_weights():
     config = with_overrides(llama(32), {"data": 8}, parallel={"zero_stage": 3, "remat": "none"})
     fidelity = compare(config)
-    memory = fidelity.estimate.memory
-    assert memory.zero3_saved > 0.15 * memory.peak  # the test can tell the difference
-    intended = memory.peak - memory.zero3_saved
-    assert fidelity.compiled.memory.live_total <= 1.05 * intended, fidelity.table()
+    layout, memory = fidelity.estimate.layout, fidelity.estimate.memory
+    # Keeping every layer's gathered weights would add this much: the test can tell.
+    kept = layout.layers * param_counts(layout).layer_gathered * layout.activation_bytes
+    assert kept > 0.15 * memory.peak
+    assert fidelity.compiled.memory.live_total <= memory.peak + 0.5 * kept, fidelity.table()
+    assert abs(fidelity.memory_error) <= 0.15, fidelity.table()
 
 
 # ---- hardware and time -----------------------------------------------------------------------------

@@ -1,12 +1,18 @@
 """Cost analysis for jaxpar layouts: an analytic model, and what XLA actually compiles to check it.
 
-- `hlo`: the HLO reader (collectives, replica groups, loops, branches, mesh axes).
+- `hlo`, `hlo_groups`: the HLO reader (collectives, replica groups, loops, branches, mesh axes).
 - `hlo_flops`: matmul FLOPs of compiled HLO with loop trip counts applied.
 - `compiled`: AOT-compile jaxpar's train step on abstract inputs; memory, FLOPs, collectives.
 - `hardware`: accelerator profiles (A100, H100, H200, TPU v5p) and link assignment per mesh axis.
 - `layout`: a config resolved into model dims, mesh and parallel knobs.
 - `memory`, `comm`, `cost_model`: per-device memory, collectives per axis, FLOPs, step time.
 - `fidelity`: the model next to the compiled program.
+- `candidates`: the layouts of a config on N devices (mesh x ZeRO x remat x SP x microbatches),
+  screened by preflight.
+- `search`, `plan_text`, `planner`: rank the layouts that fit, explain the choice;
+  `planner.best_layout` is what `scripts/train.py --plan` calls, `planner.report` what
+  `scripts/plan.py` prints.
+- `sweep`, `plots`: compile every layout and set the model beside it (`scripts/sweep.py`).
 
 Nothing is imported here, so `import jaxpar.analysis.hlo` stays free of jaxpar's model code.
 """

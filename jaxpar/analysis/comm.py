@@ -22,9 +22,8 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   reduce-scatter of the gradients over data, then all-gather of the updated parameters (param
   dtype); the embedding's gradient instead moves its cotangent activations by all-to-all (and
   the token ids by all-gather). ZeRO-3: each layer's weights all-gathered (compute dtype) inside
-  the layer scan, again in the backward unless remat is none (then the gathered weights are
-  saved, see `jaxpar.analysis.memory`), and each layer's gradient reduce-scattered, per
-  microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
+  the layer scan and again in the backward (three times in a pipeline stage, whose backward
+  re-runs its forward), and each layer's gradient reduce-scattered, per microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
   lookup all-to-alls its activations (and all-gathers token ids) forward and backward.
 - expert (`jaxpar.parallel.expert`): per MoE layer, forward two all-to-alls of the dispatch
   buffer (tokens · rows-per-token · D; dropless buffers are worst-case sized) plus one of the
@@ -34,7 +33,7 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   collective-permutes of one microbatch's activations [mb, S, D] (forward activations, backward
   gradients); after the engine the shared (embedding / head / norm) gradients are all-reduced
   over pipeline, then all gradients over the batch axes once.
-- context: not implemented in jaxpar yet (`context_collectives` raises for mesh.context > 1).
+- context: not modelled yet (`context_collectives` is the hook; it raises for mesh.context > 1).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
 Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
@@ -55,8 +54,7 @@ import dataclasses
 
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
-from jaxpar.analysis.memory import ParamCounts, moe_rows_per_token, param_counts
-from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
 
 
 def wire_bytes(kind: str, size: float, group: int) -> float:
@@ -98,8 +96,11 @@ class Planned:
     count: float
     what: str
     quirk: bool = False  # a known jaxpar inefficiency (see `jaxpar_quirks`)
+    group_size: int = 0  # devices per group when smaller than the axes (0: all of them)
 
     def group(self, mesh: dict) -> int:
+        if self.group_size:
+            return self.group_size
         n = 1
         for a in self.axes:
             n *= mesh[a]
@@ -120,35 +121,56 @@ def _scatter(layout: Layout) -> str:
 # ---- tensor ----------------------------------------------------------------------------------
 
 
+def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> list[Planned]:
+    """The tensor-parallel exchanges of this device's layers over activations of `act` bytes:
+    two per layer per forward pass (attention and MLP outputs, row-parallel), one more per layer
+    with remat full (it recomputes the attention, not the MLP's down projection, whose output
+    the backward never needs: measured, tensor=4 remat full), and the backward's input
+    gradients as the lowering reduces them. With sequence parallelism every all-reduce is an
+    all-gather of the sequence plus a reduce-scatter of the same bytes."""
+    axes, low, L = (TENSOR,), lowering_for(layout), layout.layers_per_device
+    # XLA:CPU runs MoE experts as a tiled loop (`kernels.grouped_matmul`) and reduces each
+    # tile's partial sums over tensor inside it: per layer the forward's down projection, the
+    # backward's gate and up input gradients, and the recomputed forward unless remat is none
+    # (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts every tile, taken or not.
+    tiled = layout.is_moe and layout.target == "cpu"
+    fwd = ((1 if tiled else 2) * forward_passes + (1 if layout.remat == "full" else 0)) * L
+    out = []
+    if tiled:
+        rows = moe_matmul_rows_per_token(layout) * layout.tokens
+        passes = 3 if layout.remat == "none" else 4
+        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, L * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
+    if layout.sequence_parallel:
+        scatter = _scatter(layout)
+        bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
+        return out + [
+            Planned(ALL_GATHER, axes, act, fwd, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
+            Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
+            Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
+            Planned(scatter, axes, act, bwd_scatters * L, f"{tag}: SP scatters input gradients (bwd)"),
+        ]
+    out += [
+        Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"),
+        Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"),
+    ]
+    if not layout.is_moe:
+        out.append(Planned(ALL_REDUCE, axes, act, L * low.mlp_input_grad_all_reduces, f"{tag}: MLP input gradient (bwd)"))
+    return out
+
+
 def tensor_collectives(layout: Layout) -> list[Planned]:
     if layout.t == 1 or layout.p > 1:  # inside pipeline stages: `pipeline_collectives`
         return []
-    axes, low = (TENSOR,), lowering_for(layout)
+    axes = (TENSOR,)
     act = layout.tokens * layout.hidden * layout.activation_bytes
-    L = layout.layers_per_device
-    # Remat full recomputes each layer's forward in the backward, but not the MLP's down
-    # projection (its output only feeds the layer output, which the backward does not need), so
-    # one more exchange per layer (measured: tensor=4 remat full).
-    recomputed = L if layout.remat == "full" else 0
-    out = []
+    out = _tp_layers(layout, act, 1, "TP")
     if layout.sequence_parallel:
-        # Megatron SP: each block entry gathers the sequence, each exit reduce-scatters it.
-        scatter = _scatter(layout)
-        bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
-        out += [
-            Planned(ALL_GATHER, axes, act, 2 * L + recomputed, "SP: gather sequence before attention / MLP (fwd)"),
-            Planned(scatter, axes, act, 2 * L + recomputed, "SP: scatter attention / MLP outputs (fwd)"),
-            Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, "SP: gather output gradients (bwd)"),
-            Planned(scatter, axes, act, bwd_scatters * L, "SP: scatter input gradients (bwd)"),
-            Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"),
-        ]
-    else:
-        out += [
-            Planned(ALL_REDUCE, axes, act, 2 * L + recomputed, "TP: attention and MLP outputs (fwd, row-parallel)"),
-            Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, "TP: attention input gradient (bwd)"),
-        ]
-        if not layout.is_moe:
-            out.append(Planned(ALL_REDUCE, axes, act, L * low.mlp_input_grad_all_reduces, "TP: MLP input gradient (bwd)"))
+        out.append(Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"))
+        if _reductions_per_step(layout) == 1 and layout.microbatches > 1:
+            # Per-replica accumulation (vmapped over data) gathers each layer's attention and MLP
+            # inputs once more per forward pass (measured: data 2 x tensor 4, accum 2 and 4).
+            passes = 2 if layout.remat == "full" else 1
+            out.append(Planned(ALL_GATHER, axes, act, 2 * passes * layout.layers_per_device, "SP: per-replica re-gathers", True))
     head_dx = layout.tokens * layout.hidden * 4
     out += [
         Planned(ALL_REDUCE, axes, act, 1, "TP: vocab-parallel embedding lookup"),
@@ -180,7 +202,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.is_moe and layout.e > 1:
         # Expert weights live on one expert rank: their gradients reduce over data only.
         expert_grads = 4 * counts.experts * layout.layers_per_device
-        if layout.d > 1:
+        if layout.d > 1 and layout.zero_stage < 3:  # ZeRO-3 reduce-scatters them below
             out.append(Planned(ALL_REDUCE, _axes(layout, DATA), expert_grads, k, "DP: expert weight gradients"))
         grads -= expert_grads
     if layout.zero_stage == 0:
@@ -188,10 +210,16 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         return out
     # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
     data, zero_axes = _axes(layout, DATA), batch
-    # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1 accum2).
-    by_all_to_all = k == 1 and layout.microbatches == 1
+    # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
+    # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
+    by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
+        if layout.is_moe and layout.e > 1:
+            # Reduce-scattered over data, then the data shard all-reduced over expert (measured,
+            # MoE data 2 x expert 4).
+            zero_axes = data
+            out.append(Planned(ALL_REDUCE, (EXPERT,), (grads - embed_bytes) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
         out += [
             Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
@@ -200,19 +228,33 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         if by_all_to_all:
             out += _embedding_by_all_to_all(layout, zero_axes, forward=False)
         return out
-    # ZeRO-3: per layer inside the scan, per microbatch.
+    # ZeRO-3: per layer inside the scan, per microbatch: gathered for the forward and again for
+    # the backward whatever the remat policy (`zero.layer_remat_policy`); a pipeline stage's
+    # backward re-runs its forward first, a third gather (measured, data 2 x pipeline 4).
     L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
-    gathers = 1 if layout.remat == "none" else 2
-    layer = counts.layer_gathered - counts.experts
+    gathers = 3 if layout.p > 1 else 2
+    layer = counts.layer_gathered  # experts included: ZeRO-3 splits their embed dim too (measured, MoE data 8)
+    # Layer gradients are reduce-scattered over data; with experts on their own axis only the
+    # expert weights' are, the rest are all-reduced over data x expert (measured, MoE data 2 x
+    # expert 4).
+    scattered = counts.experts if layout.is_moe and layout.e > 1 else layer
     out += [
-        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd, and bwd unless remat none)"),
-        Planned(_scatter(layout), data, cb * layer, L * m, "ZeRO-3: layer gradients"),
+        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"),
+        Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"),
         Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
     ]
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
-    out += _embedding_by_all_to_all(layout, data, forward=True)
+    if layout.is_moe and layout.e > 1:
+        out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - scattered), L * m, "ZeRO-3 MoE: other layer gradients"))
+    if layout.t == 1 and layout.e == 1:
+        out += _embedding_by_all_to_all(layout, data, forward=True)
+    else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
+        out += [
+            Planned(ALL_GATHER, data, cb * counts.embedding, m, "ZeRO-3: embedding table"),
+            Planned(_scatter(layout), data, 4 * counts.embedding, m, "ZeRO-3: embedding gradient"),
+        ]
     return out
 
 
@@ -255,39 +297,72 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.p == 1:
         return []
 
-    schedule = make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    steps = layout.pipeline_shape.num_steps
     mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes
+    if layout.sequence_parallel:
+        mb_act /= layout.t  # stage boundaries carry the sequence-sharded activations
     out = [
-        Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * schedule.num_steps, "PP: activations and gradients per time step"),
-        Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared, 1, "PP: shared (embedding / head / norm) gradients"),
+        Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step"),
+        Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared_gathered, 1, "PP: shared (embedding / head / norm) gradients"),
     ]
     if layout.t > 1:
         # Inside every stage action the layers' TP collectives run on microbatches: F runs the
-        # chunk forward, B recomputes it and runs the backward (so forwards count twice).
-        L = layout.layers_per_device
+        # chunk forward, B recomputes it and runs the backward (so forwards count twice). That
+        # is a non-last rank's count, the busiest: the last one skips F and adds the head's
+        # exchanges (measured, pipeline 2 x tensor 4, per rank from the schedule's branch runs).
         act = layout.tokens * layout.hidden * layout.activation_bytes
-        low = lowering_for(layout)
-        per_bwd = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
-        out.append(Planned(ALL_REDUCE, (TENSOR,), act, L * (2 * 2 + per_bwd), "PP+TP: stage layers (in branches)"))
-        out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * schedule.num_steps, "PP+TP: embedding lookups each step"))
+        out += _tp_layers(layout, act, 2, "PP+TP")
+        out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * steps, "PP+TP: embedding lookups each step"))
     return out
 
 
 def context_collectives(layout: Layout) -> list[Planned]:
-    """Placeholder: jaxpar has no context parallelism yet. Ring attention would add, per layer,
-    (c - 1) collective-permutes of each device's K and V shard forward and twice that backward."""
+    """The hook for context parallelism (branch `cp`), to be filled when it lands: until then any
+    mesh.context > 1 raises NotImplementedError, which the planner and the sweep report as "not
+    priced" (the sweep still compiles such layouts once preflight admits them).
+
+    What it must return, per `parallel.context_impl` (c = mesh.context, Lc = layers per device,
+    kv = tokens / c x KV heads / t x head_dim x compute bytes, one device's K or V shard):
+      all_gather  per layer: all-gather of K and V over context (forward, and again in the
+                  backward's recompute), reduce-scatter of their gradients; size c x kv each.
+      ring        per layer: (c - 1) collective-permutes of K and V forward, twice that backward
+                  (the gradients travel the ring too); size kv each.
+      all_to_all  per layer: four all-to-alls (q, k, v in, output back) forward, as many backward.
+    plus the loss and the batch reorder for load balancing, if they move anything. Measure the
+    counts on compiled HLO (`tests/test_analysis.py` style) before trusting them. `memory.py` needs
+    the matching change: a device holds tokens / c of each sequence (`Layout.tokens`), and the
+    attention's working set is the kernel's chunked buffers, not [S, S] scores.
+    """
     if layout.c > 1:
-        raise NotImplementedError(f"mesh.context={layout.c}: context parallelism is not modelled (not in jaxpar yet)")
+        raise NotImplementedError(f"mesh.context={layout.c}: context parallelism is not modelled yet (comm.context_collectives)")
     return []
 
 
 # ---- jaxpar's known inefficiencies -------------------------------------------------------------
 
 
-def jaxpar_quirks(layout: Layout) -> list[Planned]:
+def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
     """Collectives jaxpar causes today beyond the design, found in compiled HLO (see the report
     in tests/test_analysis.py): each is a candidate fix in jaxpar."""
     out = []
+    if layout.p > 1 and layout.virtual_stages > 1:
+        # Interleaved schedules: the [L] layer stack is stored split contiguously over pipeline,
+        # but rank r runs chunks r, r + p, ...: every step the partitioner moves the rank's
+        # layer parameters into stage order, and their gradients back: all-to-alls between pairs
+        # of ranks, and beyond two ranks collective-permutes of the whole local stack too
+        # (measured, v = 2: 1x the local stack's bytes per step at p = 2, 3x at p = 4 and 8).
+        # Storing the stack in stage order would remove them.
+        layer = counts.as_params - counts.shared
+        params, grads = layout.param_bytes * layer, 4 * layer
+        out += [
+            Planned(ALL_TO_ALL, (PIPELINE,), params, 1, "interleaved: layers into stage order", True, 2),
+            Planned(ALL_TO_ALL, (PIPELINE,), grads, 1, "interleaved: layer gradients back to stack order", True, 2),
+        ]
+        if layout.p > 2:
+            out += [
+                Planned(COLLECTIVE_PERMUTE, (PIPELINE,), params, 1, "interleaved: layers into stage order", True),
+                Planned(COLLECTIVE_PERMUTE, (PIPELINE,), grads, 1, "interleaved: gradients back to stack order", True),
+            ]
     if layout.is_moe and layout.batch_axes:
         # `lax.top_k` on batch-sharded router probabilities: the partitioner gathers the whole
         # batch's [B, S, E] probabilities on every device (and every device runs top-k on all).
@@ -307,7 +382,7 @@ def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> li
         + expert_collectives(layout)
         + pipeline_collectives(layout, counts)
         + context_collectives(layout)
-        + jaxpar_quirks(layout)
+        + jaxpar_quirks(layout, counts)
     )
 
 

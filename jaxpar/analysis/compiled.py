@@ -66,43 +66,65 @@ class CompiledStep:
     matmul_flops_upper_bound: bool  # some dots sit in conditional branches
     collectives: list[hlo.Collective]
     hlo_text: str | None
+    conditionals: dict = dataclasses.field(default_factory=dict)  # name -> (branches, executions per step)
 
     @property
     def num_devices(self) -> int:
         return self.mesh.devices.size
 
-    def comm_totals(self) -> list[CommTotal]:
-        """Collectives summed by (kind, mesh axes), biggest wire bytes first."""
+    def comm_totals(self, branch_runs: dict | None = None) -> list[CommTotal]:
+        """Collectives summed by (kind, mesh axes), biggest wire bytes first.
+
+        `branch_runs`: {(conditional, branch index): runs per step} for conditionals whose
+        branch counts are known (one device's, e.g. from a pipeline schedule table); a
+        collective in such a branch then counts those runs (times the loops outside the
+        conditional's loop are not re-applied: the runs are per step) instead of the upper bound."""
         groups = defaultdict(list)
         for c in self.collectives:
             groups[(c.kind, hlo.mesh_axes_of(c, self.mesh))].append(c)
         totals = []
         for (kind, axes), members in groups.items():
             n = members[0].group_size(self.num_devices)
-            size = sum(c.size_bytes(self.num_devices) * c.executions for c in members)
+            runs = [self._runs(c, branch_runs) for c in members]
             totals.append(
                 CommTotal(
                     kind=kind,
                     axes=axes,
                     group_size=n,
                     instructions=len(members),
-                    executions=sum(c.executions for c in members),
-                    size_bytes=size,
+                    executions=sum(runs),
+                    size_bytes=sum(c.size_bytes(self.num_devices) * r for c, r in zip(members, runs)),
                     wire_bytes=sum(
-                        wire_bytes(kind, c.size_bytes(self.num_devices), c.group_size(self.num_devices)) * c.executions
-                        for c in members
+                        wire_bytes(kind, c.size_bytes(self.num_devices), c.group_size(self.num_devices)) * r
+                        for c, r in zip(members, runs)
                     ),
-                    in_branch=any(c.in_branch for c in members),
+                    in_branch=any(c.in_branch and not _known(c, branch_runs) for c in members),
                     partial_axes=not all(hlo.spans_whole_axes(c, self.mesh) for c in members),
                 )
             )
         return sorted(totals, key=lambda t: -t.wire_bytes)
 
-    def wire_bytes_by_axes(self) -> dict[tuple[str, ...], float]:
+    def _runs(self, c: hlo.Collective, branch_runs: dict | None) -> float:
+        """Executions per step: a known branch's runs times the loops inside the branch (the
+        counted executions over the conditional's own), else the counted upper bound."""
+        key = _known(c, branch_runs)
+        if key is None:
+            return c.executions
+        return branch_runs[key] * c.executions / self.conditionals[key[0]][1]
+
+    def wire_bytes_by_axes(self, branch_runs: dict | None = None) -> dict[tuple[str, ...], float]:
         out = defaultdict(float)
-        for t in self.comm_totals():
+        for t in self.comm_totals(branch_runs):
             out[t.axes] += t.wire_bytes
         return dict(out)
+
+
+def _known(c: hlo.Collective, branch_runs: dict | None):
+    """The outermost enclosing (conditional, branch) whose runs are known, or None."""
+    for key in c.branch if branch_runs else ():
+        if key in branch_runs:
+            return key
+    return None
 
 
 def abstract_inputs(program, config):
@@ -145,4 +167,5 @@ def compile_step(config, devices=None, *, keep_text: bool = False) -> CompiledSt
         matmul_flops_upper_bound=upper,
         collectives=hlo.collectives(text),
         hlo_text=text if keep_text else None,
+        conditionals=hlo.conditionals(text),
     )

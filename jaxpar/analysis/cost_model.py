@@ -23,13 +23,16 @@ forward (`jaxpar.parallel.pipeline_stage`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+
+from ml_collections import ConfigDict
 
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.comm import Planned, planned_collectives
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
 from jaxpar.flops import train_flops_per_step
-from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +91,7 @@ class Estimate:
 
 
 def _attention_factor(layout: Layout) -> float:
-    cfg = layout.config.parallel
-    cudnn = layout.target == "gpu" and layout.compute_bytes == 2 and cfg.attention_impl in ("auto", "cudnn")
-    return 0.5 if cudnn else 1.0
+    return 0.5 if layout.flash_attention else 1.0
 
 
 def forward_flops_per_token(layout: Layout) -> dict:
@@ -114,7 +115,11 @@ def flops_per_device(layout: Layout) -> float:
     # Remat full re-runs the layer but not the MLP's down projection (its output only feeds the
     # layer output, which the backward does not need): measured on compiled HLO, exact.
     down = parts["mlp"] / 3 if not layout.is_moe else 0.0
-    recompute = {"none": 0.0, "full": layer - down, "save_dots": parts["attention"]}[layout.remat]
+    # save_dots with XLA:CPU's tiled expert loop re-runs the experts too (their dots sit inside
+    # the loop, out of the policy's reach; measured: +25% FLOPs, Mixtral-shaped).
+    tiled = layout.is_moe and layout.target == "cpu"
+    saved_dots = parts["attention"] + (parts["mlp"] if tiled else 0.0)
+    recompute = {"none": 0.0, "full": layer - down, "save_dots": saved_dots}[layout.remat]
     if layout.p > 1:
         # Non-last ranks run each layer forward in F and again in B (stage recompute); the
         # last rank runs them only in B but adds the head. Price the busier.
@@ -129,10 +134,7 @@ def flops_per_device(layout: Layout) -> float:
 
 def step_time(layout: Layout, flops: float, collectives: list[Planned], hardware: hw.Hardware, efficiency: float) -> StepTime:
     compute = flops / (hardware.peak(layout.compute_dtype_name) * efficiency)
-    fraction = 0.0
-    if layout.p > 1:
-
-        fraction = bubble_fraction(make_schedule(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages))
+    fraction = layout.bubble_fraction
     comm: dict = {}
     for p in collectives:
         if not p.axes:
@@ -140,6 +142,12 @@ def step_time(layout: Layout, flops: float, collectives: list[Planned], hardware
         seconds = p.wire_bytes(layout.mesh) / hw.link_bandwidth(hardware, layout.mesh, p.axes)
         comm[p.axes] = comm.get(p.axes, 0.0) + seconds
     return StepTime(compute, compute * fraction / (1 - fraction), comm, fraction)
+
+
+@functools.lru_cache(maxsize=256)
+def _model_flops(model_json: str, batch: int, seq: int) -> float:
+    """`train_flops_per_step`, cached: the planner prices thousands of layouts of one model."""
+    return train_flops_per_step(ConfigDict(json.loads(model_json)), batch, seq)
 
 
 def estimate(
@@ -162,6 +170,6 @@ def estimate(
     counts = param_counts(layout)
     collectives = planned_collectives(layout, counts)
     flops = flops_per_device(layout)
-    model = train_flops_per_step(config.model, layout.global_batch, layout.seq)
+    model = _model_flops(config.model.to_json(), layout.global_batch, layout.seq)
     time = step_time(layout, flops, collectives, hardware, efficiency) if hardware is not None else None
     return Estimate(layout, estimate_memory(layout), collectives, flops, model, time, hardware)

@@ -49,6 +49,8 @@ class Hardware:
     intra_node_bandwidth: float  # bytes/s, unidirectional, per device (NVLink / ICI)
     inter_node_bandwidth: float  # bytes/s, unidirectional, per device (InfiniBand / DCN)
     devices_per_node: int  # devices that share the intra-node fabric
+    intra_node_link: str = "NVLink"  # names for the reports
+    inter_node_link: str = "InfiniBand"
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -94,6 +96,8 @@ TPU_V5P = Hardware(
     intra_node_bandwidth=300 * GB,  # assumed: half of 4,800 Gbps ICI per direction on one axis
     inter_node_bandwidth=6.25 * GB,  # assumed DCN share per chip
     devices_per_node=8960,  # one pod is one ICI domain
+    intra_node_link="ICI",
+    inter_node_link="DCN",
 )
 
 PROFILES = {hw.name: hw for hw in (A100_80G, H100_80G, H200, TPU_V5P)}
@@ -105,6 +109,22 @@ def get(name: str) -> Hardware:
     return PROFILES[name]
 
 
+def crosses_nodes(hardware: Hardware, mesh: dict, axes) -> bool:
+    """Whether a collective over `axes` of `mesh` leaves one node (see `link_bandwidth`)."""
+    names = list(mesh)
+    axes = [a for a in axes if mesh[a] > 1]
+    if not axes:
+        return False
+    block = 1
+    for name in names[min(names.index(a) for a in axes):]:
+        block *= mesh[name]
+    return block > hardware.devices_per_node
+
+
+def link_name(hardware: Hardware, mesh: dict, axes) -> str:
+    return hardware.inter_node_link if crosses_nodes(hardware, mesh, axes) else hardware.intra_node_link
+
+
 def link_bandwidth(hardware: Hardware, mesh: dict, axes) -> float:
     """Bandwidth per device of a collective over `axes` of `mesh` (axis name -> size, in mesh
     order, last axis fastest over the device list, as `jaxpar.mesh` lays devices out).
@@ -113,12 +133,6 @@ def link_bandwidth(hardware: Hardware, mesh: dict, axes) -> float:
     it stays within one node when that block is at most `devices_per_node` devices (nodes are
     consecutive device ids). Otherwise the ring crosses nodes and runs at the inter-node rate
     (no hierarchical algorithm is assumed)."""
-    names = list(mesh)
-    axes = [a for a in axes if mesh[a] > 1]
-    if not axes:
+    if not any(mesh[a] > 1 for a in axes):
         return float("inf")
-    outer = min(names.index(a) for a in axes)
-    block = 1
-    for name in names[outer:]:
-        block *= mesh[name]
-    return hardware.intra_node_bandwidth if block <= hardware.devices_per_node else hardware.inter_node_bandwidth
+    return hardware.inter_node_bandwidth if crosses_nodes(hardware, mesh, axes) else hardware.intra_node_bandwidth

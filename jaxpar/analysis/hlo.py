@@ -21,7 +21,10 @@ backend_config); a collective's `executions` is the product over its enclosing l
 without a known trip count counts as 1 and clears `trip_counts_known` (the count is then a lower
 bound). A collective inside a `conditional` branch (`branch_computations={...}` or
 `true_computation=` / `false_computation=`) is counted as if its branch ran every time the
-conditional does (an upper bound: which branch runs is data) and has `in_branch` set.
+conditional does (an upper bound: which branch runs is data), has `in_branch` set, and names its
+(conditional, branch index) in `branch`, so a caller who knows how often each branch runs (the
+pipeline's schedule table does) can count exactly (`jaxpar.analysis.compiled`).
+Replica-group spellings are read by `jaxpar.analysis.hlo_groups`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from jaxpar.analysis.hlo_groups import (  # noqa: F401 (iota_groups, mesh_axes_groups: re-exported)
+    HloParseError, _ints, iota_groups, mesh_axes_groups, parse_replica_groups,
+)
 
 ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
@@ -46,10 +53,6 @@ DTYPE_BYTES = {
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1, "f8e4m3": 1, "f8e3m4": 1,
     "token": 0,
 }
-
-
-class HloParseError(ValueError):
-    """HLO text this reader does not understand (the message quotes the offending piece)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class Collective:
     in_branch: bool
     executions: int  # per step: product of known trip counts (see the module docstring)
     trip_counts_known: bool
+    # The conditionals around it, outermost first: ((conditional instruction, branch index), ...).
+    branch: tuple = ()
 
     @property
     def loop_depth(self) -> int:
@@ -199,95 +204,6 @@ def parse_tensors(type_text: str) -> tuple[Tensor, ...]:
 # ---- replica groups -----------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in re.findall(r"-?\d+", text)]
-
-
-def iota_groups(spec: str) -> tuple[tuple[int, ...], ...]:
-    """`[G,N]<=[d0,d1,...]T(p...)`: iota over prod(d) reshaped to d, transposed by p, read as G rows."""
-    match = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", spec.strip())
-    if not match:
-        raise HloParseError(f"not an iota replica group list: {spec!r}")
-    shape, reshape = _ints(match.group(1)), _ints(match.group(2))
-    ids = np.arange(math.prod(reshape)).reshape(reshape)
-    if match.group(3):
-        ids = ids.transpose(_ints(match.group(3)))
-    return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape[0], -1))
-
-
-def _tile_assignment(spec: str, count: int) -> np.ndarray:
-    """A `device_ids=(...)` list: `[d...]T(p...)` (an iota reshaped and transposed) or explicit ids."""
-    spec = spec.strip()
-    match = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
-    if match:
-        dims = _ints(match.group(1))
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if match.group(2):
-            ids = ids.transpose(_ints(match.group(2)))
-        return ids.reshape(-1)
-    ids = np.array(_ints(spec))
-    if ids.size != count:
-        raise HloParseError(f"device_ids=({spec}) lists {ids.size} ids for a mesh of {count}")
-    return ids
-
-
-def mesh_axes_groups(spec: str) -> tuple[tuple[int, ...], ...]:
-    """Shardy's `mesh['a'=2,'b'=4](, device_ids=(...))? {'b', 'a':(1)2}` replica group list."""
-    match = re.fullmatch(r"mesh\[([^\]]*)\](?:,\s*device_ids=\((.*)\))?\s*\{([^}]*)\}", spec.strip())
-    if not match:
-        raise HloParseError(f"not a mesh-axes replica group list: {spec!r}")
-    names, sizes = [], []
-    for axis in match.group(1).split(","):
-        axis_name, size = axis.rsplit("=", 1)
-        names.append(axis_name.strip().strip("'\""))
-        sizes.append(int(size))
-    count = math.prod(sizes)
-    devices = _tile_assignment(match.group(2), count) if match.group(2) else np.arange(count)
-    # Split each mesh axis into the sub-axes the group list names, then move the grouped
-    # (sub-)axes last: each row of the result is one group.
-    refs = []
-    for ref in match.group(3).split(","):
-        ref = ref.strip()
-        if not ref:
-            continue
-        sub = re.fullmatch(r"['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?", ref)
-        if not sub:
-            raise HloParseError(f"bad axis reference {ref!r} in {spec!r}")
-        axis = names.index(sub.group(1))
-        pre, size = (int(sub.group(2)), int(sub.group(3))) if sub.group(2) else (1, sizes[axis])
-        refs.append((axis, pre, size))
-    dims, grouped = [], []
-    for axis, full in enumerate(sizes):
-        mine = sorted((pre, size, k) for k, (a, pre, size) in enumerate(refs) if a == axis)
-        prefix = 1
-        for pre, size, k in mine:
-            if pre != prefix:
-                dims.append(pre // prefix)
-                prefix = pre
-            grouped.append((k, len(dims)))
-            dims.append(size)
-            prefix *= size
-        if prefix != full or not mine:
-            dims.append(full // prefix)
-    order = [d for _, d in sorted(grouped)]
-    rest = [d for d in range(len(dims)) if d not in order]
-    per_group = math.prod(dims[d] for d in order)
-    table = devices.reshape(dims).transpose(rest + order).reshape(-1, per_group)
-    return tuple(tuple(int(i) for i in row) for row in table)
-
-
-def parse_replica_groups(spec: str) -> tuple[tuple[int, ...], ...] | None:
-    spec = spec.strip()
-    if spec.startswith("mesh["):
-        return mesh_axes_groups(spec)
-    if spec.startswith("["):
-        return iota_groups(spec)
-    if spec.startswith("{"):
-        groups = tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,\s]*)\}", spec[1:-1]))
-        return groups or None
-    raise HloParseError(f"unknown replica_groups form: {spec!r}")
-
-
 def _attribute(attrs: str, key: str) -> str | None:
     """The raw value of `key=` in an attribute list (bracketed values kept whole)."""
     match = re.search(r"(?:^|[,\s])" + re.escape(key) + r"=", attrs)
@@ -321,6 +237,7 @@ class _Site:
     trip_count: int | None  # for a while body; None for unknown
     is_loop: bool
     is_branch: bool
+    branch: tuple = ()  # (conditional instruction, branch index) for a branch site
 
 
 def _call_sites(computations: dict[str, Computation]) -> dict[str, list[_Site]]:
@@ -344,8 +261,8 @@ def _call_sites(computations: dict[str, Computation]) -> dict[str, list[_Site]]:
                     value = _attribute(attrs, key)
                     if value:
                         names.append(value.lstrip("%"))
-                for name in names:
-                    sites.setdefault(name, []).append(_Site(comp.name, 1, False, True))
+                for index, name in enumerate(names):
+                    sites.setdefault(name, []).append(_Site(comp.name, 1, False, True, (inst.name, index)))
                 continue
             for key in ("calls", "to_apply"):
                 value = _attribute(attrs, key)
@@ -361,6 +278,7 @@ class _Context:
     in_branch: bool
     executions: int
     known: bool
+    branch: tuple = ()  # enclosing (conditional, branch index) pairs, outermost first
 
 
 def _contexts(computations, sites) -> dict[str, _Context]:
@@ -385,6 +303,7 @@ def _contexts(computations, sites) -> dict[str, _Context]:
                         outer.in_branch or site.is_branch,
                         outer.executions * mult,
                         outer.known and not (site.is_loop and site.trip_count is None),
+                        outer.branch + ((site.branch,) if site.is_branch else ()),
                     )
                 )
             first = parts[0]
@@ -393,6 +312,7 @@ def _contexts(computations, sites) -> dict[str, _Context]:
                 any(p.in_branch for p in parts),
                 sum(p.executions for p in parts),
                 all(p.known for p in parts),
+                first.branch,
             )
         memo[name] = result
         return result
@@ -451,9 +371,24 @@ def collectives(hlo_text: str) -> list[Collective]:
                     in_branch=ctx.in_branch,
                     executions=ctx.executions,
                     trip_counts_known=ctx.known,
+                    branch=ctx.branch,
                 )
             )
     return found
+
+
+def conditionals(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """{conditional instruction name: (number of branches, executions per step)} of the module."""
+    computations = parse_computations(hlo_text)
+    contexts = _contexts(computations, _call_sites(computations))
+    out = {}
+    for comp in computations.values():
+        for inst in comp.instructions:
+            if inst.opcode == "conditional":
+                branches = _attribute(inst.attributes, "branch_computations")
+                count = len(re.findall(r"%[\w.\-]+", branches)) if branches else 2
+                out[inst.name] = (count, contexts[comp.name].executions)
+    return out
 
 
 def _async_results(kind: str, tensors: tuple[Tensor, ...], operand_count: int) -> tuple[Tensor, ...]:

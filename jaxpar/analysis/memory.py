@@ -12,19 +12,18 @@ count of the buffers the step keeps, per device:
                  none: every intermediate autodiff needs; save_dots: the projection outputs;
                  full: the layer input. Counted from the block's structure; the test suite
                  checks the count against `jax`'s own list of saved residuals.
-  zero3_saved    ZeRO-3 with remat none: the scan saves each layer's *gathered* weights for the
-                 backward, so every layer's full weights stay live (a jaxpar memory bug: ZeRO-3
-                 only saves parameter memory with remat full / save_dots).
   param_cast     a compute-dtype copy of the parameters when it differs from the param dtype
                  (`models.apply` casts them once; the copy is a residual of the whole step).
   working        one layer's backward at a time: its full residuals (times a factor measured on
                  XLA:CPU: x1.0 none, x0.8 save_dots, x1.3 full — recompute holds the recomputed
                  residuals and their cotangents), the layer's unsharded fp32 weight gradients, and
-                 one vocab-table gradient; or the loss phase: ~4 fp32 [tokens, vocab/t] buffers,
-                 whichever is larger.
+                 one vocab-table gradient; or, at long sequences, the attention's [S, S] buffers
+                 (`SCORE_WORKING_FACTOR`); or the loss phase: ~4 fp32 [tokens, vocab/t] buffers;
+                 whichever is largest. With flash attention (cuDNN on GPU) there are no [S, S]
+                 buffers: not measured in this project (no GPU), taken from how the kernel works.
 
 Peak = state + max(backward phase, optimizer phase). The backward phase holds grads, stash,
-zero3_saved, param_cast and the working set; the optimizer phase holds two gradient-sized fp32
+param_cast and the working set; the optimizer phase holds two gradient-sized fp32
 buffers (the gradients and the clipped update, measured: temp = 2 x grads exactly on XLA:CPU
 when it dominates). Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
 models read low.
@@ -35,14 +34,16 @@ Pipeline (p > 1) and MoE layers are priced by `pipeline_memory` / the MoE residu
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 
 import jax
+from ml_collections import ConfigDict
 
 from jaxpar import models
 from jaxpar.analysis.layout import DATA, Layout
 from jaxpar.kernels.grouped_matmul import TILE
-from jaxpar.parallel.pipeline.slots import slot_plan_for
 from jaxpar.models.families import family
 from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import rules_table
@@ -53,6 +54,13 @@ WORKING_FACTOR = {"none": 1.0, "save_dots": 0.8, "full": 1.3}
 # MoE layers hold their dispatch buffers (send, receive, return) and their cotangents on top:
 # measured 1.7-3.0 (ep 2-8, all remat policies, XLA:CPU's tiled expert matmuls); 2.2 is the middle.
 MOE_WORKING_FACTOR = 2.2
+# The backward of one attention layer holds its [S, S] score buffers (recomputed, saved or not,
+# their cotangents) several times over, in multiples of the scores and probabilities one layer
+# saves without remat; measured on XLA:CPU at Llama-3-70B width (64 and 16 heads, S 2048 / 8192,
+# bf16): one row per device: none 1.55, save_dots 2.27, full 2.28; 64 rows: save_dots 1.80, full
+# 1.82. The middle is taken (peak within 10% at both ends). Where the scores dominate, this is the
+# working set (the D-sized buffers fit into it: with 64 heads at S 8192 they add under 2%).
+SCORE_WORKING_FACTOR = {"none": 1.5, "save_dots": 2.0, "full": 2.0}
 # fp32 [tokens, vocab/t] buffers live while the loss and its gradient are computed (exp, masked
 # logits, label mask, the logits' cotangent; JAX's saved-residual list shows three plus bools).
 LOSS_BUFFERS = 4
@@ -66,18 +74,23 @@ class MemoryEstimate:
     optimizer: int
     grads: int
     stash: int
-    zero3_saved: int
     param_cast: int
     working: int
     pipeline_buffers: int = 0
+    grad_carry: int = 0  # with accumulation: the running sum and a microbatch's fresh gradients
 
     @property
     def state(self) -> int:
         return self.params + self.optimizer
 
     @property
+    def backward_grads(self) -> int:
+        """Gradient bytes live during the backward."""
+        return self.grad_carry or self.grads
+
+    @property
     def backward_phase(self) -> int:
-        return self.grads + self.stash + self.zero3_saved + self.param_cast + self.working + self.pipeline_buffers
+        return self.backward_grads + self.stash + self.param_cast + self.working + self.pipeline_buffers
 
     @property
     def optimizer_phase(self) -> int:
@@ -98,10 +111,9 @@ class MemoryEstimate:
 # ---- parameters under the rules table ------------------------------------------------------------
 
 
-def _table(layout: Layout, zero_on_params: bool) -> dict:
+def _plan(layout: Layout):
     config = layout.config
-    plan = make_plan(config, layout.mesh, has_aux_losses=family(config.model.model_type).aux_losses is not None)
-    return rules_table(plan, zero_on_params=zero_on_params)
+    return make_plan(config, layout.mesh, has_aux_losses=family(config.model.model_type).aux_losses is not None)
 
 
 def _shard_elements(shape, names, table, mesh, drop=()) -> int:
@@ -120,6 +132,7 @@ class ParamCounts:
     as_optimizer: int  # sharded like the optimizer state (ZeRO >= 1: over data)
     layer_gathered: int  # one layer's weights with the data split removed (what ZeRO-3 gathers)
     shared: int  # embedding / head / final norm, as parameters
+    shared_gathered: int  # the same without the data split (as the pipeline reduces their gradients)
     total: int  # unsharded
     embedding: int  # the token table, without the data split
     head: int  # the LM head (0 when tied), without the data split
@@ -127,15 +140,30 @@ class ParamCounts:
 
 
 def param_counts(layout: Layout) -> ParamCounts:
-    shapes, logical = models.param_shapes(layout.config.model), models.logical_axes(layout.config.model)
-    params_table = _table(layout, zero_on_params=layout.zero_stage >= 3)
-    opt_table = _table(layout, zero_on_params=layout.zero_stage >= 1)
-    mesh = layout.mesh
-    as_params = as_opt = layer = shared = total = embedding = head = experts = 0
-    for (path, leaf), names in zip(
-        jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
-    ):
-        shape, keys = leaf.shape, [getattr(k, "key", str(k)) for k in path]
+    return _param_counts(layout.config.model.to_json(), _plan(layout), tuple(layout.mesh.items()), layout.zero_stage)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_leaves(model_json: str) -> tuple:
+    """((path keys, shape, logical names), ...) of the model's parameters; cached because the
+    planner prices thousands of layouts of one model (abstract init costs milliseconds)."""
+    model = ConfigDict(json.loads(model_json))
+    shapes, logical = models.param_shapes(model), models.logical_axes(model)
+    return tuple(
+        (tuple(getattr(k, "key", str(k)) for k in path), leaf.shape, names)
+        for (path, leaf), names in zip(
+            jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+        )
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _param_counts(model_json: str, plan, mesh_items: tuple, zero_stage: int) -> ParamCounts:
+    params_table = rules_table(plan, zero_on_params=zero_stage >= 3)
+    opt_table = rules_table(plan, zero_on_params=zero_stage >= 1)
+    mesh = dict(mesh_items)
+    as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
+    for keys, shape, names in _model_leaves(model_json):
         total += math.prod(shape)
         here = _shard_elements(shape, names, params_table, mesh)
         as_params += here
@@ -148,9 +176,10 @@ def param_counts(layout: Layout) -> ParamCounts:
         else:
             shared += here
             whole = _shard_elements(shape, names, params_table, mesh, drop=(DATA,))
+            shared_gathered += whole
             embedding += whole if keys[0] == "embed" else 0
             head += whole if keys[0] == "lm_head" else 0
-    return ParamCounts(as_params, as_opt, layer, shared, total, embedding, head, experts)
+    return ParamCounts(as_params, as_opt, layer, shared, shared_gathered, total, embedding, head, experts)
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -177,9 +206,10 @@ def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
         raise ValueError(f"parallel.remat={remat!r} is not one of ('none', 'full', 'save_dots')")
     # none, per JAX's residual list: 4 hidden-sized values in the compute dtype plus 2 in fp32
     # (RMSNorm works in fp32), q (grouped), k, v, roped q and k, scores and probabilities (one of
-    # them fp32), softmax statistics.
-    compute = 4 * D / ts + 2 * q + 2 * kv + H * S / t
-    fp32 = 2 * D / ts + H * S / t + 2 * H / t + 4 / ts
+    # them fp32), softmax statistics. Flash attention keeps no scores (its statistics instead).
+    scores = 0 if layout.flash_attention else H * S / t
+    compute = 4 * D / ts + 2 * q + 2 * kv + scores
+    fp32 = 2 * D / ts + scores + 2 * H / t + 4 / ts
     return cb * compute + 4 * fp32 + mlp
 
 
@@ -231,6 +261,10 @@ def _moe_saved_per_token(layout: Layout, remat: str) -> float:
         # router probabilities and top-k choices.
         return cb * (rows * (2 * D + 4 * F) + layout.top_k * D) + router + 4 * (2 * layout.top_k + 4)
     if remat == "save_dots":
+        if layout.target == "cpu":
+            # XLA:CPU's tiled expert loop hides its dots from the remat policy: nothing of the
+            # experts is saved but the combined output (measured, Mixtral-shaped, tensor 4).
+            return cb * D + router
         # The grouped matmuls' three outputs per computed row, and the combined output.
         return cb * (moe_matmul_rows_per_token(layout) * 3 * F + D) + router
     return 0.0
@@ -244,16 +278,18 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
     params = counts.as_params * pb
     optimizer = 2 * counts.as_optimizer * pb
     grads = 4 * (counts.as_optimizer if layout.zero_stage >= 1 else counts.as_params)
+    carry = 0
     if layout.microbatches > 1:
         # The accumulation scan carries the running sum and each microbatch's fresh gradients.
         # Per-replica accumulation (ZeRO 0/1, dense) keeps them unsharded over data until the
-        # one reduction after the loop; ZeRO-3 keeps them sharded (measured: data8 accum4,
-        # zero1 accum2 within 3%).
-        grads = 2 * 4 * (counts.as_optimizer if layout.zero_stage >= 3 else counts.as_params)
+        # one reduction after the loop; plain accumulation (ZeRO-3, MoE) reduces each microbatch
+        # into the optimizer's layout (measured: data8 accum4, zero1 accum2 within 3%; MoE zero1
+        # data 4 x tensor 2 within 5%). The optimizer phase after the loop holds single copies
+        # (measured: Llama-2-7B data 8 accum 2, temp within 0.5%).
+        per_replica = layout.d > 1 and layout.zero_stage < 3 and not layout.is_moe  # `data.gradient_strategy`
+        carry = 2 * 4 * (counts.as_params if per_replica else counts.as_optimizer)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
     stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
-    zero3 = layout.zero_stage >= 3
-    zero3_saved = layout.layers * counts.layer_gathered * cb if zero3 and layout.remat == "none" else 0
     param_cast = counts.as_params * cb if cb != pb else 0
     working = _working_set(layout, counts, micro_tokens, layout.layers)
     return MemoryEstimate(
@@ -261,25 +297,36 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         optimizer=optimizer,
         grads=grads,
         stash=int(stash),
-        zero3_saved=zero3_saved,
         param_cast=param_cast,
         working=int(working),
+        grad_carry=carry,
     )
 
 
+def score_bytes_per_token(layout: Layout) -> float:
+    """The [S, S] attention buffers one layer saves per token without remat (scores in the
+    compute dtype, probabilities in fp32); 0 with flash attention."""
+    if layout.flash_attention:
+        return 0.0
+    return layout.heads / layout.t * layout.seq * (layout.activation_bytes + 4)
+
+
 def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk_layers: int) -> float:
-    """max(one layer's backward, the loss) for `micro_tokens` tokens at once (see module doc)."""
+    """max(one layer's backward, its attention scores, the loss) for `micro_tokens` tokens at
+    once (see module doc)."""
     t = layout.t
     layer_residuals = micro_tokens * saved_per_token_layer(layout, "none")
     factor = MOE_WORKING_FACTOR if layout.is_moe else WORKING_FACTOR[layout.remat]
+    score_factor = SCORE_WORKING_FACTOR[layout.remat]
     if chunk_layers == 1:
-        factor = 0.0  # XLA unrolls a one-layer scan: its residuals are the stash (measured: pp8)
+        factor = score_factor = 0.0  # XLA unrolls a one-layer scan: its residuals are the stash (measured: pp8)
     # The layer's unsharded fp32 weight gradients. (ZeRO-3's re-gathered weights for the
     # recompute do not add to it: measured, data=8 remat full within 2% without them.)
     layer = factor * layer_residuals + 4 * counts.layer_gathered
     table_grad = 4 * layout.vocab * layout.hidden / t
+    scores = score_factor * micro_tokens * score_bytes_per_token(layout)
     loss = LOSS_BUFFERS * 4 * micro_tokens * layout.vocab / t
-    return max(layer + table_grad, loss)
+    return max(layer + table_grad, scores, loss)
 
 
 # ---- pipeline ------------------------------------------------------------------------------------
@@ -291,14 +338,21 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     [mb, S, D] in the compute dtype, mb = rows per microbatch); fp32 gradient accumulators for the
     rank's layers and for the shared (embedding / head) parameters; and one stage backward at a
     time, which recomputes the rank's layers (Lc of them) from the stashed input under the
-    configured remat policy."""
+    configured remat policy. Interleaved schedules also hold the rank's layers re-laid into stage
+    order (`comm.jaxpar_quirks`)."""
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
-    plan = slot_plan_for(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
+    plan = layout.pipeline_shape
     mb_tokens = layout.tokens / layout.microbatches
-    act = mb_tokens * layout.hidden * cb
+    # The carry holds compute-dtype values (XLA:CPU converts to fp32 only to send them), split
+    # over tensor along the sequence with SP.
+    act = mb_tokens * layout.hidden * cb / (layout.t if layout.sequence_parallel else 1)
     buffers = (plan.act_slots + 1 + plan.grad_slots + 1 + 2) * act
-    grads = 4 * (counts.as_optimizer if layout.zero_stage >= 1 else counts.as_params)
+    if layout.virtual_stages > 1:
+        buffers += pb * (counts.as_params - counts.shared)  # measured: pipeline 4, v = 2, within 5%
+    # The engine's gradients come out whole and are reduced after it: ZeRO-1 does not shrink them
+    # (measured: data 2 x pipeline 4, zero 0 and 1 compile to the same temp bytes).
+    grads = 4 * (counts.as_optimizer if layout.zero_stage >= 3 else counts.as_params)
     accumulators = 4 * counts.as_params  # engine carry: layer grads + shared grads, fp32
     chunk_layers = layout.layers // (layout.p * layout.virtual_stages)
     stage = chunk_layers * mb_tokens * saved_per_token_layer(layout)
@@ -308,7 +362,6 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         optimizer=2 * counts.as_optimizer * pb,
         grads=grads,
         stash=int(stage),
-        zero3_saved=0,
         param_cast=counts.as_params * cb if cb != pb else 0,
         working=int(working),
         pipeline_buffers=int(buffers + accumulators),
