@@ -128,6 +128,14 @@ def base_config() -> ConfigDict:
             loss_scale_init=2.0**15,
             loss_scale_period=2000,  # finite steps before the fp16 loss scale doubles
             log_every=1,
+            # Observability (`jaxpar.train.observe`): a jax.profiler trace of steps profile_start ..
+            # profile_start + profile_steps - 1 (1-based) under WORKDIR/profile (0 steps: none);
+            # TensorBoard scalars under WORKDIR/tensorboard; the peak FLOP/s of one device for MFU
+            # (0: a table per device kind, or on CPU a matmul measured once).
+            profile_start=3,
+            profile_steps=0,
+            tensorboard=True,
+            peak_flops_per_device=0.0,
         )
     )
 

@@ -20,6 +20,7 @@ from jaxpar.models.llama import REMAT_POLICIES
 from jaxpar.models.options import ATTENTION_IMPLS
 from jaxpar.parallel import data, tensor, zero
 from jaxpar.parallel.pipeline import options as pipeline
+from jaxpar.train import observe
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,7 @@ def check(config, num_devices: int) -> dict[str, int]:
     if mesh[CONTEXT] > 1:
         errors.append(f"mesh.{CONTEXT}={mesh[CONTEXT]}: context parallelism is not available yet; set mesh.{CONTEXT}=1")
     errors += validate_data_config(config)
+    errors += observe.checks(config)
     if errors:
         raise ConfigError("\n".join(errors))
     return mesh

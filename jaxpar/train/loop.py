@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxpar import preflight
 from jaxpar.data import GlobalBatches, global_batch, load_tokens
 from jaxpar.mesh import describe
+from jaxpar.train.observe import Observer  # observe hook
 from jaxpar.train.setup import build, bytes_per_device
 
 
@@ -50,28 +51,31 @@ def train(config, workdir: str, devices=None, progress: bool = True) -> list[dic
         f.write(config.to_json_best_effort(indent=2))
 
     state = program.init()
-    tokens_per_step = train_cfg.global_batch_size * train_cfg.seq_len
+    observer = Observer(config, workdir, program)  # observe hook: timing, MFU, TensorBoard, profile
     history = []
     fp16 = train_cfg.compute_dtype == "float16"
     bar = tqdm(range(train_cfg.steps), disable=not progress or jax.process_index() != 0, desc="train")
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as log:
+    with observer, open(os.path.join(workdir, "metrics.jsonl"), "w") as log:  # observe hook: closes it
         for step in bar:
-            start = time.perf_counter()
-            state, metrics = program.step(state, global_batch(batches, step, program.batch_sharding))
-            metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
-            seconds = time.perf_counter() - start
+            batch = global_batch(batches, step, program.batch_sharding)
+            with observer.step(step):  # observe hook: compile timing, profile window
+                start = time.perf_counter()
+                state, metrics = program.step(state, batch)
+                metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
+                seconds = time.perf_counter() - start
             record = {
                 "step": step + 1,
                 "loss": float(metrics["loss"]),
                 "grad_norm": float(metrics["grad_norm"]),
                 "learning_rate": float(metrics["learning_rate"]),
-                "tokens_per_sec": tokens_per_step / seconds,
+                **observer.throughput(seconds),  # observe hook: step_s, tokens_per_sec, mfu, compile_s
             }
             if fp16:
                 record["loss_scale"] = float(metrics["loss_scale"])
                 record["skipped_steps"] = int(metrics["skipped_steps"])
             record.update({k: v.tolist() for k, v in metrics.items() if k not in STEP_METRICS})
             history.append(record)
+            observer.log(record)  # observe hook: TensorBoard scalars
             if jax.process_index() == 0:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
