@@ -50,15 +50,12 @@ def test_scope_of(op_name, expected):
     assert breakdown.scope_of(op_name) == expected
 
 
-class _Event:
-    def __init__(self, start, duration):
-        self.start_ns, self.duration_ns, self.end_ns = start, duration, start + duration
-
-
-def test_self_times_subtract_nested_events():
-    outer, inner1, inner2, after = _Event(0, 100), _Event(10, 20), _Event(40, 30), _Event(100, 5)
-    times = {id(e): t for e, t in breakdown._self_times([inner2, outer, after, inner1])}
-    assert times == {id(outer): 50, id(inner1): 20, id(inner2): 30, id(after): 5}
+def test_shared_times_split_overlaps_evenly():
+    # [0, 100) alone for 10, shared with [10, 30) for 20, alone until 40, shared with [40, 100)
+    # for 60; [100, 105) after. The shares add up to the busy time (105), never more.
+    shares = breakdown._shared_times([(0, 100), (10, 30), (40, 100), (100, 105)])
+    assert shares == [10 + 10 + 10 + 30, 10, 30, 5]
+    assert sum(shares) == 105
 
 
 @pytest.mark.timeout(300)

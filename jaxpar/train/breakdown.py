@@ -103,7 +103,7 @@ def scope_of(op_name: str) -> tuple[str, str]:
         or "dynamic_update_index_in_dim" in path
     ):
         scope = "layer_scan"
-    if "rematted_computation" in path or "checkpoint" in path and "transpose(" in path:
+    if "rematted_computation" in path:
         which = "recompute"
     elif "transpose(" in path:
         which = "backward"
@@ -116,23 +116,29 @@ def scope_of(op_name: str) -> tuple[str, str]:
 class OpTime:
     module: str
     op: str
-    device: int
+    device: object
     self_ns: float
 
 
-def _self_times(events) -> list[tuple[object, float]]:
-    """(event, self time) for events on one thread: duration minus directly nested events."""
-    events = sorted(events, key=lambda e: (e.start_ns, -e.duration_ns))
-    out, stack = [], []  # stack of [event, child time]
-    for event in events:
-        while stack and stack[-1][0].end_ns <= event.start_ns:
-            done = stack.pop()
-            out.append((done[0], done[0].duration_ns - done[1]))
-        if stack:
-            stack[-1][1] += event.duration_ns
-        stack.append([event, 0.0])
-    out.extend((e, e.duration_ns - child) for e, child in stack)
-    return out
+def _shared_times(intervals: list[tuple[float, float]]) -> list[float]:
+    """Each interval's share of wall time: every instant is split evenly among the intervals
+    running then, so overlapping ops (XLA:CPU runs independent thunks concurrently, and an Eigen
+    dot keeps running after its thunk returns) add up to the busy time, never more."""
+    points = sorted({p for interval in intervals for p in interval})
+    index = {p: i for i, p in enumerate(points)}
+    starts, ends = collections.defaultdict(list), collections.defaultdict(list)
+    for k, (start, end) in enumerate(intervals):
+        starts[index[start]].append(k)
+        ends[index[end]].append(k)
+    shares, active = [0.0] * len(intervals), set()
+    for i, point in enumerate(points):
+        active.difference_update(ends[i])
+        active.update(k for k in starts[i] if intervals[k][1] > point)
+        if active and i + 1 < len(points):
+            piece = (points[i + 1] - point) / len(active)
+            for k in active:
+                shares[k] += piece
+    return shares
 
 
 @dataclass
@@ -150,8 +156,17 @@ def latest_trace_file(profile_dir: str) -> str:
     return max(files, key=os.path.getmtime)
 
 
+def _opcode(hlo: dict, module: str, op: str) -> str:
+    info = hlo.get(module, {}).get(op)
+    return info.opcode if info else op.split(".")[0]
+
+
 def load(profile_dir: str) -> Trace:
-    """The latest trace under `profile_dir` with the HLO texts saved beside it (`hlo/*.txt`)."""
+    """The latest trace under `profile_dir` with the HLO texts saved beside it (`hlo/*.txt`).
+
+    An op runs from its event's start to its completion: on XLA:CPU an asynchronous thunk (an
+    Eigen dot) reports completion in a later `end: <op>` event linked by a flow id (`_p` → `_c`).
+    Control flow (`while`, ...) is left out: the ops inside it carry its time."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(latest_trace_file(profile_dir))
@@ -160,24 +175,31 @@ def load(profile_dir: str) -> Trace:
         with open(path) as f:
             text = f.read()
         hlo[module_name(text)] = parse_hlo(text)
-    ops, steps, devices = [], [], set()
+    raw, completion, steps = [], {}, []
     for plane in data.planes:
         for line in plane.lines:
-            events, stats = [], {}
             for event in line.events:
                 if event.name == STEP_ANNOTATION:
                     steps.append(event.duration_ns)
                     continue
-                event_stats = dict(event.stats)
-                if "hlo_op" in event_stats:
-                    events.append(event)
-                    stats[id(event)] = event_stats
-            for event, self_ns in _self_times(events):
-                s = stats[id(event)]
-                device = int(s.get("device_ordinal", 0))
-                devices.add(device)
-                ops.append(OpTime(str(s.get("hlo_module", "")), str(s["hlo_op"]), device, self_ns))
-    return Trace(ops=ops, step_ns=steps, devices=max(len(devices), 1), hlo=hlo)
+                stats = dict(event.stats)
+                if event.name.startswith("end: ") and "_c" in stats:
+                    completion[stats["_c"]] = event.end_ns
+                elif "hlo_op" in stats:
+                    module, op = str(stats.get("hlo_module", "")), str(stats["hlo_op"])
+                    if _opcode(hlo, module, op) in CONTROL_FLOW:
+                        continue
+                    device = (plane.name, int(stats.get("device_ordinal", 0)))
+                    raw.append((device, module, op, event.start_ns, event.end_ns, stats.get("_p")))
+    per_device = collections.defaultdict(list)
+    for device, module, op, start, end, flow in raw:
+        end = max(end, completion.get(flow, end)) if flow is not None else end
+        per_device[device].append((module, op, start, end))
+    ops = []
+    for device, items in per_device.items():
+        shares = _shared_times([(start, end) for _, _, start, end in items])
+        ops.extend(OpTime(module, op, device, ns) for (module, op, _, _), ns in zip(items, shares))
+    return Trace(ops=ops, step_ns=steps, devices=max(len(per_device), 1), hlo=hlo)
 
 
 def _collective(opcode: str, op: str) -> str | None:
