@@ -100,7 +100,7 @@ def base_config() -> ConfigDict:
             zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
             sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
             remat="none",  # none | full | save_dots
-            attention_impl="auto",  # auto | xla | cudnn (auto: cudnn on GPU for 16-bit, else xla)
+            attention_impl="auto",  # auto | xla | cudnn | jaxpar_xla (auto: cudnn on GPU for 16-bit, jaxpar_xla on CPU, else xla)
             # Pipeline (used when mesh.pipeline > 1): gpipe | 1f1b | interleaved_1f1b | zb_h1.
             pipeline_schedule="1f1b",
             num_microbatches=0,  # per step, replacing train.grad_accum; 0 means mesh.pipeline
