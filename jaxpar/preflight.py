@@ -65,7 +65,7 @@ def check(config, num_devices: int) -> dict[str, int]:
     errors += tensor.checks(config, mesh)
     errors += zero.checks(config, mesh)
     errors += pipeline.checks(config, mesh, has_aux_losses=fam.aux_losses is not None)
-    _choice(errors, "parallel.remat", parallel.remat, REMAT_POLICIES)
+    _choice(errors, "parallel.remat", parallel.remat, ("auto", *REMAT_POLICIES))
     _choice(errors, "parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
     for key in ("compute_dtype", "param_dtype"):
         _choice(errors, f"train.{key}", train[key], DTYPES)

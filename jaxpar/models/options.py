@@ -21,7 +21,7 @@ class RunOptions:
     plan: ParallelPlan = SINGLE_DEVICE
     compute_dtype: jnp.dtype = jnp.float32
     attention_impl: str = "xla"  # resolved: "xla", "cudnn" or "jaxpar_xla"
-    remat: str = "none"  # a key of `jaxpar.models.llama.REMAT_POLICIES`
+    remat: str = "none"  # a key of `jaxpar.models.llama.REMAT_POLICIES` (resolved, never "auto")
 
 
 def resolve_attention_impl(name: str, compute_dtype) -> str:
@@ -35,3 +35,14 @@ def resolve_attention_impl(name: str, compute_dtype) -> str:
         return "cudnn"
     return "jaxpar_xla" if backend == "cpu" else "xla"
 
+
+# `parallel.remat="auto"` per backend: the fastest policy measured there. CPU (2 cores, bench
+# config and MaxText's tiny Llama on 8 devices): see REMAT_MEASURED below. Elsewhere no
+# recompute, the fastest whenever the activations fit (not measured here; set parallel.remat to
+# "full" or "save_dots" when they do not).
+AUTO_REMAT = {"cpu": "full"}
+REMAT_MEASURED = ""
+
+
+def resolve_remat(name: str) -> str:
+    return AUTO_REMAT.get(jax.default_backend(), "none") if name == "auto" else name
