@@ -99,8 +99,10 @@ def base_config() -> ConfigDict:
         dict(
             zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
             sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
-            remat="none",  # none | full | save_dots
-            attention_impl="auto",  # auto | xla | cudnn (auto: cudnn on GPU for 16-bit, else xla)
+            # auto | none | full | save_dots. auto: the fastest measured for the backend
+            # (`jaxpar.models.options.AUTO_REMAT`: full on CPU, none elsewhere).
+            remat="auto",
+            attention_impl="auto",  # auto | xla | cudnn | jaxpar_xla (auto: cudnn on GPU for 16-bit, jaxpar_xla on CPU, else xla)
             # Pipeline (used when mesh.pipeline > 1): gpipe | 1f1b | interleaved_1f1b | zb_h1.
             pipeline_schedule="1f1b",
             num_microbatches=0,  # per step, replacing train.grad_accum; 0 means mesh.pipeline
@@ -152,6 +154,14 @@ def base_config() -> ConfigDict:
             # A transformers checkpoint directory to start from (a fresh run's initial params; each
             # process reads only the slices its devices hold). Ignored when resuming.
             init_from_hf="",
+            # Observability (`jaxpar.train.observe`): a jax.profiler trace of steps profile_start ..
+            # profile_start + profile_steps - 1 (1-based) under WORKDIR/profile (0 steps: none);
+            # TensorBoard scalars under WORKDIR/tensorboard; the peak FLOP/s of one device for MFU
+            # (0: a table per device kind, or on CPU a matmul measured once).
+            profile_start=3,
+            profile_steps=0,
+            tensorboard=True,
+            peak_flops_per_device=0.0,
         )
     )
 

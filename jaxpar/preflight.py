@@ -35,6 +35,7 @@ from jaxpar.parallel import data, tensor, zero
 from jaxpar.parallel.context import plan as context
 from jaxpar.parallel.pipeline import options as pipeline
 from jaxpar.ranges import one_of
+from jaxpar.train import observe
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.checks import checkpoint_checks, train_choices, train_ranges
 
@@ -143,7 +144,7 @@ def _config_problems(config, num_devices: int, platform: str | None) -> tuple[li
         errors += pipeline.checks(config, mesh, has_aux_losses=fam.aux_losses is not None)
         # Backend-dependent (ring inside pipeline branches deadlocks on XLA:CPU): checked when known.
         errors += context.checks(config, mesh, backend=platform)
-    errors += one_of("parallel.remat", parallel.remat, REMAT_POLICIES)
+    errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_POLICIES))
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
     errors += train_choices(train)
     if parallel.attention_impl == "cudnn" and platform is not None:
@@ -154,6 +155,7 @@ def _config_problems(config, num_devices: int, platform: str | None) -> tuple[li
     if sane and train.seq_len > config.model.max_position_embeddings:
         errors.append(f"train.seq_len={train.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}")
     errors += validate_data_config(config)
+    errors += observe.checks(config)
     return list(dict.fromkeys(errors)), mesh, sane
 
 

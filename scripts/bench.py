@@ -1,8 +1,13 @@
 """Time training steps on the shared bench config, optionally beside the HF + PyTorch peer.
 
-  python scripts/bench.py [--model=llama|mixtral] [--steps=6] [--peer]
+  python scripts/bench.py [--model=llama|mixtral] [--steps=6] [--peer] [--repeats=3]
+      [--remat=full] [--profile=DIR]
 
-Warm-up (compile + one step) is excluded; the last line is
+Warm-up (compile + one step) is excluded. With --peer, blocks of `steps` jaxpar steps and runs of
+../shared/peers/hf_torch_bench.py alternate `repeats` times in this one invocation (the two
+compete for the same cores, so they never run at once), and the medians are compared.
+--profile traces two more steps into DIR and prints the per-scope breakdown
+(`scripts/profile_report.py DIR` prints it again). The last line is
 `step_s=<median> tokens_per_sec=<x> gflops_per_sec=<y>`.
 """
 
@@ -18,6 +23,9 @@ _MODEL = flags.DEFINE_enum("model", "llama", ["llama", "mixtral"], "Which bench 
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed steps after warm-up.")
 _PEER = flags.DEFINE_bool("peer", False, "Also run ../shared/peers/hf_torch_bench.py on the same config.")
 _THREADS = flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Timed blocks (each followed by a peer run with --peer).")
+_REMAT = flags.DEFINE_string("remat", "", "Override parallel.remat (default: the config's).")
+_PROFILE = flags.DEFINE_string("profile", "", "Trace two steps into this folder and print the breakdown.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER = os.path.join(os.path.dirname(ROOT), "shared", "peers", "hf_torch_bench.py")
@@ -33,13 +41,35 @@ def load_config(model: str):
     return module.get_config()
 
 
-def run_peer(model: str, steps: int, threads: int) -> str:
+def run_peer(model: str, steps: int, threads: int) -> tuple[str, float]:
+    """(the peer's summary line, its tokens/s or nan)."""
     if not os.path.exists(PEER):
-        return f"peer: {PEER} not found"
+        return f"peer: {PEER} not found", float("nan")
     cmd = [sys.executable, PEER, "--model", model, "--steps", str(steps), "--threads", str(threads)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = (done.stdout or done.stderr).strip().splitlines()
-    return "peer (HF transformers + PyTorch): " + (lines[-1] if lines else f"exit {done.returncode}")
+    line = lines[-1] if lines else f"exit {done.returncode}"
+    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+    return line, float(fields.get("tokens_per_s", "nan"))
+
+
+def profile_steps(program, state, batch, folder: str):
+    """Two annotated steps under jax.profiler plus the step's HLO text, then the breakdown."""
+    import jax
+
+    from jaxpar.train import breakdown
+
+    jax.profiler.start_trace(folder)
+    for number in (1, 2):
+        with jax.profiler.StepTraceAnnotation(breakdown.STEP_ANNOTATION, step_num=number):
+            state, metrics = program.step(state, batch)
+            jax.block_until_ready(metrics)
+    jax.profiler.stop_trace()
+    os.makedirs(os.path.join(folder, breakdown.HLO_DIR), exist_ok=True)
+    with open(os.path.join(folder, breakdown.HLO_DIR, "train_step.txt"), "w") as f:
+        f.write(program.step.lower(state, batch).compile().as_text())
+    print(breakdown.format_report(breakdown.load(folder)))
+    return state
 
 
 def main(argv):
@@ -52,6 +82,8 @@ def main(argv):
     from jaxpar.train.setup import build
 
     config = load_config(_MODEL.value)
+    if _REMAT.value:
+        config.parallel.remat = _REMAT.value
     devices = jax.devices()[:1]
     preflight.check(config, len(devices))
     program = build(config, devices)
@@ -64,18 +96,36 @@ def main(argv):
     start = time.perf_counter()
     state, metrics = program.step(state, batch)
     jax.block_until_ready(metrics)
-    print(f"model={_MODEL.value} device={devices[0].device_kind} compile+first step {time.perf_counter() - start:.1f}s")
-    times = []
-    for _ in range(_STEPS.value):
-        start = time.perf_counter()
-        state, metrics = program.step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    if _PEER.value:
-        print(run_peer(_MODEL.value, _STEPS.value, _THREADS.value))
-    step_s = statistics.median(times)
+    print(
+        f"model={_MODEL.value} remat={config.parallel.remat} device={devices[0].device_kind} "
+        f"compile+first step {time.perf_counter() - start:.1f}s"
+    )
+    ours, peers = [], []
+    for repeat in range(_REPEATS.value):
+        times = []
+        for _ in range(_STEPS.value):
+            start = time.perf_counter()
+            state, metrics = program.step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        ours.append(statistics.median(times))
+        line = f"[{repeat + 1}] jaxpar tokens/s {batch_size * seq / ours[-1]:.0f}"
+        if _PEER.value:
+            peer_line, peer_tokens = run_peer(_MODEL.value, _STEPS.value, _THREADS.value)
+            peers.append(peer_tokens)
+            line += f" | peer (HF transformers + PyTorch): {peer_line}"
+        print(line, flush=True)
+    if _PROFILE.value:
+        state = profile_steps(program, state, batch, _PROFILE.value)
+    step_s = statistics.median(ours)
+    tokens = [batch_size * seq / t for t in ours]
+    print(f"jaxpar: loss_last={float(metrics['loss']):.3f} tokens/s median {statistics.median(tokens):.0f} "
+          f"(min {min(tokens):.0f}, max {max(tokens):.0f}, {len(tokens)} blocks of {_STEPS.value} steps)")
+    if peers:
+        print(f"peer: tokens/s median {statistics.median(peers):.0f} (min {min(peers):.0f}, max {max(peers):.0f}); "
+              f"jaxpar / peer = {statistics.median(tokens) / statistics.median(peers):.2f}x "
+              f"(per repeat: {', '.join(f'{a / b:.2f}' for a, b in zip(tokens, peers))})")
     flops = train_flops_per_step(config.model, batch_size, seq)
-    print(f"jaxpar: loss_last={float(metrics['loss']):.3f}")
     print(f"step_s={step_s:.4f} tokens_per_sec={batch_size * seq / step_s:.0f} gflops_per_sec={flops / step_s / 1e9:.1f}")
 
 

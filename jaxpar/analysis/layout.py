@@ -9,6 +9,7 @@ import math
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.config import head_dim_of, padded_vocab_size
+from jaxpar.models.options import resolve_remat
 from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
 from jaxpar.parallel.pipeline.slots import slot_plan_for
 
@@ -96,7 +97,7 @@ class Layout:
             seq=train.seq_len,
             grad_accum=train.grad_accum,
             zero_stage=parallel.zero_stage,
-            remat=parallel.remat,
+            remat=resolve_remat(parallel.remat),  # "auto": what this backend's run would use
             sequence_parallel=bool(parallel.sequence_parallel),
             schedule=parallel.pipeline_schedule,
             microbatches=(parallel.num_microbatches or p) if p > 1 else train.grad_accum,

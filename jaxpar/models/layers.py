@@ -17,6 +17,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import head_dim_of, padded_vocab_size
+from jaxpar.kernels import attention as attention_kernel
+from jaxpar.kernels.dense import project
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.context.sharded import model_attention
 from jaxpar.parallel.tensor import repeat_kv
@@ -86,10 +88,10 @@ class Attention(nnx.Module):
             # Each projection is constrained to its head layout at once: left free, under sequence
             # parallelism the partitioner gathered the weights, ran RoPE on sequence-split q/k and
             # then all-to-all'd them to split heads (found by comparing with jaxpar.analysis).
-            q = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.q[...]), "q_proj")
+            q = checkpoint_name(project(x, self.q[...]), "q_proj")
             q = constrain(rules, q, ("batch", "seq", "act_heads", "head_dim"))
-            k = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.k[...]), "k_proj")
-            v = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x, self.v[...]), "v_proj")
+            k = checkpoint_name(project(x, self.k[...]), "k_proj")
+            v = checkpoint_name(project(x, self.v[...]), "v_proj")
             k, v = repeat_kv(k, v, opts.plan.tensor, rules)
             kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
             k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
@@ -99,14 +101,15 @@ class Attention(nnx.Module):
             else:
                 out = causal_attention(q, k, v, opts.attention_impl)
             out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
-            return checkpoint_name(jnp.einsum("bshk,hkd->bsd", out, self.o[...]), "o_proj")
+            return checkpoint_name(project(out, self.o[...], contract=2), "o_proj")
 
 
 def causal_attention(q, k, v, implementation: str):
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        # XLA:CPU has no fp16 dot with fp32 accumulation, which the XLA attention path asks for.
-        out = jax.nn.dot_product_attention(*(t.astype(jnp.float32) for t in (q, k, v)), is_causal=True)
-        return out.astype(q.dtype)
+        # XLA:CPU has no fp16 dot with fp32 accumulation, which the XLA attention paths ask for.
+        return causal_attention(*(t.astype(jnp.float32) for t in (q, k, v)), implementation).astype(q.dtype)
+    if implementation == "jaxpar_xla":
+        return attention_kernel.causal_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
@@ -122,10 +125,10 @@ class MLP(nnx.Module):
     def __call__(self, x, opts: RunOptions):
         """(out, aux): the same contract as the MoE block; a dense MLP reports nothing."""
         with jax.named_scope("mlp"):
-            gate = checkpoint_name(x @ self.gate[...], "mlp_gate")
-            up = checkpoint_name(x @ self.up[...], "mlp_up")
+            gate = checkpoint_name(project(x, self.gate[...]), "mlp_gate")
+            up = checkpoint_name(project(x, self.up[...]), "mlp_up")
             hidden = constrain(opts.rules, jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-            return checkpoint_name(hidden @ self.down[...], "mlp_down"), {}
+            return checkpoint_name(project(hidden, self.down[...]), "mlp_down"), {}
 
 
 class Embedding(nnx.Module):
@@ -151,13 +154,20 @@ class LMHead(nnx.Module):
         self.weight = nnx.Param(jnp.pad(w, ((0, 0), (0, padded_vocab_size(v) - v))), out_sharding=("embed", "vocab"))
 
 
-def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions):
-    """fp32 logits [B, S, padded V], sharded over vocab; padded columns pushed to -inf-like."""
+def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions, tied: bool = False):
+    """fp32 logits [B, S, padded V], sharded over vocab; padded columns pushed to -inf-like.
+    `tied`: the weight is the embedding table transposed, whose gradient autodiff sums with the
+    embedding's before the data-parallel reduction (one all-reduce instead of two)."""
     with jax.named_scope("lm_head"):
         if x.dtype == jnp.float16:
             # fp16 has too little range for logits, and XLA:CPU has no fp16×fp16→fp32 dot: use fp32.
             x, weight_dv = x.astype(jnp.float32), weight_dv.astype(jnp.float32)
-        logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
+        if x.dtype == jnp.float32 and not tied:
+            logits = project(x, weight_dv)
+        else:
+            logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
         logits = constrain(opts.rules, logits, ("batch", "seq", "act_vocab"))
+        if vocab_size == logits.shape[-1]:  # no padded columns: skip a pass over [B, S, V]
+            return logits
         column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
         return jnp.where(column < vocab_size, logits, jnp.finfo(jnp.float32).min)

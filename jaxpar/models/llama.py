@@ -106,7 +106,8 @@ class Llama(nnx.Module):
 
     def logits_from_hidden(self, x, opts: RunOptions):
         """Final norm + LM head on the last block's output."""
-        return project_to_vocab(self.final_norm(x), self.head_weight(), self.cfg.vocab_size, opts)
+        tied = self.lm_head is None
+        return project_to_vocab(self.final_norm(x), self.head_weight(), self.cfg.vocab_size, opts, tied=tied)
 
     def head_weight(self):
         return self.embed.weight[...].T if self.lm_head is None else self.lm_head.weight[...]

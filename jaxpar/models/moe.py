@@ -53,7 +53,7 @@ class MoEBlock(nnx.Module):
             logits = jnp.einsum("bsd,de->bse", x, self.router[...], preferred_element_type=jnp.float32)
             logits = checkpoint_name(logits, "router_logits")
             probs = jax.nn.softmax(logits, axis=-1)
-            top_probs, ids = jax.lax.top_k(probs, self.top_k)
+            top_probs, ids = top_k_by_argmax(probs, self.top_k)
             weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
         capacity = capacity_per_expert(x.shape[1], self.top_k, self.num_experts, self.capacity_factor)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
@@ -98,3 +98,22 @@ def aux_losses(cfg, aux) -> tuple[jnp.ndarray, dict]:
         "dropped_fraction": jnp.sum(aux["dropped"]) / total_assignments,
     }
     return extra, metrics
+
+
+def top_k_by_argmax(probs, k: int):
+    """`jax.lax.top_k` over the last axis as k rounds of argmax (same ties: the lowest index).
+    XLA's TopK is a sort custom call its partitioner does not split by batch: with tokens split
+    over `data` it all-gathered the router probabilities of every device, forward and in the
+    recompute (seen in the tiny Mixtral's data=2 profile); argmax and masking are partitioned
+    like any reduction. k is small (experts per token), so k passes over [B, S, E] are cheap."""
+    picked, ids = [], []
+    remaining = probs
+    column = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    for _ in range(k):
+        best = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+        hit = column == best[..., None]
+        picked.append(jnp.sum(jnp.where(hit, probs, 0.0), axis=-1))
+        ids.append(best)
+        remaining = jnp.where(hit, -jnp.inf, remaining)
+    return jnp.stack(picked, axis=-1), jnp.stack(ids, axis=-1)
+

@@ -85,18 +85,40 @@ def repeat_kv(k, v, plan: TensorPlan, rules):
     return jnp.repeat(k, plan.kv_repeat, axis=2), jnp.repeat(v, plan.kv_repeat, axis=2)
 
 
+@jax.custom_vjp
 def cross_entropy(logits, targets):
     """Per-token loss [B, S] from fp32 logits [B, S, V] (padded columns already masked).
 
     The log-normalizer and the label pick are both reductions over the vocab axis, so with logits
     sharded over `tensor` the partitioner all-reduces [B, S] scalars instead of gathering logits.
     The label pick is a masked sum rather than `take_along_axis`: a gather on the sharded vocab
-    axis would make the partitioner collect the whole vocab on every device.
+    axis would make the partitioner collect the whole vocab on every device. The backward is
+    written out (softmax − one-hot, one elementwise pass over the logits) rather than left to
+    autodiff of logsumexp and the masked sum.
     """
-    log_normalizer = jax.nn.logsumexp(logits, axis=-1)
+    return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _label_mask(logits, targets):
     column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    label_logit = jnp.sum(jnp.where(column == targets[..., None], logits, 0.0), axis=-1)
-    return log_normalizer - label_logit
+    return column == targets[..., None]
+
+
+def _cross_entropy_fwd(logits, targets):
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    log_normalizer = jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1)) + peak[..., 0]
+    label_logit = jnp.sum(jnp.where(_label_mask(logits, targets), logits, 0.0), axis=-1)
+    return log_normalizer - label_logit, (logits, log_normalizer, targets)
+
+
+def _cross_entropy_bwd(residuals, d_loss):
+    logits, log_normalizer, targets = residuals
+    probs = jnp.exp(logits - log_normalizer[..., None])
+    d_logits = (probs - _label_mask(logits, targets).astype(logits.dtype)) * d_loss[..., None]
+    return d_logits, None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def mean_cross_entropy(logits, targets):

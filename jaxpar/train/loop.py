@@ -33,6 +33,7 @@ from jaxpar.mesh import describe
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
 from jaxpar.train.nonfinite import NonFiniteGuard
+from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
 from jaxpar.train.setup import build, bytes_per_device
 from jaxpar.train.signals import Interrupted, StopSignals
@@ -134,6 +135,7 @@ class _Run:
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
+    observer: Observer | None = None
 
 
 def _say(line: str) -> None:
@@ -211,18 +213,24 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         run.checkpoints.close()
         return []
     batch_shape = jax.ShapeDtypeStruct(batches.shape, np.int32, sharding=program.batch_sharding)
+    compile_started = time.perf_counter()
     step_fn = program.step.lower(state, batch_shape).compile()
+    compile_s = time.perf_counter() - compile_started
     _start(run, start if resuming else None)
+    run.observer = Observer(config, plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
     run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=progress and jax.process_index() == 0)
     history = []
     try:
         with signals.deferred():
             for step in range(start + 1, train_cfg.steps + 1):
-                started = time.perf_counter()
-                state, metrics = step_fn(state, next(run.iterator))
-                metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
-                record = _record(step, metrics, time.perf_counter() - started, batches, config)
+                batch = next(run.iterator)
+                with run.observer.step(step):  # the profile window, if this step is in it
+                    started = time.perf_counter()
+                    state, metrics = step_fn(state, batch)
+                    metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
+                    seconds = time.perf_counter() - started
+                record = _record(step, metrics, config, run.observer.throughput(step, seconds))
                 history.append(record)
                 _after_step(run, step, state, record, metrics, signals)
         _save(run, train_cfg.steps, state, force=True)
@@ -232,14 +240,14 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     return history
 
 
-def _record(step: int, metrics: dict, seconds: float, batches: GlobalBatches, config) -> dict:
-    """The metrics.jsonl line of one step."""
+def _record(step: int, metrics: dict, config, timing: dict) -> dict:
+    """The metrics.jsonl line of one step (`timing`: step_s, tokens_per_sec, mfu, compile_s)."""
     record = {
         "step": step,
         "loss": float(metrics["loss"]),
         "grad_norm": float(metrics["grad_norm"]),
         "learning_rate": float(metrics["learning_rate"]),
-        "tokens_per_sec": batches.global_batch_size * batches.seq_len / seconds,
+        **timing,
         "skipped_steps": int(metrics["skipped_steps"]),
     }
     if config.train.compute_dtype == "float16":
@@ -251,6 +259,7 @@ def _record(step: int, metrics: dict, seconds: float, batches: GlobalBatches, co
 def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signals: StopSignals) -> None:
     """Log, then stop for non-finite values (before any save), save if due, stop if signalled."""
     run.metrics.write(record)
+    run.observer.log(record)
     run.progress.update(record)
     run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
     _save(run, step, state)
@@ -287,6 +296,8 @@ def _naming_failures(run: _Run, step: int):
 
 
 def _finish(run: _Run) -> None:
+    if run.observer is not None:
+        run.observer.close()
     if run.progress is not None:
         run.progress.close()
     if run.metrics is not None:

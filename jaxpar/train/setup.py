@@ -15,7 +15,7 @@ from jaxpar import models
 from jaxpar.config import DTYPES
 from jaxpar.mesh import make_mesh
 from jaxpar.models.families import family
-from jaxpar.models.options import RunOptions, resolve_attention_impl
+from jaxpar.models.options import RunOptions, resolve_attention_impl, resolve_remat
 from jaxpar.parallel.plan import ParallelPlan, make_plan
 from jaxpar.sharding import Rules, opt_state_rules, param_rules
 from jaxpar.train.loss_scale import LossScale
@@ -50,7 +50,7 @@ def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
         plan=plan,
         compute_dtype=compute_dtype,
         attention_impl=resolve_attention_impl(config.parallel.attention_impl, compute_dtype),
-        remat=config.parallel.remat,
+        remat=resolve_remat(config.parallel.remat),
     )
 
 
