@@ -1,7 +1,7 @@
 """Train a model from a config file; resume a workdir's run; never clobber one.
 
   python scripts/train.py --config=configs/llama_tiny.py --workdir=/tmp/run \\
-      [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite]
+      [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite] [--plan=a100-80g]
 
 Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
 problem on stderr; 1 a checkpoint could not be written or read; 3 stopped for non-finite values;
@@ -45,6 +45,8 @@ def run(args, config) -> int:
     import jax
 
     from jaxpar import distributed
+    from jaxpar.analysis.hardware import HardwareError
+    from jaxpar.analysis.planner import PlanError
     from jaxpar.checkpoint import CheckpointError
     from jaxpar.preflight import ConfigError
     from jaxpar.train.loop import train
@@ -58,8 +60,10 @@ def run(args, config) -> int:
             # Must happen before the first jax call creates the backends.
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+        if args.plan:
+            apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
-    except (ConfigError, WorkdirBusy, distributed.DistributedError) as e:
+    except (ConfigError, WorkdirBusy, distributed.DistributedError, PlanError, HardwareError) as e:
         _error(e)
         return EXIT_USAGE
     except CheckpointError as e:
@@ -77,6 +81,21 @@ def run(args, config) -> int:
     if history and jax.process_index() == 0:
         print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return 0
+
+
+def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> None:
+    """Fills the layout keys from the planner's best layout for `num_devices` devices of
+    `hardware` (before preflight: a plan that fits nothing raises PlanError, one line)."""
+    import jax
+
+    from jaxpar.analysis.planner import apply_layout, best_layout
+
+    keys, why = best_layout(config, hardware, num_devices, fixed=explicit)
+    apply_layout(config, keys, explicit)
+    if jax.process_index() == 0:
+        chosen = " ".join(f"--config.{key}={value}" for key, value in sorted(keys.items()))
+        print(f"plan for {num_devices} x {hardware}: {chosen}")
+        print(why, flush=True)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,37 @@ def test_train_script_rejects_bad_config_before_compiling(tmp_path):
     assert done.returncode == 2
     assert done.stderr.startswith("error: mesh") and len(done.stderr.splitlines()) == 1, done.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_train_script_takes_the_planners_layout(tmp_path):
+    """--plan fills the layout keys the planner picks for the visible devices (printed with the
+    reason) before preflight; a key given on the command line wins over the plan."""
+    from jaxpar.analysis.planner import best_layout
+    from jaxpar.train.cli import load_config
+
+    workdir = tmp_path / "run"
+    cmd = [
+        sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}", f"--workdir={workdir}",
+        "--cpu_devices=4", "--plan=a100-80g", "--config.mesh.tensor=2", "--config.train.steps=1",
+        "--config.data.max_corpus_bytes=100000",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = ROOT
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    config = load_config(os.path.join(ROOT, "configs", "llama_tiny.py"))
+    config.mesh.tensor = 2
+    config.data.max_corpus_bytes = 100000
+    keys, _ = best_layout(config, "a100-80g", 4, fixed={"mesh.tensor"})
+    assert "mesh.tensor" not in keys and keys  # the explicit key is not the planner's to set
+    line = next(line for line in done.stdout.splitlines() if line.startswith("plan for 4 x a100-80g: "))
+    assert all(f"--config.{k}={v}" in line for k, v in keys.items()), line
+    written = json.loads((workdir / "config.json").read_text())
+    for key, value in keys.items():
+        section, name = key.split(".")
+        assert written[section][name] == value, key
+    assert written["mesh"]["tensor"] == 2
+
+    bad = subprocess.run(cmd[:-4] + ["--plan=b200x"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown hardware 'b200x'"), bad.stderr

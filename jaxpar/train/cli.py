@@ -19,13 +19,16 @@ from ml_collections import ConfigDict
 from jaxpar.preflight import flat_keys, nearest_key
 
 USAGE = """usage: train.py --config=CONFIG.py[:ARG] --workdir=DIR [--config.SECTION.KEY=VALUE ...]
-                [--overwrite] [--cpu_devices=N] [--coordinator=HOST:PORT --num_processes=N --process_id=I]
+                [--overwrite] [--cpu_devices=N] [--plan=HARDWARE] [--coordinator=HOST:PORT --num_processes=N --process_id=I]
 
   --config          a configs/*.py file defining get_config() (ARG is passed to it if given)
   --workdir         where config.json, metrics.jsonl, checkpoints/ and the run's lock live; a workdir
                     holding a run with a fitting checkpoint is resumed, any other earlier run refused
   --overwrite       delete an earlier run in --workdir (once the new run is known to start)
   --cpu_devices     emulate N CPU devices (0: the real devices; JAX_NUM_CPU_DEVICES wins if set)
+  --plan            a hardware profile (a100-80g, h100-80g, h200, tpu-v5p, ...): set the mesh, ZeRO
+                    stage, remat and microbatch keys to the planner's best layout for the visible
+                    device count, printing the choice and why; --config.KEY=VALUE still wins
   --coordinator, --num_processes, --process_id
                     join a multi-process run (else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
                     JAX_PROCESS_ID, else a SLURM job step with several tasks, else one process)
@@ -34,7 +37,7 @@ USAGE = """usage: train.py --config=CONFIG.py[:ARG] --workdir=DIR [--config.SECT
 # flag name -> type; bools may be given bare (--overwrite) or negated (--nooverwrite).
 FLAGS = {
     "config": str, "workdir": str, "overwrite": bool, "cpu_devices": int,
-    "coordinator": str, "num_processes": int, "process_id": int, "help": bool,
+    "coordinator": str, "num_processes": int, "process_id": int, "plan": str, "help": bool,
 }
 REQUIRED = ("config", "workdir")
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -53,6 +56,7 @@ class Args:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    plan: str = ""  # a hardware name (jaxpar.analysis.hardware): fill the layout keys from the planner
     help: bool = False
     overrides: list[tuple[str, str]] = field(default_factory=list)  # ("train.steps", "3")
 
