@@ -25,6 +25,7 @@ import pytest
 
 from jaxpar.preflight import ConfigError
 from jaxpar.train.loop import train
+from jaxpar.train.observe import TIMING_FIELDS
 from tests import tiny
 
 MESH = {"data": 2, "tensor": 4}
@@ -61,7 +62,7 @@ def metrics(workdir) -> list[dict]:
 
 
 def without_timing(records):
-    return [{k: v for k, v in r.items() if k != "tokens_per_sec"} for r in records]
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in records]
 
 
 @pytest.fixture(scope="module")

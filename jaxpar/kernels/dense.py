@@ -1,9 +1,9 @@
 """Projections `x [..., K] @ w [K, N]` whose weight gradient XLA:CPU runs on its fast matmul path.
 
-Autodiff's weight gradient xᵀ·dy contracts the token dimension, the major dimension of both
+Autodiff's weight gradient xᵀ·dy contracts the token dimensions, the major dimensions of both
 operands. XLA:CPU then transposes dy ([T, N] → [N, T], fused into the elementwise backward before
 it) and hands the dot to Eigen rather than to its faster YNNPACK path. Here the backward
-materialises xᵀ once ([K, T], behind an optimization barrier so that XLA cannot fold the
+materialises xᵀ once ([K, B, S], behind an optimization barrier so that XLA cannot fold the
 transpose back into the dot) and computes the canonical [K, T]·[T, N] dot, which YNNPACK takes;
 dx = dy·wᵀ is what autodiff computes. The values are the same sums (fp32: equal to ~1e-7).
 Measured in the closing report of the performance issue (bench MLP forward + backward) and by
@@ -47,8 +47,12 @@ def _dense_fwd(x, w):
 def _dense_bwd(residuals, dy):
     x, w = residuals
     dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), preferred_element_type=x.dtype)
-    x_t = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [K, T]
-    dw = jnp.matmul(x_t, dy.reshape(-1, dy.shape[-1]).astype(x.dtype), preferred_element_type=w.dtype)
+    # xᵀ keeps x's leading dims ([K, B, S], not [K, B·S]): merging a batch dim with a sequence
+    # dim split over `context` (or any split minor dim) made the partitioner all-gather x.
+    x_t = jax.lax.optimization_barrier(jnp.moveaxis(x, -1, 0))
+    lead = tuple(range(x.ndim - 1))
+    dims = ((tuple(d + 1 for d in lead), lead), ((), ()))
+    dw = jax.lax.dot_general(x_t, dy.astype(x.dtype), dims, preferred_element_type=w.dtype)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

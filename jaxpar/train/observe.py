@@ -89,6 +89,10 @@ def checks(config) -> list[str]:
     return errors
 
 
+# Fields of a metrics record that measure time, not training (they differ between equal runs).
+TIMING_FIELDS = ("step_s", "tokens_per_sec", "mfu", "compile_s")
+
+
 class Observer:
     """Per-step timing, MFU, TensorBoard scalars and the profile window of one training run.
 
