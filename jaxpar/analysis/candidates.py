@@ -8,8 +8,7 @@ the planner (`jaxpar.analysis.planner`) walk this one enumeration.
 Meshes are the ordered factorisations of N over the five mesh axes. The expert axis is only
 enumerated for MoE models: on a dense model it is data parallelism under another name (the batch
 is split over data × expert and nothing else uses it), so it would only repeat the data meshes.
-Context sizes are enumerated like any axis; preflight refuses them until context parallelism is
-wired in, and then they pass without a change here.
+Context sizes are enumerated like any axis (`parallel.context_impl` as the config says).
 
 Knobs only vary where they matter: ZeRO stage when mesh.data > 1, sequence parallelism when
 mesh.tensor > 1, schedule and microbatch count when mesh.pipeline > 1, gradient accumulation
@@ -225,8 +224,7 @@ class Screen:
     A mesh is screened once with its most permissive knobs (ZeRO 0, no sequence parallelism, no
     accumulation, pipeline m = p, v = 1): every knob only adds divisibility requirements, so a
     mesh refused then is refused for every knob setting, and its candidates are counted without
-    running preflight on each (at 70B on 32 devices, 3,500 of 6,200 candidates are context
-    meshes preflight refuses today)."""
+    running preflight on each."""
 
     def __init__(self, config, num_devices: int):
         self.config, self.num_devices = config, num_devices

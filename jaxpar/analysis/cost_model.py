@@ -17,7 +17,8 @@ causal kernel skips half: on GPU with a 16-bit compute dtype and attention_impl 
 backward at twice the forward, and recomputation: remat full re-runs each layer's forward
 (less the MLP's down projection, whose output the backward never needs),
 save_dots re-runs attention's batched dots, and a pipeline stage's backward always re-runs its
-forward (`jaxpar.parallel.pipeline_stage`).
+forward (`jaxpar.parallel.pipeline_stage`). With context parallelism each device attends its
+seq / context queries to all S keys, and the blockwise kernel's backward recomputes the scores.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ def flops_per_device(layout: Layout) -> float:
     tiled = layout.is_moe and layout.target == "cpu"
     saved_dots = parts["attention"] + (parts["mlp"] if tiled else 0.0)
     recompute = {"none": 0.0, "full": layer - down, "save_dots": saved_dots}[layout.remat]
+    if layout.c > 1:
+        # Context parallelism's blockwise kernel recomputes each score block in its backward:
+        # five matmuls there for the forward's two, not four (measured, context 2).
+        recompute += parts["attention"] / 2
     if layout.p > 1:
         # Non-last ranks run each layer forward in F and again in B (stage recompute); the
         # last rank runs them only in B but adds the head. Price the busier.

@@ -144,7 +144,7 @@ def plan_layouts(
             return None
         try:
             return Priced(candidate, estimate(applied, hardware, num_devices=num_devices, efficiency=efficiency))
-        except NotImplementedError as e:  # context parallelism until the model prices it
+        except NotImplementedError as e:  # a model hook for a feature not priced yet (none today)
             unpriced[re.sub(r"\d+", "N", str(e))] += 1
             return None
 
