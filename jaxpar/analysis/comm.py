@@ -201,8 +201,16 @@ def _reductions_per_step(layout: Layout) -> int:
     return 1 if per_replica else layout.microbatches
 
 
+def _engine_reduces_context(layout: Layout) -> bool:
+    """The pipeline engine is manual over context like over the batch axes: without ZeRO its
+    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context 2)."""
+    return layout.p > 1 and layout.c > 1 and layout.zero_stage == 0
+
+
 def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     batch = layout.batch_axes
+    if _engine_reduces_context(layout):
+        batch = _axes(layout, DATA, CONTEXT, EXPERT)
     if not batch:
         return []
     out = []
@@ -221,7 +229,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     data, zero_axes = _axes(layout, DATA), batch
     # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
     # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
-    by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1
+    by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1 and layout.c == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
         if layout.is_moe and layout.e > 1:
@@ -315,7 +323,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     mb_full = mb_tokens * layout.hidden * layout.activation_bytes
     mb_act = mb_full / layout.t if layout.sequence_parallel else mb_full  # stage boundaries carry SP shards
     out = [Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step")]
-    everyone = _axes(layout, DATA, PIPELINE, EXPERT)
+    everyone = _axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
     out.append(Planned(ALL_REDUCE, everyone, 4, 1, "PP: the loss over pipeline and replicas"))
     if layout.vocab_spread:
         out += _spread_vocab(layout, counts, steps, mb_tokens, mb_full, mb_act)
@@ -396,17 +404,21 @@ def context_collectives(layout: Layout) -> list[Planned]:
     # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
     # all-gathers and ring permutes of the re-run equal the backward's own and XLA merges them
     # (measured: remat full moves the same bytes as none for all_gather and ring).
-    fwd = 2 if layout.remat == "full" else 1
+    # In a pipeline stage F runs the forward and B re-runs it before the backward: the forward's
+    # exchanges twice, none merged (measured, data 2 x pipeline 2 x context 2: 6 K/V gathers
+    # per layer and microbatch).
+    passes = 2 if layout.p > 1 else 1
+    fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
     impl = layout.context_impl
     if impl == "all_gather":
         return [
-            Planned(ALL_GATHER, axes, kv * cb, 4 * L, "CP all-gather: K and V (fwd, and again in the bwd)"),
+            Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
             Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
         ]
     if impl == "ring":
         block = kv / c
         return [
-            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 4 * (c - 1) * L, "CP ring: K and V blocks (fwd, and again in the bwd)"),
+            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)"),
             Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)"),
         ]
     if impl == "all_to_all":
@@ -458,10 +470,18 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
 def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
     """Parameters are replicated over context: their gradients are summed over it like over data
     replicas, as often. XLA:CPU reduces them over context in an all-reduce of its own, not
-    merged with the one over data (measured, data 4 x context 2)."""
-    if layout.c == 1:
+    merged with the one over data (measured, data 4 x context 2): ZeRO 0 the gradients, ZeRO-1
+    their data shards (after the reduce-scatter; the shared tables' whole, ~12% more, not priced),
+    ZeRO-3 each layer's whole gradient per microbatch before the data reduce-scatter. The pipeline
+    engine without ZeRO reduces over data and context at once (`data_collectives`)."""
+    if layout.c == 1 or _engine_reduces_context(layout):
         return []
-    return [Planned(ALL_REDUCE, (CONTEXT,), 4 * counts.as_params, _reductions_per_step(layout), "CP: gradients over context")]
+    k = _reductions_per_step(layout)
+    if layout.zero_stage >= 3:
+        whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered)
+        return [Planned(ALL_REDUCE, (CONTEXT,), whole, layout.microbatches, "CP: gradients over context (ZeRO-3, per microbatch)")]
+    grads = counts.as_optimizer if layout.zero_stage == 1 else counts.as_params
+    return [Planned(ALL_REDUCE, (CONTEXT,), 4 * grads, k, "CP: gradients over context")]
 
 
 def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> list[Planned]:

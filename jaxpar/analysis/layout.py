@@ -58,6 +58,7 @@ class Layout:
     target: str = "gpu"
     pipeline_vocab: str = "spread"  # p > 1: embedding / head split over pipeline ("spread") or on the end stages ("ends")
     context_impl: str = "all_gather"  # c > 1: parallel.context_impl
+    context_load_balance: bool = True
     context_block: int = 512  # parallel.context_block_size
 
     @classmethod
@@ -109,6 +110,7 @@ class Layout:
             target=target,
             pipeline_vocab=parallel.pipeline_vocab,
             context_impl=parallel.context_impl,
+            context_load_balance=bool(parallel.context_load_balance),
             context_block=int(parallel.context_block_size),
         )
 
@@ -218,6 +220,8 @@ class Layout:
     def describe(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
         extra = [f"zero{self.zero_stage}" if self.zero_stage else "", "sp" if self.sequence_parallel else ""]
+        if self.c > 1:
+            extra.append(f"cp={self.context_impl}")
         extra.append(f"remat={self.remat}")
         if self.p > 1:
             extra.append(f"{self.schedule} m={self.microbatches}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
