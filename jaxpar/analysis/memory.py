@@ -28,6 +28,11 @@ buffers (`OPTIMIZER_GRAD_BUFFERS`, measured: temp = 2.96 x grads on XLA:CPU when
 models read low.
 
 Pipeline (p > 1) and MoE layers are priced by `pipeline_memory` / the MoE residual terms below.
+Context parallelism: every per-token term counts seq / context tokens per device
+(`Layout.tokens`); its kernels save q, k, v, the output and the log-sum-exp instead of scores, and
+their backward adds score blocks and K/V blocks to the working set (`context_attention_buffers`).
+With the pipeline's vocab "spread" the tables' gradient and the loss buffers are split over
+pipeline x tensor.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from jaxpar import models
 from jaxpar.analysis.layout import DATA, PIPELINE, Layout
 from jaxpar.kernels.grouped_matmul import TILE
 from jaxpar.models.families import family
+from jaxpar.parallel.context.blockwise import chunk_size
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.pipeline.balance import AUTO, parse_split
 from jaxpar.parallel.pipeline.options import PipelineOptions
@@ -334,29 +340,38 @@ def score_bytes_per_token(layout: Layout) -> float:
     return layout.heads / layout.t * layout.seq * (layout.activation_bytes + 4)
 
 
+# Score-block-sized fp32 buffers ([rows, heads, block_q, block_kv]) live in the blockwise
+# kernels' backward (scores, probabilities, their gradients, masks): measured 6.1-6.3 on XLA:CPU
+# (data 2 x context 4, S 8192, every impl, where they dominate the kernel's extra memory).
+SCORE_BLOCK_BUFFERS = 6
+
+
 def context_attention_buffers(layout: Layout, micro_tokens: float) -> float:
-    """What context parallelism's kernel holds on top during one layer's backward
-    (`parallel/context/local.py`): all_gather the whole sequence's K and V and their fp32
-    gradients before the reduce-scatter; ring two K/V blocks in flight and the travelling fp32
-    dK/dV; all_to_all q, k, v, the output and its gradient re-laid by heads (the local sizes);
-    and one [block_q, block_kv] fp32 score block per local head (scores, probabilities and their
-    gradient). Small beside the layer's residuals at the shapes measured (data 4 x context 2, S
-    128: under 2% of the peak), so these counts come from the kernel's code, not a fit."""
+    """What context parallelism's kernel (`parallel/context/local.py`) holds on top of the layer's
+    residuals during its backward: `SCORE_BLOCK_BUFFERS` score blocks per head the kernel runs
+    (all local heads; Ulysses all_to_all: 1/c of them, on whole sequences), and for all_gather
+    the gathered sequence's K or V plus a local block, for ring one local block in flight
+    (measured beside the score blocks at data 2 x context 4, S 8192: 10.8 and 2.4 MB against
+    8.4 + 2.1 and 2.1 MB counted this way)."""
     if layout.c == 1:
         return 0.0
-    c, cb, hd = layout.c, layout.activation_bytes, layout.head_dim
+    c, cb = layout.c, layout.activation_bytes
     hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
     hq = layout.heads // layout.t
-    kv_local = micro_tokens * hkv * hd  # elements of this device's K (or V) shard
-    local_len = layout.seq // c
-    block = min(layout.context_block, max(1, local_len // 2))
-    rows = micro_tokens / local_len
-    scores = 3 * 4 * rows * hq * block * block
-    if layout.context_impl == "all_gather":
-        return 2 * c * kv_local * (cb + 4) + scores
-    if layout.context_impl == "ring":
-        return 2 * kv_local * (2 * cb + 4) + scores
-    return micro_tokens * hd * (3 * hq + 2 * max(hkv, c)) * cb + scores
+    kv_local = micro_tokens * hkv * layout.head_dim  # elements of this device's K (or V) shard
+    local = layout.seq // c
+    rows = micro_tokens / local
+    impl = layout.context_impl
+    if impl == "all_to_all":
+        block_q = block_kv = chunk_size(layout.seq, layout.context_block)
+        heads = hq / c
+    else:
+        block_q = chunk_size(local, layout.context_block)
+        block_kv = chunk_size(layout.seq if impl == "all_gather" else local, layout.context_block)
+        heads = hq
+    scores = SCORE_BLOCK_BUFFERS * 4 * rows * heads * block_q * block_kv
+    blocks = {"all_gather": c + 1, "ring": 1}.get(impl, 0)
+    return scores + blocks * kv_local * cb
 
 
 def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk_layers: int) -> float:
