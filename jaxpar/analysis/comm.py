@@ -31,9 +31,14 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   weight gradients are all-reduced over data; everything else over data and expert.
 - pipeline (`jaxpar.parallel.pipeline`): per time step of the schedule table, two
   collective-permutes of one microbatch's activations [mb, S, D] (forward activations, backward
-  gradients); after the engine the shared (embedding / head / norm) gradients are all-reduced
-  over pipeline, then all gradients over the batch axes once.
-- context: not modelled yet (`context_collectives` is the hook; it raises for mesh.context > 1).
+  gradients). Vocab tables "spread" over pipeline (the default): per time step two all-reduces
+  over pipeline (the step's embeddings, stage 0's input gradient), per microbatch two of the
+  head's input and its gradient plus the loss vectors (`_spread_vocab`); "ends": after the
+  engine the shared (embedding / head / norm) gradients are all-reduced over pipeline. Then all
+  gradients over the batch axes once.
+- context (`context_collectives`): per layer the K/V exchange of `parallel.context_impl`
+  (all-gathers + reduce-scatters, ring permutes, or Ulysses all-to-alls); gradients all-reduced
+  over context like over the batch axes (a separate all-reduce on XLA:CPU).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
 Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
@@ -53,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
-from jaxpar.analysis.layout import DATA, EXPERT, PIPELINE, TENSOR, Layout
+from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout, LayoutError
 from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
 
 
@@ -135,6 +140,10 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     # (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts every tile, taken or not.
     tiled = layout.is_moe and layout.target == "cpu"
     fwd = ((1 if tiled else 2) * forward_passes + (1 if layout.remat == "full" else 0)) * L
+    # In a pipeline stage (two forward passes) remat full's extra attention recompute reuses the
+    # sequence the stage's recompute gathered: one SP gather fewer per layer (measured, pipeline
+    # 2 x tensor 4, remat full: 2 + 4 gathers and 2 + 1 + 5 reductions per layer and microbatch).
+    fwd_gathers = fwd - (L if layout.remat == "full" and forward_passes == 2 else 0)
     out = []
     if tiled:
         rows = moe_matmul_rows_per_token(layout) * layout.tokens
@@ -144,7 +153,7 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
         scatter = _scatter(layout)
         bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
         return out + [
-            Planned(ALL_GATHER, axes, act, fwd, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
+            Planned(ALL_GATHER, axes, act, fwd_gathers, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
             Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
             Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
             Planned(scatter, axes, act, bwd_scatters * L, f"{tag}: SP scatters input gradients (bwd)"),
@@ -192,8 +201,16 @@ def _reductions_per_step(layout: Layout) -> int:
     return 1 if per_replica else layout.microbatches
 
 
+def _engine_reduces_context(layout: Layout) -> bool:
+    """The pipeline engine is manual over context like over the batch axes: without ZeRO its
+    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context 2)."""
+    return layout.p > 1 and layout.c > 1 and layout.zero_stage == 0
+
+
 def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     batch = layout.batch_axes
+    if _engine_reduces_context(layout):
+        batch = _axes(layout, DATA, CONTEXT, EXPERT)
     if not batch:
         return []
     out = []
@@ -212,7 +229,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     data, zero_axes = _axes(layout, DATA), batch
     # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
     # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
-    by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1
+    by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1 and layout.c == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
         if layout.is_moe and layout.e > 1:
@@ -294,48 +311,124 @@ def expert_collectives(layout: Layout) -> list[Planned]:
 
 
 def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
+    """Per time step two permutes of a microbatch's activations (SP-split with sequence
+    parallelism); the vocab tables as `layout.pipeline_vocab` places them (`_spread_vocab`, or
+    "ends": the shared gradients summed over pipeline after the engine); and, with tensor > 1,
+    the stage layers' TP collectives, run twice per microbatch (F, and B's recompute)."""
     if layout.p == 1:
         return []
 
     steps = layout.pipeline_shape.num_steps
-    mb_act = layout.tokens / layout.microbatches * layout.hidden * layout.activation_bytes
-    if layout.sequence_parallel:
-        mb_act /= layout.t  # stage boundaries carry the sequence-sharded activations
-    out = [
-        Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step"),
-        Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared_gathered, 1, "PP: shared (embedding / head / norm) gradients"),
-    ]
+    mb_tokens = layout.tokens / layout.microbatches
+    mb_full = mb_tokens * layout.hidden * layout.activation_bytes
+    mb_act = mb_full / layout.t if layout.sequence_parallel else mb_full  # stage boundaries carry SP shards
+    out = [Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step")]
+    everyone = _axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
+    out.append(Planned(ALL_REDUCE, everyone, 4, 1, "PP: the loss over pipeline and replicas"))
+    if layout.vocab_spread:
+        out += _spread_vocab(layout, counts, steps, mb_tokens, mb_full, mb_act)
+    else:
+        out.append(Planned(ALL_REDUCE, (PIPELINE,), 4 * counts.shared_gathered, 1, "PP: shared (embedding / head / norm) gradients"))
+        if layout.t > 1:
+            out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * steps, "PP+TP: embedding lookups each step"))
     if layout.t > 1:
         # Inside every stage action the layers' TP collectives run on microbatches: F runs the
         # chunk forward, B recomputes it and runs the backward (so forwards count twice). That
-        # is a non-last rank's count, the busiest: the last one skips F and adds the head's
-        # exchanges (measured, pipeline 2 x tensor 4, per rank from the schedule's branch runs).
+        # is a non-last rank's count, the busiest: with "ends" the last one skips F and adds the
+        # head's exchanges (measured, pipeline 2 x tensor 4, per rank from the schedule's branch runs).
         act = layout.tokens * layout.hidden * layout.activation_bytes
         out += _tp_layers(layout, act, 2, "PP+TP")
-        out.append(Planned(ALL_REDUCE, (TENSOR,), mb_act, 2 * steps, "PP+TP: embedding lookups each step"))
+    return out
+
+
+def _spread_vocab(layout: Layout, counts: ParamCounts, steps: float, mb_tokens: float, mb_full: float, mb_act: float) -> list[Planned]:
+    """"spread" (`pipeline/vocab.py`, measured: data 2 x pipeline 4, and pipeline 2 x tensor 4 with
+    and without SP, on the busiest rank): every time step, outside the stage branches, one
+    all-reduce over pipeline completes the two embeddings of the step (F's and B's input, [2, mb,
+    S, D]) and one sums stage 0's input gradient into every rank's table shard; per microbatch
+    (the head cond) the last stage's output and its gradient are all-reduced over pipeline, and
+    the loss's log-normaliser parts and label logit ([mb, S] fp32: max, sum, label). Only the
+    final norm's gradient is summed over pipeline after the engine. With tensor > 1 the
+    partitioner reduces each lookup over tensor (or, at small shapes, gathers the table once
+    instead: measured at vocab 512, 6% less tensor traffic than priced), the head's input gradient
+    (fp32) and four [mb, S] loss vectors; with SP it gathers the head's input sequence, and each
+    step the input gradient's sequence for the table's scatter, and the token ids."""
+    per_token = mb_tokens * 4  # one fp32 [mb, S] vector
+    m = layout.microbatches
+    norm = counts.shared_gathered - counts.embedding - counts.head
+    out = [
+        Planned(ALL_REDUCE, (PIPELINE,), 2 * mb_act, steps, "PP vocab: the step's two embeddings"),
+        Planned(ALL_REDUCE, (PIPELINE,), mb_act, steps, "PP vocab: stage 0's input gradient to every table shard"),
+        Planned(ALL_REDUCE, (PIPELINE,), mb_act, 2 * m, "PP vocab: last stage's output and its gradient"),
+        Planned(ALL_REDUCE, (PIPELINE,), per_token, 3 * m, "PP vocab: loss (max, sum, label logit)"),
+        Planned(ALL_REDUCE, (PIPELINE,), 4 * norm, 1, "PP: final norm gradient"),
+    ]
+    if layout.t > 1:
+        out += [
+            Planned(ALL_REDUCE, (TENSOR,), 2 * mb_full, steps, "PP vocab+TP: the step's lookups"),
+            Planned(ALL_REDUCE, (TENSOR,), mb_tokens * layout.hidden * 4, m, "PP vocab+TP: head input gradient (fp32)"),
+            Planned(ALL_REDUCE, (TENSOR,), per_token, 4 * m, "PP vocab+TP: loss vectors"),
+        ]
+        if layout.sequence_parallel:
+            out += [
+                Planned(ALL_GATHER, (TENSOR,), mb_full, m, "PP vocab+SP: the head's input sequence"),
+                Planned(ALL_GATHER, (TENSOR,), mb_full, steps, "PP vocab+SP: input gradient sequence for the table"),
+                Planned(ALL_GATHER, (TENSOR,), mb_tokens, steps, "PP vocab+SP: token ids"),
+            ]
     return out
 
 
 def context_collectives(layout: Layout) -> list[Planned]:
-    """The hook for context parallelism (branch `cp`), to be filled when it lands: until then any
-    mesh.context > 1 raises NotImplementedError, which the planner and the sweep report as "not
-    priced" (the sweep still compiles such layouts once preflight admits them).
-
-    What it must return, per `parallel.context_impl` (c = mesh.context, Lc = layers per device,
-    kv = tokens / c x KV heads / t x head_dim x compute bytes, one device's K or V shard):
-      all_gather  per layer: all-gather of K and V over context (forward, and again in the
-                  backward's recompute), reduce-scatter of their gradients; size c x kv each.
-      ring        per layer: (c - 1) collective-permutes of K and V forward, twice that backward
-                  (the gradients travel the ring too); size kv each.
-      all_to_all  per layer: four all-to-alls (q, k, v in, output back) forward, as many backward.
-    plus the loss and the batch reorder for load balancing, if they move anything. Measure the
-    counts on compiled HLO (`tests/test_analysis.py` style) before trusting them. `memory.py` needs
-    the matching change: a device holds tokens / c of each sequence (`Layout.tokens`), and the
-    attention's working set is the kernel's chunked buffers, not [S, S] scores.
-    """
-    if layout.c > 1:
-        raise NotImplementedError(f"mesh.context={layout.c}: context parallelism is not modelled yet (comm.context_collectives)")
-    return []
+    """Context parallelism (`jaxpar.parallel.context`), per layer on this device's layers, by
+    `parallel.context_impl` (c = mesh.context; B = rows, Hkv / Hq heads per tensor rank; kv = B x
+    S x Hkv x head_dim, one layer's whole-sequence K or V; measured on compiled HLO, data 4 x
+    context 2 and context 2 x tensor 2, every impl):
+      all_gather  forward: all-gathers of K and V (kv each, compute dtype); backward: the same
+                  again (the kernel keeps only the local shards) and reduce-scatters of dK, dV
+                  (kv each, fp32).
+      ring        forward: c - 1 collective-permutes of the K and V blocks (kv / c each);
+                  backward: c - 1 of K, V and of the travelling dK, dV (fp32), one more of dK, dV.
+      all_to_all  forward: q, k, v in and the output back (B x S/c x heads x head_dim each; fewer
+                  KV heads than c are repeated to c first); backward: four more of the same sizes.
+    Remat full re-runs the all-to-alls (the other impls' re-run exchanges merge with the backward's).
+    The positions ([B, S] int32) are gathered / passed once per step (hoisted out of the layer
+    scan): not priced. Parameter gradients are all-reduced over context like over data
+    (`data_collectives`)."""
+    if layout.c == 1:
+        return []
+    c, L, cb, axes = layout.c, layout.layers_per_device, layout.activation_bytes, (CONTEXT,)
+    hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
+    hq = layout.heads // layout.t
+    positions = layout.tokens * layout.head_dim  # B x S/c x head_dim elements per head
+    kv = positions * c * hkv  # one layer's whole-sequence K (or V), elements
+    # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
+    # all-gathers and ring permutes of the re-run equal the backward's own and XLA merges them
+    # (measured: remat full moves the same bytes as none for all_gather and ring).
+    # In a pipeline stage F runs the forward and B re-runs it before the backward: the forward's
+    # exchanges twice, none merged (measured, data 2 x pipeline 2 x context 2: 6 K/V gathers
+    # per layer and microbatch).
+    passes = 2 if layout.p > 1 else 1
+    fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
+    impl = layout.context_impl
+    if impl == "all_gather":
+        return [
+            Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
+            Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
+        ]
+    if impl == "ring":
+        block = kv / c
+        return [
+            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)"),
+            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)"),
+        ]
+    if impl == "all_to_all":
+        q = positions * hq
+        k = positions * max(hkv, c)
+        per_pass = 2 * q + 2 * k
+        return [
+            Planned(ALL_TO_ALL, axes, per_pass / 4 * cb, 4 * L * (fwd + 1), "CP all-to-all: q, k, v in, output back (fwd and bwd)"),
+        ]
+    raise LayoutError(f"parallel.context_impl={impl!r} is not one of ('all_gather', 'ring', 'all_to_all')")
 
 
 # ---- jaxpar's known inefficiencies -------------------------------------------------------------
@@ -374,6 +467,23 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
     return out
 
 
+def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
+    """Parameters are replicated over context: their gradients are summed over it like over data
+    replicas, as often. XLA:CPU reduces them over context in an all-reduce of its own, not
+    merged with the one over data (measured, data 4 x context 2): ZeRO 0 the gradients, ZeRO-1
+    their data shards (after the reduce-scatter; the shared tables' whole, ~12% more, not priced),
+    ZeRO-3 each layer's whole gradient per microbatch before the data reduce-scatter. The pipeline
+    engine without ZeRO reduces over data and context at once (`data_collectives`)."""
+    if layout.c == 1 or _engine_reduces_context(layout):
+        return []
+    k = _reductions_per_step(layout)
+    if layout.zero_stage >= 3:
+        whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered)
+        return [Planned(ALL_REDUCE, (CONTEXT,), whole, layout.microbatches, "CP: gradients over context (ZeRO-3, per microbatch)")]
+    grads = counts.as_optimizer if layout.zero_stage == 1 else counts.as_params
+    return [Planned(ALL_REDUCE, (CONTEXT,), 4 * grads, k, "CP: gradients over context")]
+
+
 def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> list[Planned]:
     counts = counts or param_counts(layout)
     return (
@@ -382,6 +492,7 @@ def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> li
         + expert_collectives(layout)
         + pipeline_collectives(layout, counts)
         + context_collectives(layout)
+        + context_gradients(layout, counts)
         + jaxpar_quirks(layout, counts)
     )
 

@@ -17,7 +17,10 @@ causal kernel skips half: on GPU with a 16-bit compute dtype and attention_impl 
 backward at twice the forward, and recomputation: remat full re-runs each layer's forward
 (less the MLP's down projection, whose output the backward never needs),
 save_dots re-runs attention's batched dots, and a pipeline stage's backward always re-runs its
-forward (`jaxpar.parallel.pipeline_stage`).
+forward (`jaxpar.parallel.pipeline_stage`). With context parallelism each device attends its
+seq / context queries to all S keys, skipping the fully masked chunk pairs
+(`context_work.attention_fraction`, about half at long sequences), and the blockwise kernel's
+backward recomputes the scores.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ml_collections import ConfigDict
 
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.comm import Planned, planned_collectives
+from jaxpar.analysis.context_work import attention_fraction
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
 from jaxpar.flops import train_flops_per_step
@@ -90,17 +94,21 @@ class Estimate:
         return out
 
 
-def _attention_factor(layout: Layout) -> float:
+def _attention_factor(layout: Layout, skip_masked: bool = True) -> float:
+    if layout.c > 1:
+        if not skip_masked:
+            return 1.0
+        return attention_fraction(layout.context_impl, layout.seq, layout.c, layout.context_block, layout.context_load_balance)
     return 0.5 if layout.flash_attention else 1.0
 
 
-def forward_flops_per_token(layout: Layout) -> dict:
+def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
     """Matmul FLOPs of one token's forward on one device, by part (layers per layer)."""
     t = layout.t
     tk = t if layout.kv_sharded else 1
     D, H, K, hd, S = layout.hidden, layout.heads, layout.kv_heads, layout.head_dim, layout.seq
     projections = 2 * D * H * hd / t * 2 + 2 * 2 * D * K * hd / tk
-    core = 4 * S * H * hd / t * _attention_factor(layout)
+    core = 4 * S * H * hd / t * _attention_factor(layout, skip_masked)
     if layout.is_moe:
         rows = moe_matmul_rows_per_token(layout) if layout.target == "cpu" else layout.top_k
         mlp = 2 * D * layout.experts + rows * 6 * D * layout.ffn / t
@@ -109,8 +117,11 @@ def forward_flops_per_token(layout: Layout) -> dict:
     return {"projections": projections, "attention": core, "mlp": mlp, "head": 2 * D * layout.vocab / t}
 
 
-def flops_per_device(layout: Layout) -> float:
-    parts = forward_flops_per_token(layout)
+def flops_per_device(layout: Layout, skip_masked: bool = True) -> float:
+    """Matmul FLOPs of the busiest device per step. `skip_masked=False`: with context
+    parallelism, as if the kernels ran every chunk pair (what compiled HLO counts: both branches
+    of each skip cond)."""
+    parts = forward_flops_per_token(layout, skip_masked)
     layer = parts["projections"] + parts["attention"] + parts["mlp"]
     # Remat full re-runs the layer but not the MLP's down projection (its output only feeds the
     # layer output, which the backward does not need): measured on compiled HLO, exact.
@@ -120,6 +131,10 @@ def flops_per_device(layout: Layout) -> float:
     tiled = layout.is_moe and layout.target == "cpu"
     saved_dots = parts["attention"] + (parts["mlp"] if tiled else 0.0)
     recompute = {"none": 0.0, "full": layer - down, "save_dots": saved_dots}[layout.remat]
+    if layout.c > 1:
+        # Context parallelism's blockwise kernel recomputes each score block in its backward:
+        # five matmuls there for the forward's two, not four (measured, context 2).
+        recompute += parts["attention"] / 2
     if layout.p > 1:
         # Non-last ranks run each layer forward in F and again in B (stage recompute); the
         # last rank runs them only in B but adds the head. Price the busier.

@@ -15,21 +15,71 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
+from jaxpar.analysis import hlo
 from jaxpar.analysis.compiled import CompiledStep, compile_step
 from jaxpar.analysis.cost_model import Estimate, estimate
-from jaxpar.parallel.pipeline.slots import slot_plan_for
+from jaxpar.axes import PIPELINE
+from jaxpar.parallel.pipeline.layout import stage_layout
+from jaxpar.parallel.pipeline.options import pipeline_options
+from jaxpar.parallel.pipeline.slots import LAST, slot_plan_for
+
+
+def _branch_tables(layout) -> dict:
+    """{name: int [T, p] branch index per step and rank} of the engine's three conditionals: the
+    forward switch (idle, one branch per stage length, and with "ends" the same again followed by
+    the head), the backward switch (idle, then per slot-plan branch one per stage length) and the
+    head cond ("spread", or MoE statistics: every rank alike, `steps["has_head"]`)."""
+    opts = pipeline_options(layout.config, layout.mesh)
+    plan = slot_plan_for(opts.schedule, layout.p, opts.microbatches, opts.virtual_stages)
+    stages = stage_layout(opts.stage_layers, layout.p, opts.virtual_stages)
+    n, tab = len(stages.lengths), plan.tables
+    ranks = np.arange(layout.p)[None, :]
+    fwd_len = stages.tables["length"][ranks, tab["fwd_stage"]]
+    back_len = stages.tables["length"][ranks, tab["back_stage"]]
+    ends = opts.vocab != "spread"
+    with_head = (tab["fwd_kind"] == LAST) * n if ends else 0
+    fwd = np.where(tab["fwd_branch"] == 0, 0, 1 + with_head + fwd_len)
+    back = np.where(tab["back_branch"] == 0, 0, 1 + (tab["back_branch"] - 1) * n + back_len)
+    head = np.repeat(plan.steps["has_head"][:, None], layout.p, axis=1)
+    return {
+        "fwd": (1 + n * (2 if ends else 1), fwd),
+        "back": (1 + (len(plan.back_branches) - 1) * n, back),
+        "head": (2, head),
+    }
+
+
+def _runs_per_rank(table, count: int):
+    return np.stack([np.bincount(table[:, r], minlength=count) for r in range(table.shape[1])])
 
 
 def pipeline_branch_runs(compiled: CompiledStep, layout) -> list[dict]:
     """Per pipeline rank, {(conditional, branch index): runs per step} for the engine's forward
-    switch (two branches) and backward switch (`SlotPlan.back_branches`), matched by their branch
-    counts and by running once per schedule time step; [] when they cannot be told apart."""
-    plan = slot_plan_for(layout.schedule, layout.p, layout.microbatches, layout.virtual_stages)
-    steps = plan.tables["fwd_branch"].shape[0]
-    tables = {2: plan.tables["fwd_branch"], len(plan.back_branches): plan.tables["back_branch"]}
-    if len(tables) < 2:
+    and backward switches and its head cond, each matched by its branch count and by running
+    once per schedule time step; the head cond is the one holding collectives over `pipeline`
+    (the stage branches never do: they would deadlock). [] when they cannot be told apart."""
+    tables = _branch_tables(layout)
+    steps = tables["fwd"][1].shape[0]
+    with_pipeline = {
+        name for c in compiled.collectives if PIPELINE in hlo.mesh_axes_of(c, compiled.mesh) for name, _ in c.branch
+    }
+    matched = {}
+    for name, (count, runs) in compiled.conditionals.items():
+        if runs != steps:
+            continue
+        if name in with_pipeline:
+            if count != 2:
+                return []
+            matched[name] = tables["head"][1]
+            continue
+        fits = [t for key, (n, t) in tables.items() if key != "head" and n == count]
+        # Equal branch counts: the forward and backward tables must then agree rank by rank.
+        if not fits or any(not np.array_equal(_runs_per_rank(f, count), _runs_per_rank(fits[0], count)) for f in fits):
+            return []
+        matched[name] = fits[0]
+    if not matched:
         return []
-    matched = {name: tables[n] for name, (n, runs) in compiled.conditionals.items() if n in tables and runs == steps}
     return [
         {(name, b): int((table[:, r] == b).sum()) for name, table in matched.items() for b in range(table.max() + 1)}
         for r in range(layout.p)

@@ -57,6 +57,10 @@ class Layout:
     compute_bytes: int
     param_bytes: int
     target: str = "gpu"
+    pipeline_vocab: str = "spread"  # p > 1: embedding / head split over pipeline ("spread") or on the end stages ("ends")
+    context_impl: str = "all_gather"  # c > 1: parallel.context_impl
+    context_load_balance: bool = True
+    context_block: int = 512  # parallel.context_block_size
 
     @classmethod
     def from_config(
@@ -105,6 +109,10 @@ class Layout:
             compute_bytes=_DTYPE_BYTES[train.compute_dtype],
             param_bytes=_DTYPE_BYTES[train.param_dtype],
             target=target,
+            pipeline_vocab=parallel.pipeline_vocab,
+            context_impl=parallel.context_impl,
+            context_load_balance=bool(parallel.context_load_balance),
+            context_block=int(parallel.context_block_size),
         )
 
     # --- mesh shorthands ---
@@ -148,8 +156,19 @@ class Layout:
 
     @property
     def tokens(self) -> int:
-        """Tokens one device processes per step, before any tensor / sequence split."""
-        return self.rows * self.seq
+        """Tokens one device processes per step, before any tensor / sequence-parallel split (with
+        context parallelism each device holds seq / context tokens of every row)."""
+        return self.rows * self.seq // self.c
+
+    @property
+    def vocab_spread(self) -> bool:
+        """The embedding and LM head split by vocab over pipeline x tensor (`pipeline/vocab.py`)."""
+        return self.p > 1 and self.pipeline_vocab == "spread"
+
+    @property
+    def vocab_shards(self) -> int:
+        """Devices one vocab table is split over: tensor, and pipeline with "spread"."""
+        return self.t * (self.p if self.vocab_spread else 1)
 
     @property
     def kv_sharded(self) -> bool:
@@ -176,7 +195,15 @@ class Layout:
         """cuDNN's fused attention (GPU, 16-bit compute, attention_impl auto / cudnn): no [S, S]
         scores are materialised or saved, and the causal kernel skips the masked half."""
         impl = self.config.parallel.attention_impl
-        return self.target == "gpu" and self.compute_bytes == 2 and impl in ("auto", "cudnn")
+        return self.target == "gpu" and self.compute_bytes == 2 and impl in ("auto", "cudnn") and self.c == 1
+
+    @property
+    def saves_scores(self) -> bool:
+        """Attention materialises [S, S] scores and saves them for the backward: not with cuDNN's
+        fused kernel, nor with context parallelism's blockwise kernels (`parallel/context/local.py`:
+        a custom VJP that saves q, k, v, the output and the log-sum-exp, and recomputes score
+        blocks of at most [block_q, block_kv] in the backward)."""
+        return not self.flash_attention and self.c == 1
 
     @property
     def compute_dtype_name(self) -> str:
@@ -194,6 +221,8 @@ class Layout:
     def describe(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
         extra = [f"zero{self.zero_stage}" if self.zero_stage else "", "sp" if self.sequence_parallel else ""]
+        if self.c > 1:
+            extra.append(f"cp={self.context_impl}")
         extra.append(f"remat={self.remat}")
         if self.p > 1:
             extra.append(f"{self.schedule} m={self.microbatches}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))

@@ -23,12 +23,16 @@ count of the buffers the step keeps, per device:
                  buffers: not measured in this project (no GPU), taken from how the kernel works.
 
 Peak = state + max(backward phase, optimizer phase). The backward phase holds grads, stash,
-param_cast and the working set; the optimizer phase holds two gradient-sized fp32
-buffers (the gradients and the clipped update, measured: temp = 2 x grads exactly on XLA:CPU
-when it dominates). Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
+param_cast and the working set; the optimizer phase holds three gradient-sized fp32
+buffers (`OPTIMIZER_GRAD_BUFFERS`, measured: temp = 2.96 x grads on XLA:CPU when it dominates). Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
 models read low.
 
 Pipeline (p > 1) and MoE layers are priced by `pipeline_memory` / the MoE residual terms below.
+Context parallelism: every per-token term counts seq / context tokens per device
+(`Layout.tokens`); its kernels save q, k, v, the output and the log-sum-exp instead of scores, and
+their backward adds score blocks and K/V blocks to the working set (`context_attention_buffers`).
+With the pipeline's vocab "spread" the tables' gradient and the loss buffers are split over
+pipeline x tensor.
 """
 
 from __future__ import annotations
@@ -42,9 +46,13 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxpar import models
-from jaxpar.analysis.layout import DATA, Layout
+from jaxpar.analysis.layout import DATA, PIPELINE, Layout
 from jaxpar.kernels.grouped_matmul import TILE
 from jaxpar.models.families import family
+from jaxpar.parallel.context.blockwise import chunk_size
+from jaxpar.parallel.data import GradientStrategy
+from jaxpar.parallel.pipeline.balance import AUTO, parse_split
+from jaxpar.parallel.pipeline.options import PipelineOptions
 from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import rules_table
 
@@ -61,6 +69,11 @@ MOE_WORKING_FACTOR = 2.2
 # 1.82. The middle is taken (peak within 10% at both ends). Where the scores dominate, this is the
 # working set (the D-sized buffers fit into it: with 64 heads at S 8192 they add under 2%).
 SCORE_WORKING_FACTOR = {"none": 1.5, "save_dots": 2.0, "full": 2.0}
+# Gradient-sized fp32 buffers live while AdamW updates: measured on XLA:CPU where this phase is
+# the peak (data 8, context 8, data 4 x context 2; fp32, remat full, 1-2 rows per device): temp
+# 2.96 x the gradients (the gradients, the clipped update, and a third not yet attributed; the
+# model said 2 before the training loop's non-finite step policy landed).
+OPTIMIZER_GRAD_BUFFERS = 3
 # fp32 [tokens, vocab/t] buffers live while the loss and its gradient are computed (exp, masked
 # logits, label mask, the logits' cotangent; JAX's saved-residual list shows three plus bools).
 LOSS_BUFFERS = 4
@@ -94,7 +107,7 @@ class MemoryEstimate:
 
     @property
     def optimizer_phase(self) -> int:
-        return 2 * self.grads
+        return OPTIMIZER_GRAD_BUFFERS * self.grads
 
     @property
     def temp(self) -> int:
@@ -113,7 +126,19 @@ class MemoryEstimate:
 
 def _plan(layout: Layout):
     config = layout.config
-    return make_plan(config, layout.mesh, has_aux_losses=family(config.model.model_type).aux_losses is not None)
+    aux = family(config.model.model_type).aux_losses is not None
+    if layout.p == 1 or parse_split(config.parallel.pipeline_stage_layers) != AUTO:
+        return make_plan(config, layout.mesh, has_aux_losses=aux)
+    # The rules table reads the vocab placement and whether the layers divide over pipeline, never
+    # the split itself: the `auto` split (a schedule simulation, ~20 ms per layout at 70B, most of
+    # a planner candidate's price) is replaced by an even one.
+    flat = make_plan(config, {**layout.mesh, PIPELINE: 1}, has_aux_losses=aux)
+    stages = layout.p * layout.virtual_stages
+    even = tuple(layout.layers // stages + (1 if s < layout.layers % stages else 0) for s in range(stages))
+    options = PipelineOptions(layout.schedule, layout.microbatches, layout.virtual_stages, even, layout.pipeline_vocab)
+    return dataclasses.replace(
+        flat, mesh_shape=tuple(layout.mesh.items()), pipeline=options, gradient=GradientStrategy.PIPELINED
+    )
 
 
 def _shard_elements(shape, names, table, mesh, drop=()) -> int:
@@ -207,6 +232,10 @@ def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
     # none, per JAX's residual list: 4 hidden-sized values in the compute dtype plus 2 in fp32
     # (RMSNorm works in fp32), q (grouped), k, v, roped q and k, scores and probabilities (one of
     # them fp32), softmax statistics. Flash attention keeps no scores (its statistics instead).
+    if layout.c > 1:
+        # Context parallelism's kernel (a custom VJP) saves its inputs q, k, v, its output and the
+        # fp32 log-sum-exp per head; no scores, no softmax statistics.
+        return cb * (4 * D / ts + 2 * q + 2 * kv + q) + 4 * (2 * D / ts + H / t + 4 / ts) + mlp
     scores = 0 if layout.flash_attention else H * S / t
     compute = 4 * D / ts + 2 * q + 2 * kv + scores
     fp32 = 2 * D / ts + scores + 2 * H / t + 4 / ts
@@ -306,9 +335,43 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
 def score_bytes_per_token(layout: Layout) -> float:
     """The [S, S] attention buffers one layer saves per token without remat (scores in the
     compute dtype, probabilities in fp32); 0 with flash attention."""
-    if layout.flash_attention:
+    if not layout.saves_scores:
         return 0.0
     return layout.heads / layout.t * layout.seq * (layout.activation_bytes + 4)
+
+
+# Score-block-sized fp32 buffers ([rows, heads, block_q, block_kv]) live in the blockwise
+# kernels' backward (scores, probabilities, their gradients, masks): measured 6.1-6.3 on XLA:CPU
+# (data 2 x context 4, S 8192, every impl, where they dominate the kernel's extra memory).
+SCORE_BLOCK_BUFFERS = 6
+
+
+def context_attention_buffers(layout: Layout, micro_tokens: float) -> float:
+    """What context parallelism's kernel (`parallel/context/local.py`) holds on top of the layer's
+    residuals during its backward: `SCORE_BLOCK_BUFFERS` score blocks per head the kernel runs
+    (all local heads; Ulysses all_to_all: 1/c of them, on whole sequences), and for all_gather
+    the gathered sequence's K or V plus a local block, for ring one local block in flight
+    (measured beside the score blocks at data 2 x context 4, S 8192: 10.8 and 2.4 MB against
+    8.4 + 2.1 and 2.1 MB counted this way)."""
+    if layout.c == 1:
+        return 0.0
+    c, cb = layout.c, layout.activation_bytes
+    hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
+    hq = layout.heads // layout.t
+    kv_local = micro_tokens * hkv * layout.head_dim  # elements of this device's K (or V) shard
+    local = layout.seq // c
+    rows = micro_tokens / local
+    impl = layout.context_impl
+    if impl == "all_to_all":
+        block_q = block_kv = chunk_size(layout.seq, layout.context_block)
+        heads = hq / c
+    else:
+        block_q = chunk_size(local, layout.context_block)
+        block_kv = chunk_size(layout.seq if impl == "all_gather" else local, layout.context_block)
+        heads = hq
+    scores = SCORE_BLOCK_BUFFERS * 4 * rows * heads * block_q * block_kv
+    blocks = {"all_gather": c + 1, "ring": 1}.get(impl, 0)
+    return scores + blocks * kv_local * cb
 
 
 def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk_layers: int) -> float:
@@ -322,10 +385,10 @@ def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk
         factor = score_factor = 0.0  # XLA unrolls a one-layer scan: its residuals are the stash (measured: pp8)
     # The layer's unsharded fp32 weight gradients. (ZeRO-3's re-gathered weights for the
     # recompute do not add to it: measured, data=8 remat full within 2% without them.)
-    layer = factor * layer_residuals + 4 * counts.layer_gathered
-    table_grad = 4 * layout.vocab * layout.hidden / t
+    layer = factor * layer_residuals + 4 * counts.layer_gathered + context_attention_buffers(layout, micro_tokens)
+    table_grad = 4 * layout.vocab * layout.hidden / layout.vocab_shards
     scores = score_factor * micro_tokens * score_bytes_per_token(layout)
-    loss = LOSS_BUFFERS * 4 * micro_tokens * layout.vocab / t
+    loss = LOSS_BUFFERS * 4 * micro_tokens * layout.vocab / layout.vocab_shards
     return max(layer + table_grad, scores, loss)
 
 

@@ -22,7 +22,7 @@ import jax
 
 from jaxpar import models
 from jaxpar.analysis import hardware as hw
-from jaxpar.analysis.candidates import ACCUM_KEY, MICROBATCH_KEY, Candidate, Screen, Space, candidates
+from jaxpar.analysis.candidates import ACCUM_KEY, CONTEXT_IMPL_KEY, MICROBATCH_KEY, Candidate, Screen, Space, candidates
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.analysis.memory import MemoryEstimate
 from jaxpar.axes import MESH_AXES, PIPELINE
@@ -39,7 +39,7 @@ PLANNER_SPACE = Space(microbatch_options=3)
 # Layout keys the planner may set (what `best_layout` returns a subset of).
 LAYOUT_KEYS = tuple(f"mesh.{a}" for a in MESH_AXES) + (
     "parallel.zero_stage", "parallel.remat", "parallel.sequence_parallel", "parallel.pipeline_schedule",
-    "parallel.num_microbatches", "parallel.virtual_stages", "train.grad_accum",
+    "parallel.num_microbatches", "parallel.virtual_stages", "train.grad_accum", "parallel.context_impl",
 )
 
 
@@ -144,7 +144,7 @@ def plan_layouts(
             return None
         try:
             return Priced(candidate, estimate(applied, hardware, num_devices=num_devices, efficiency=efficiency))
-        except NotImplementedError as e:  # context parallelism until the model prices it
+        except NotImplementedError as e:  # a model hook for a feature not priced yet (none today)
             unpriced[re.sub(r"\d+", "N", str(e))] += 1
             return None
 
@@ -156,9 +156,12 @@ def plan_layouts(
         if lean and min(p.peak for p in lean) > usable:
             too_big.append(min(lean, key=lambda p: p.peak))
             continue
-        fit_accum = set()  # (zero, remat, sp): without a pipeline more accumulation only costs
+        fit_accum = set()  # (zero, remat, sp, impl): without a pipeline more accumulation only costs
         for c in group:
-            knobs = (c.get("parallel.zero_stage"), c.get("parallel.remat"), c.get("parallel.sequence_parallel"))
+            knobs = (
+                c.get("parallel.zero_stage"), c.get("parallel.remat"), c.get("parallel.sequence_parallel"),
+                c.get(CONTEXT_IMPL_KEY),
+            )
             if c.mesh[PIPELINE] == 1 and knobs in fit_accum:
                 continue
             p = price(c)

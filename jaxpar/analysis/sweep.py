@@ -13,8 +13,8 @@ allocated, so a 70B step compiles on emulated CPU devices) and prices it twice:
 `reprice(config, path, ...)` can set a changed model beside it without compiling again.
 `records(rows)` are the rows of `sweep.csv`; `markdown(...)` the table and the fidelity summary,
 including every collective XLA emitted that the model does not plan ("unexpected": a model gap or
-a sharding bug in jaxpar). Layouts the model cannot price yet (context parallelism) are compiled
-and reported with empty predictions.
+a sharding bug in jaxpar). Layouts the model cannot price (a model hook raising
+NotImplementedError; none today) are compiled and reported with empty predictions.
 
 Compiled peak is arguments + non-aliased outputs + temporaries (`CompiledMemory.live_total`):
 XLA:CPU's own `peak_memory_in_bytes` reports only the arguments.
