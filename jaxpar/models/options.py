@@ -36,12 +36,14 @@ def resolve_attention_impl(name: str, compute_dtype) -> str:
     return "jaxpar_xla" if backend == "cpu" else "xla"
 
 
-# `parallel.remat="auto"` per backend: the fastest policy measured there. CPU (2 cores, bench
-# config and MaxText's tiny Llama on 8 devices): see REMAT_MEASURED below. Elsewhere no
-# recompute, the fastest whenever the activations fit (not measured here; set parallel.remat to
-# "full" or "save_dots" when they do not).
+# `parallel.remat="auto"` per backend: the fastest policy measured there. XLA:CPU, fp32, 2 cores:
+# the bench config on one device, none 940 / full 1093 / save_dots 1078 tokens/s (issue 11's
+# machine); MaxText's tiny Llama on 8 emulated devices, none 5.3-5.8k / full 7.4-7.9k. Saving every
+# layer's residuals through the layer scan costs XLA:CPU more than recomputing them. (On a slower
+# 2-core host on 2026-11-29 the one-device bench tied: none 782, full 764, save_dots 779.)
+# Elsewhere no recompute, the fastest whenever the activations fit (not measured here: no GPU was
+# lent; set parallel.remat to "full" or "save_dots" when they do not fit).
 AUTO_REMAT = {"cpu": "full"}
-REMAT_MEASURED = ""
 
 
 def resolve_remat(name: str) -> str:
