@@ -2,10 +2,12 @@
 
 Laid out for 32 x a100-80g (4 nodes of 8 GPUs: NVLink inside a node, InfiniBand across), the
 layout `python scripts/plan.py --config=configs/llama3_70b.py --hardware=a100-80g --devices=32`
-ranks first: tensor 4 (NVLink) x pipeline 8, sequence parallel, 1F1B with 512 one-row
-microbatches, no remat (cuDNN's flash attention keeps no [S, S] scores), about 69 of the 72 GiB
-it lets a layout use. (Interleaving would cut the bubble, but jaxpar re-lays the layer stack into
-stage order every step, which costs more memory and traffic than it saves here.) Parameters stay fp32 (the master copy AdamW updates; the forward
+ranks second, 1% behind pipeline 16 x tensor 2 (less than the model's error): tensor 4 (NVLink) x
+pipeline 8, sequence parallel, 1F1B with 512 one-row microbatches, no remat (cuDNN's flash
+attention keeps no [S, S] scores), 57 of the 72 GiB it lets a layout use; half the deeper
+pipeline's bubble and half its stages. (Interleaving would cut the bubble, but jaxpar re-lays the
+layer stack into stage order every step, which costs more memory and traffic than it saves here.)
+Parameters stay fp32 (the master copy AdamW updates; the forward
 runs in bf16): with two fp32 moments and fp32 gradients that is 16 B per parameter, 1.13 TB
 before activations, so no layout fits 8 x A100-80G (parameters + AdamW state alone are
 70.6e9 x 12 B / 8 = 98.6 GiB per device; `--devices=8` says so and names 32 as the smallest
