@@ -1,15 +1,15 @@
 """Mixtral 8x7B (46.7B parameters, 12.9B active per token), full-parameter AdamW training.
 
-Laid out for 32 x a100-80g (4 nodes of 8), the layout
-`python scripts/plan.py --config=configs/mixtral_8x7b.py --hardware=a100-80g --devices=32` ranks
-first: data 8 with ZeRO-3 x tensor 4 (NVLink) with sequence parallelism, remat full, no
-accumulation (about 68 of the 72 GiB it lets a layout use). fp32 parameters + AdamW + fp32
-gradients + a bf16 copy are 18 B per parameter, 840 GB: 16 devices do not hold it with
-activations. Expert parallelism ranks lower here (best with mesh.expert=8: data 4 x expert 8,
-about 30% slower): its all-to-alls of dropless, worst-case-sized dispatch buffers and the
-router's top-k over the whole batch (a gather jaxpar still does) cost more than the tensor
-all-reduces they replace; try --config.mesh.expert=8 to see its plan. Pipelines are not offered
-for MoE yet (the engine does not carry router losses).
+Laid out for 32 x a100-80g (4 nodes of 8): data 8 with ZeRO-3 x tensor 4 (NVLink) with sequence
+parallelism, remat full, no accumulation, 68 of the 72 GiB `scripts/plan.py` lets a layout use.
+fp32 parameters + AdamW + fp32 gradients + a bf16 copy are 18 B per parameter, 840 GB: 16 devices
+do not hold it with activations. Since MoE runs through the pipeline and context parallelism is
+priced, `python scripts/plan.py --config=configs/mixtral_8x7b.py --hardware=a100-80g --devices=32`
+ranks this 24th of 60 fitting meshes, 20% behind its winner (pipeline 4 x context 2 x expert 2 x
+tensor 2, SP, 1F1B m=128; data 2 x pipeline 4 x tensor 4 with ZeRO-1 is 4% behind that). This
+config stays on the layout whose pricing the compiled Mixtral sweep checked (docs/experiments.md);
+MoE inside pipeline stages is priced but no compiled sweep has checked it yet. Try the winner with
+--plan=a100-80g.
 """
 
 from jaxpar.config import base_config, mixtral_model_config

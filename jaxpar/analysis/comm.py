@@ -456,14 +456,6 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
                 Planned(COLLECTIVE_PERMUTE, (PIPELINE,), params, 1, "interleaved: layers into stage order", True),
                 Planned(COLLECTIVE_PERMUTE, (PIPELINE,), grads, 1, "interleaved: gradients back to stack order", True),
             ]
-    if layout.is_moe and layout.batch_axes:
-        # `lax.top_k` on batch-sharded router probabilities: the partitioner gathers the whole
-        # batch's [B, S, E] probabilities on every device (and every device runs top-k on all).
-        probs = layout.global_batch * layout.seq * layout.experts * 4
-        passes = 1 if layout.remat == "none" else 2
-        out.append(
-            Planned(ALL_GATHER, layout.batch_axes, probs, layout.layers_per_device * passes, "router top-k gathers the global batch", True)
-        )
     return out
 
 
