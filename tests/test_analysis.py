@@ -56,6 +56,7 @@ def llama(batch: int, seq: int = 64, **model):
     c = base_config()
     c.model = llama_model_config(**{**MODEL, **model})
     c.train.update(global_batch_size=batch, seq_len=seq, warmup_steps=0)
+    c.parallel.remat = "none"  # cases that test a policy name it ("auto" would follow the backend)
     return c
 
 
@@ -63,6 +64,7 @@ def mixtral(batch: int):
     c = base_config()
     c.model = mixtral_model_config(**{**MODEL, "intermediate_size": 384}, num_local_experts=8, num_experts_per_tok=2)
     c.train.update(global_batch_size=batch, seq_len=64, warmup_steps=0)
+    c.parallel.remat = "none"
     return c
 
 

@@ -83,15 +83,15 @@ class Attention(nnx.Module):
         self.o = nnx.Param(normal_init(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions):
-        rules = opts.rules
+        rules, split = opts.rules, opts.plan.splits_sequence
         with jax.named_scope("attention"):
             # Each projection is constrained to its head layout at once: left free, under sequence
             # parallelism the partitioner gathered the weights, ran RoPE on sequence-split q/k and
             # then all-to-all'd them to split heads (found by comparing with jaxpar.analysis).
-            q = checkpoint_name(project(x, self.q[...]), "q_proj")
+            q = checkpoint_name(project(x, self.q[...], splits_sequence=split), "q_proj")
             q = constrain(rules, q, ("batch", "seq", "act_heads", "head_dim"))
-            k = checkpoint_name(project(x, self.k[...]), "k_proj")
-            v = checkpoint_name(project(x, self.v[...]), "v_proj")
+            k = checkpoint_name(project(x, self.k[...], splits_sequence=split), "k_proj")
+            v = checkpoint_name(project(x, self.v[...], splits_sequence=split), "v_proj")
             k, v = repeat_kv(k, v, opts.plan.tensor, rules)
             kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
             k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
@@ -101,7 +101,7 @@ class Attention(nnx.Module):
             else:
                 out = causal_attention(q, k, v, opts.attention_impl)
             out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
-            return checkpoint_name(project(out, self.o[...], contract=2), "o_proj")
+            return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=split), "o_proj")
 
 
 def causal_attention(q, k, v, implementation: str):
@@ -124,11 +124,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x, opts: RunOptions):
         """(out, aux): the same contract as the MoE block; a dense MLP reports nothing."""
+        split = opts.plan.splits_sequence
         with jax.named_scope("mlp"):
-            gate = checkpoint_name(project(x, self.gate[...]), "mlp_gate")
-            up = checkpoint_name(project(x, self.up[...]), "mlp_up")
+            gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split), "mlp_gate")
+            up = checkpoint_name(project(x, self.up[...], splits_sequence=split), "mlp_up")
             hidden = constrain(opts.rules, jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-            return checkpoint_name(project(hidden, self.down[...]), "mlp_down"), {}
+            return checkpoint_name(project(hidden, self.down[...], splits_sequence=split), "mlp_down"), {}
 
 
 class Embedding(nnx.Module):
@@ -163,7 +164,7 @@ def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions, tied: bool
             # fp16 has too little range for logits, and XLA:CPU has no fp16×fp16→fp32 dot: use fp32.
             x, weight_dv = x.astype(jnp.float32), weight_dv.astype(jnp.float32)
         if x.dtype == jnp.float32 and not tied:
-            logits = project(x, weight_dv)
+            logits = project(x, weight_dv, splits_sequence=opts.plan.splits_sequence)
         else:
             logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
         logits = constrain(opts.rules, logits, ("batch", "seq", "act_vocab"))

@@ -30,6 +30,11 @@ class ParallelPlan:
     def size(self, axis: str) -> int:
         return dict(self.mesh_shape)[axis]
 
+    @property
+    def splits_sequence(self) -> bool:
+        """Activations split along the sequence somewhere (sequence parallelism or context)."""
+        return self.tensor.sequence_parallel or self.context is not None
+
 
 # A run without a mesh (one device, no sharding): `jaxpar.models.forward`, HF parity tests.
 SINGLE_DEVICE = ParallelPlan()
