@@ -9,6 +9,7 @@ here is the identity.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def varying_axes(x) -> frozenset:
@@ -43,3 +44,26 @@ def sum_to(cotangent, primal):
     of an implicit pvary does): e.g. weights replicated over `data` get the sum over `data`."""
     axes = varying_axes(cotangent) - varying_axes(primal)
     return jax.lax.psum(cotangent, tuple(sorted(axes))) if axes else cotangent
+
+
+def _widened_on_cpu(x) -> bool:
+    return x.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "cpu"
+
+
+def psum_wide(x, axes):
+    """`jax.lax.psum(x, axes)`, summed in fp32 when `x` is 16-bit on CPU. XLA:CPU widens 16-bit
+    all-reduces itself (AllReducePromotion), and inside a shard_map whose other axes stay with
+    the partitioner the reduction body ends in a sharding annotation, which that pass cannot
+    clone: compiling aborts the process ("Invalid binary instruction opcode copy"; bf16, pipeline
+    2 x tensor 4, vocab "spread"). Summing in fp32 is what the pass would have done."""
+    if _widened_on_cpu(x):
+        return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+    return jax.lax.psum(x, axes)
+
+
+def vary_everywhere_wide(x):
+    """`vary_everywhere(x)`, whose transpose (a psum of the cotangent) runs in fp32 for 16-bit `x`
+    on CPU, for the reason `psum_wide` gives."""
+    if _widened_on_cpu(x):
+        return vary_everywhere(x.astype(jnp.float32)).astype(x.dtype)
+    return vary_everywhere(x)

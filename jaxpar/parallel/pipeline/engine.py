@@ -62,7 +62,7 @@ from jaxpar.models.llama import default_positions
 from jaxpar.parallel.context.plan import sequence_axes
 from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.parallel.manual import vary_everywhere, vary_like
+from jaxpar.parallel.manual import psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.pipeline import router
 from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
 from jaxpar.parallel.pipeline.slots import FIELDS, FIRST, LAST, STEP_FIELDS, slot_plan_for
@@ -166,7 +166,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         model = stage.model(any_layer, sh)
         if not spread:  # this rank holds the whole (tensor-sharded) head
             return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt)
-        normed = model.final_norm(vary_everywhere(h))  # the transpose sums every rank's share of d h
+        normed = model.final_norm(vary_everywhere_wide(h))  # the transpose sums every rank's share of d h
         return head_loss(normed, model.head_weight(), tgt, offset, model_config.vocab_size, rules)
 
     def forward_branch(n, with_head):
@@ -213,7 +213,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         """After the last stage's F of microbatch `mb`, on every rank: the vocab-parallel head
         ("spread") and the microbatch's router totals (MoE)."""
         if spread:
-            h = jax.lax.psum(jnp.where(is_last, y, jnp.zeros_like(y)), PIPELINE)  # the last stage's output
+            h = psum_wide(jnp.where(is_last, y, jnp.zeros_like(y)), PIPELINE)  # the last stage's output
             ce, pullback = jax.vjp(lambda sh, hh: head(sh, hh, targets[mb]), shared, h)
             d_shared, d_h = pullback(vary_like(loss_cotangent, ce))
             c = c._replace(
@@ -243,7 +243,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             part_fwd = lookup(table, inputs[step["embed_fwd_mb"]], offset)
             part_back, embed_pullback = jax.vjp(lambda t: lookup(t, inputs[step["embed_back_mb"]], offset), table)
             embedded = jnp.stack([part_fwd, part_back])
-            embedded = jax.lax.psum(embedded, PIPELINE) if spread else embedded
+            embedded = psum_wide(embedded, PIPELINE) if spread else embedded
             embedded = vary_everywhere(rules.constrain(embedded, (None,) + RESIDUAL))
             back_on_first = row["back_kind"] == FIRST
             x = jnp.where(back_on_first, embedded[1], carry.acts[row["back_slot"]])
@@ -262,7 +262,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             # Stage 0's input gradient into the embedding: "spread": psummed to every rank, each
             # scatters it into its own rows; "ends": rank 0's, summed over ranks after the scan.
             d_embedded = jnp.where(back_on_first, d_input, zero)
-            d_embedded = jax.lax.psum(d_embedded, PIPELINE) if spread else d_embedded
+            d_embedded = psum_wide(d_embedded, PIPELINE) if spread else d_embedded
             (d_table,) = embed_pullback(vary_everywhere(d_embedded))
             shared_grads = dict(carry.shared_grads)
             shared_grads["embed"] = {"weight": shared_grads["embed"]["weight"] + d_table.astype(jnp.float32)}
