@@ -111,6 +111,11 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     seq_axes = () if capacity or rows[1] is None else rows[1] if isinstance(rows[1], tuple) else (rows[1],)
     if EXPERT not in batch_axes:
         raise ValueError(f"expert parallelism needs {EXPERT!r} among the batch axes, got {batch_axes}")
+    if math.prod(rules.mesh.shape[a] for a in (*batch_axes, *seq_axes)) == 1:
+        # Nothing to split by hand (e.g. tensor 8 alone): a shard_map manual only over size-1 axes
+        # failed to compile ("Cross-partition allreduce must be in (partial) manual partitioning
+        # mode", XLA's SPMD partitioner); the partitioner handles `tensor` in the plain code.
+        return local(x, ids, weights, *experts, ep=1, exchange=None)
     # The expert weights cross the shard_map boundary in fp32, so the gradient sum over `data`
     # (shard_map's transpose) is an fp32 all-reduce: more accurate than a 16-bit one, and XLA:CPU
     # crashes promoting that 16-bit all-reduce ("Invalid binary instruction opcode copy").
