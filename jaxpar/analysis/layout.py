@@ -198,6 +198,14 @@ class Layout:
         return self.target == "gpu" and self.compute_bytes == 2 and impl in ("auto", "cudnn") and self.c == 1
 
     @property
+    def attention_kernel(self) -> bool:
+        """jaxpar's CPU attention (`kernels/attention.py`, attention_impl auto / jaxpar_xla on CPU,
+        no context split): it materialises [S, S] scores but saves only q, k, v, the output and
+        the log-sum-exp, and recomputes the probabilities in its backward."""
+        impl = self.config.parallel.attention_impl
+        return self.target == "cpu" and impl in ("auto", "jaxpar_xla") and self.c == 1
+
+    @property
     def saves_scores(self) -> bool:
         """Attention materialises [S, S] scores and saves them for the backward: not with cuDNN's
         fused kernel, nor with context parallelism's blockwise kernels (`parallel/context/local.py`:

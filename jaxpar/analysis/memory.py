@@ -232,9 +232,9 @@ def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
     # none, per JAX's residual list: 4 hidden-sized values in the compute dtype plus 2 in fp32
     # (RMSNorm works in fp32), q (grouped), k, v, roped q and k, scores and probabilities (one of
     # them fp32), softmax statistics. Flash attention keeps no scores (its statistics instead).
-    if layout.c > 1:
-        # Context parallelism's kernel (a custom VJP) saves its inputs q, k, v, its output and the
-        # fp32 log-sum-exp per head; no scores, no softmax statistics.
+    if layout.c > 1 or layout.attention_kernel:
+        # Context parallelism's kernels and jaxpar's CPU attention (custom VJPs) save their inputs
+        # q, k, v, their output and the fp32 log-sum-exp per head; no scores, no softmax statistics.
         return cb * (4 * D / ts + 2 * q + 2 * kv + q) + 4 * (2 * D / ts + H / t + 4 / ts) + mlp
     scores = 0 if layout.flash_attention else H * S / t
     compute = 4 * D / ts + 2 * q + 2 * kv + scores
@@ -335,6 +335,8 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
 def score_bytes_per_token(layout: Layout) -> float:
     """The [S, S] attention buffers one layer saves per token without remat (scores in the
     compute dtype, probabilities in fp32); 0 with flash attention."""
+    if layout.attention_kernel:  # saves none, but its backward holds fp32 scores and probabilities
+        return layout.heads / layout.t * layout.seq * 8
     if not layout.saves_scores:
         return 0.0
     return layout.heads / layout.t * layout.seq * (layout.activation_bytes + 4)
