@@ -53,6 +53,20 @@ def run_peer(model: str, steps: int, threads: int) -> tuple[str, float]:
     return line, float(fields.get("tokens_per_s", "nan"))
 
 
+def roofline(flops: float, tokens: int, ours: float, peer: float | None, target: float = 1.5) -> str:
+    """How far the step is from a lone matmul's speed on this host, and what `target`× the peer needs:
+    the ceiling any fp32 step can reach here, whoever wrote it (model FLOPs, recompute not counted)."""
+    from jaxpar.train.observe import measured_host_flops
+
+    peak = measured_host_flops("float32")
+    line = (f"roofline: one fp32 2048^3 matmul runs {peak / 1e9:.0f} GFLOP/s here; jaxpar's step does "
+            f"{flops * ours / tokens / 1e9:.0f} GFLOP/s of model FLOPs ({flops * ours / tokens / peak:.0%} of it)")
+    if peer:
+        need = flops * peer * target / tokens
+        line += f"; {target}x the peer would need {need / 1e9:.0f} GFLOP/s ({need / peak:.0%} of that matmul)"
+    return line
+
+
 def profile_steps(program, state, batch, folder: str):
     """Two annotated steps under jax.profiler plus the step's HLO text, then the breakdown."""
     import jax
@@ -126,6 +140,8 @@ def main(argv):
               f"jaxpar / peer = {statistics.median(tokens) / statistics.median(peers):.2f}x "
               f"(per repeat: {', '.join(f'{a / b:.2f}' for a, b in zip(tokens, peers))})")
     flops = train_flops_per_step(config.model, batch_size, seq)
+    if devices[0].platform == "cpu":
+        print(roofline(flops, batch_size * seq, statistics.median(tokens), statistics.median(peers) if peers else None))
     print(f"step_s={step_s:.4f} tokens_per_sec={batch_size * seq / step_s:.0f} gflops_per_sec={flops / step_s / 1e9:.1f}")
 
 
