@@ -1,11 +1,12 @@
 """jaxpar beside MaxText on MaxText's tiny Llama, 8 emulated CPU devices, the same meshes.
 
-  python scripts/bench_mesh.py [--mesh=fsdp8,dp8,tp2dp4,pp2dp4] [--remat=full,none] [--repeats=3]
+  python scripts/bench_mesh.py [--mesh=fsdp8,dp8,tp2dp4,pp2dp4,cp2dp4] [--remat=full,none] [--repeats=3]
       [--maxtext] [--steps=10] [--trees=PATH,PATH] [--override=parallel.sequence_parallel=True]
 
 Every run is a fresh process (cold compile, as MaxText's runner measures it): jaxpar runs
 `configs/maxtext_tiny.py` on the mesh (fsdp8 = data 8 + ZeRO-3, dp8, tp2dp4 = tensor 2 × data 4,
-pp2dp4 = pipeline 2 × data 4 with 2 microbatches), one fixed random batch, 10 steps; the step
+pp2dp4 = pipeline 2 × data 4 with 2 microbatches,
+cp2dp4 = context 2 × data 4), one fixed random batch, 10 steps; the step
 time is the median of steps 4..10 (each step waited for), as MaxText's runner takes its median
 after 3 warm-up steps. With --maxtext, `../shared/peers/maxtext/run_tiny.sh MESH fp32 REMAT` runs
 right after each jaxpar run (interleaved, repeated), and the table shows tokens/s side by side
@@ -43,7 +44,7 @@ DEVICES = 8
 
 def mesh_settings(name: str) -> tuple[dict, dict]:
     """(mesh sizes, parallel overrides) for a MaxText mesh name."""
-    from jaxpar.axes import DATA, PIPELINE, TENSOR
+    from jaxpar.axes import CONTEXT, DATA, PIPELINE, TENSOR
 
     return {
         "fsdp8": ({DATA: 8}, {"zero_stage": 3}),
@@ -51,6 +52,7 @@ def mesh_settings(name: str) -> tuple[dict, dict]:
         "tp2dp4": ({DATA: 4, TENSOR: 2}, {}),
         "tp2fsdp4": ({DATA: 4, TENSOR: 2}, {"zero_stage": 3}),
         "pp2dp4": ({DATA: 4, PIPELINE: 2}, {"num_microbatches": 2}),
+        "cp2dp4": ({DATA: 4, CONTEXT: 2}, {}),  # jaxpar's default all_gather CP, as MaxText's
     }[name]
 
 
