@@ -202,26 +202,53 @@ def _reductions_per_step(layout: Layout) -> int:
 
 
 def _engine_reduces_context(layout: Layout) -> bool:
-    """The pipeline engine is manual over context like over the batch axes: without ZeRO its
-    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context 2)."""
-    return layout.p > 1 and layout.c > 1 and layout.zero_stage == 0
+    """The pipeline engine is manual over context like over the batch axes: below ZeRO-3 its
+    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context
+    2, ZeRO 0 and 1)."""
+    return layout.p > 1 and layout.c > 1 and layout.zero_stage < 3
+
+
+def _dispatch_manual_over_context(layout: Layout) -> bool:
+    """The dropless MoE dispatch's shard_map is manual over context too (`parallel.expert`; inside
+    the pipeline engine, already manual, there is no such shard_map)."""
+    return layout.is_moe and layout.c > 1 and layout.capacity_factor == 0 and layout.p == 1
+
+
+def _expert_grads_apart(layout: Layout) -> bool:
+    """Whether the expert weights' gradients are reduced apart from the rest: they are summed by
+    the dispatch shard_map's transpose over its manual axes other than expert (they live on one
+    expert rank), `_expert_grad_axes`, while the partitioner reduces the others."""
+    return layout.is_moe and (layout.e > 1 or _dispatch_manual_over_context(layout))
+
+
+def _expert_grad_axes(layout: Layout) -> tuple[str, ...]:
+    """Data, and with a dropless dispatch context too: one all-reduce over both (measured, Mixtral
+    8x7B data 2/4 x context 2, expert 1 and 2, ZeRO 0/1/3, and at test size)."""
+    return _axes(layout, DATA, CONTEXT) if _dispatch_manual_over_context(layout) else _axes(layout, DATA)
 
 
 def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     batch = layout.batch_axes
     if _engine_reduces_context(layout):
         batch = _axes(layout, DATA, CONTEXT, EXPERT)
-    if not batch:
+    apart = _expert_grads_apart(layout)
+    if not batch and not apart:
         return []
     out = []
     k = _reductions_per_step(layout)
     grads = 4 * counts.as_params
-    if layout.is_moe and layout.e > 1:
-        # Expert weights live on one expert rank: their gradients reduce over data only.
-        expert_grads = 4 * counts.experts * layout.layers_per_device
-        if layout.d > 1 and layout.zero_stage < 3:  # ZeRO-3 reduce-scatters them below
-            out.append(Planned(ALL_REDUCE, _axes(layout, DATA), expert_grads, k, "DP: expert weight gradients"))
+    expert_grads = 4 * counts.experts * layout.layers_per_device if apart else 0
+    if apart:
+        # Whatever the ZeRO stage (ZeRO-3's data split of the expert weights is sliced after the
+        # sum): one all-reduce per MoE layer and microbatch.
+        axes = _expert_grad_axes(layout)
+        # ZeRO-3 slices its data shard out of the sum: a reduce-scatter where it is over data alone.
+        kind = _scatter(layout) if layout.zero_stage >= 3 and axes == (DATA,) else ALL_REDUCE
+        if axes:
+            out.append(Planned(kind, axes, expert_grads, k, "DP: expert weight gradients (dispatch transpose)"))
         grads -= expert_grads
+    if not batch:
+        return out
     if layout.zero_stage == 0:
         out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
         return out
@@ -233,10 +260,18 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
         if layout.is_moe and layout.e > 1:
-            # Reduce-scattered over data, then the data shard all-reduced over expert (measured,
-            # MoE data 2 x expert 4).
+            # Reduce-scattered over data, then the data shard all-reduced over expert, and over
+            # context in the same all-reduce (measured, MoE data 2 x expert 4; Mixtral 8x7B data 2
+            # x context 2 x expert 2).
             zero_axes = data
-            out.append(Planned(ALL_REDUCE, (EXPERT,), (grads - embed_bytes) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
+            # With context the embedding's shard is summed over each axis apart (measured, ibid.).
+            table = 4 * counts.embedding if layout.c > 1 else 0
+            out.append(Planned(ALL_REDUCE, _axes(layout, CONTEXT, EXPERT), (grads - embed_bytes - table) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
+            if table:
+                out += [
+                    Planned(ALL_REDUCE, (EXPERT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over expert"),
+                    Planned(ALL_REDUCE, (CONTEXT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over context"),
+                ]
         out += [
             Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
@@ -251,20 +286,21 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
     gathers = 3 if layout.p > 1 else 2
     layer = counts.layer_gathered  # experts included: ZeRO-3 splits their embed dim too (measured, MoE data 8)
-    # Layer gradients are reduce-scattered over data; with experts on their own axis only the
-    # expert weights' are, the rest are all-reduced over data x expert (measured, MoE data 2 x
-    # expert 4).
-    scattered = counts.experts if layout.is_moe and layout.e > 1 else layer
+    # Layer gradients are reduce-scattered over data; the expert weights' are the dispatch's
+    # all-reduce above when apart. With experts on their own axis the rest are all-reduced over
+    # data x expert (measured, MoE data 2 x expert 4), else reduce-scattered over data.
+    out.append(Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"))
+    if not (layout.is_moe and layout.e > 1):
+        scattered = layer - (counts.experts if apart else 0)
+        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"))
     out += [
-        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"),
-        Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"),
         Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
     ]
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
-        out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - scattered), L * m, "ZeRO-3 MoE: other layer gradients"))
+        out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
     if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)
     else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
@@ -461,19 +497,46 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
 
 def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
     """Parameters are replicated over context: their gradients are summed over it like over data
-    replicas, as often. XLA:CPU reduces them over context in an all-reduce of its own, not
-    merged with the one over data (measured, data 4 x context 2): ZeRO 0 the gradients, ZeRO-1
-    their data shards (after the reduce-scatter; the shared tables' whole, ~12% more, not priced),
-    ZeRO-3 each layer's whole gradient per microbatch before the data reduce-scatter. The pipeline
-    engine without ZeRO reduces over data and context at once (`data_collectives`)."""
+    replicas. XLA:CPU reduces them over context in an all-reduce of its own, not merged with the
+    one over data (measured, data 4 x context 2), except the MoE expert weights' (`data_collectives`:
+    the dispatch's shard_map sums them over data and context at once) and, with experts on their
+    own axis under ZeRO-1, the data shards (summed over context and expert at once). The pipeline
+    engine without ZeRO reduces over data and context at once (`data_collectives`).
+
+    How often: the partitioner sums each layer's gradient over context inside the layer scan, so
+    with gradient accumulation once per microbatch, whatever the gradient strategy: per-replica
+    accumulation keeps a per-replica gradient over `data` only (measured: Llama 3 70B data 2/4 x
+    context 2/4 x accum 128/256 and at test size, full gradients every microbatch, also under
+    ZeRO-1). That is a jaxpar inefficiency (`quirk`): a per-(replica, context rank) accumulator, as
+    the pipeline engine keeps, would sum once per step. What: ZeRO 0 the gradients; ZeRO-1 without
+    accumulation their data shards (after the reduce-scatter; the shared tables' whole, ~12% more,
+    not priced), with it the whole gradients (dense) or the data shards (MoE, reduced per
+    microbatch anyway); ZeRO-3 each layer's whole gradient per microbatch before the data
+    reduce-scatter."""
     if layout.c == 1 or _engine_reduces_context(layout):
         return []
-    k = _reductions_per_step(layout)
+    m = layout.microbatches
+    experts = 4 * counts.experts * layout.layers_per_device if _dispatch_manual_over_context(layout) else 0
+    if layout.zero_stage >= 3 and layout.p > 1:
+        # The engine, manual over context, accumulates per context rank: one all-reduce of the
+        # data shards after it (measured, Llama 3 70B data 2 x pipeline 2 x context 2).
+        return [Planned(ALL_REDUCE, (CONTEXT,), 4 * counts.as_params, 1, "CP: gradient shards over context (ZeRO-3, after the engine)")]
     if layout.zero_stage >= 3:
-        whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered)
-        return [Planned(ALL_REDUCE, (CONTEXT,), whole, layout.microbatches, "CP: gradients over context (ZeRO-3, per microbatch)")]
-    grads = counts.as_optimizer if layout.zero_stage == 1 else counts.as_params
-    return [Planned(ALL_REDUCE, (CONTEXT,), 4 * grads, k, "CP: gradients over context")]
+        whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered) - experts
+        return [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)")]
+    # MoE reduces per microbatch by design (`_reductions_per_step`); the pipeline engine is manual
+    # over context and reduces once, after it.
+    per_microbatch = m > 1 and not layout.is_moe and layout.p == 1
+    if layout.p > 1:
+        m = 1
+    if layout.zero_stage == 1 and not per_microbatch:
+        if layout.is_moe and layout.e > 1:
+            return []  # summed with the expert axis
+        grads = 4 * counts.as_optimizer - experts / layout.d
+    else:
+        grads = 4 * counts.as_params - experts
+    what = "CP: gradients over context" + (" per microbatch (accumulation over data only)" if per_microbatch else "")
+    return [Planned(ALL_REDUCE, (CONTEXT,), grads, m if m > 1 else 1, what, quirk=per_microbatch)]
 
 
 def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> list[Planned]:
