@@ -140,6 +140,11 @@ CASES = {
         llama(16, num_hidden_layers=8), {"pipeline": 2, "tensor": 4},
         {"num_microbatches": 4, "sequence_parallel": True, "remat": "full"},
     ),
+    # ZeRO-3 x SP in a pipeline: the partitioner re-lays the table's lookups over data x tensor.
+    "pipeline2_tensor2_zero3_sp": (
+        llama(16, num_hidden_layers=8), {"data": 2, "pipeline": 2, "tensor": 2},
+        {"zero_stage": 3, "sequence_parallel": True, "num_microbatches": 4, "remat": "full"},
+    ),
     # Context parallelism: seq 128, 64 tokens of each row per device.
     "context2_all_gather": (llama(16, seq=128), {"data": 4, "context": 2}, {"context_impl": "all_gather"}),
     "context2_ring_remat_full": (llama(16, seq=128), {"data": 4, "context": 2}, {"context_impl": "ring", "remat": "full"}),
