@@ -160,6 +160,15 @@ CASES = {
     "pipeline2_context2": (
         llama(16, seq=128, num_hidden_layers=8), {"data": 2, "pipeline": 2, "context": 2}, {"num_microbatches": 4},
     ),
+    # Inside the engine the partitioner gathers the heads over tensor (and, under ZeRO-3, the rows
+    # over data) in front of the context exchanges.
+    "pipeline2_context2_tensor2": (
+        llama(16, seq=128, num_hidden_layers=8), {"pipeline": 2, "context": 2, "tensor": 2}, {"num_microbatches": 4},
+    ),
+    "pipeline2_context2_zero3": (
+        llama(16, seq=128, num_hidden_layers=8), {"data": 2, "pipeline": 2, "context": 2},
+        {"num_microbatches": 4, "zero_stage": 3},
+    ),
 }
 
 

@@ -447,6 +447,16 @@ def context_collectives(layout: Layout) -> list[Planned]:
     hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
     hq = layout.heads // layout.t
     positions = layout.tokens * layout.head_dim  # B x S/c x head_dim elements per head
+    if layout.p > 1:
+        # Inside the pipeline engine the per-device kernel runs with tensor (and, under ZeRO-3,
+        # data) left to the partitioner, which gathers the heads over tensor and the rows over
+        # data in front of the exchanges over context: each moves t (x d) times the bytes
+        # (measured, Llama 3 70B pipeline 2 x context 2 x tensor 2, data 2 x pipeline 2 x context
+        # 2 ZeRO-3; `context.sharded.model_attention`: a nested shard_map fails to lower). A
+        # jaxpar inefficiency, priced as it is.
+        hkv, hq = layout.kv_heads, layout.heads
+        if layout.zero_stage >= 3:
+            positions *= layout.d
     kv = positions * c * hkv  # one layer's whole-sequence K (or V), elements
     # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
     # all-gathers and ring permutes of the re-run equal the backward's own and XLA merges them
@@ -458,10 +468,17 @@ def context_collectives(layout: Layout) -> list[Planned]:
     fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
     impl = layout.context_impl
     if impl == "all_gather":
-        return [
+        out = [
             Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
             Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
         ]
+        if layout.p > 1 and layout.t > 1:
+            # The heads' gathers over tensor, per layer and microbatch: K and V in F, and in B
+            # twice (the recompute, the backward) plus the gathered whole-sequence K and V
+            # (measured: Llama 3 70B pipeline 2 x context 2 x tensor 2, and at test size).
+            local = kv / c * cb
+            out.append(Planned(ALL_GATHER, (TENSOR,), local, L * (6 + 2 * c), "PP+CP: heads gathered over tensor", True))
+        return out
     if impl == "ring":
         block = kv / c
         return [
