@@ -131,6 +131,8 @@ CASES = {
     "tensor4": (llama(8), {"data": 2, "tensor": 4}, {}),
     "tensor4_remat_full": (llama(8), {"data": 2, "tensor": 4}, {"remat": "full"}),
     "expert4_mixtral": (mixtral(16), {"data": 2, "expert": 4}, {}),
+    # ZeRO-1 with experts and accumulation: each microbatch's embedding cotangent replicated.
+    "expert4_mixtral_zero1_accum2": (accumulated(mixtral(16), 2), {"data": 2, "expert": 4}, {"zero_stage": 1}),
     "pipeline4_1f1b": (llama(32, num_hidden_layers=8), {"data": 2, "pipeline": 4}, {"num_microbatches": 4}),
     "pipeline4_1f1b_ends": (
         llama(32, num_hidden_layers=8), {"data": 2, "pipeline": 4}, {"num_microbatches": 4, "pipeline_vocab": "ends"},
