@@ -343,6 +343,10 @@ def expert_collectives(layout: Layout) -> list[Planned]:
     axes, L = (EXPERT,), layout.layers_per_device
     buffer = layout.tokens * moe_rows_per_token(layout) * layout.hidden * layout.activation_bytes
     fwd_passes = 1 if layout.remat == "none" else 2  # the exchange is not a dot: save_dots recomputes it
+    if layout.p > 1:
+        # A pipeline stage's B re-runs F's forward before its backward, whose remat runs it again
+        # (measured, Mixtral 8x7B pipeline 2/4 x expert 2/4, remat full: 8 per layer, not 6).
+        fwd_passes += 1
     counts = layout.e * (layout.experts // layout.e) * 4
     return [
         Planned(ALL_TO_ALL, axes, buffer, 2 * L * fwd_passes, "EP: dispatch and return (fwd)"),
