@@ -323,11 +323,13 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
             # Plain accumulation: the optimizer phase holds one more gradient-sized buffer (the
             # scan's sum beside the scaled gradients: temp 3.99 x the gradients, 3.09 without
             # accumulation; Mixtral-shaped data 8, and Mixtral 8x7B ZeRO 0 and 3 layouts within
-            # 1%), and under ZeRO-1 each microbatch's gradients come out whole before their
-            # reduce-scatter into the carry (Mixtral 8x7B data 2-8 ZeRO-1: temp within 10%).
+            # 1%). Under ZeRO-1 the backward holds three gradient shards and, with a 16-bit
+            # compute dtype, each microbatch's whole gradients in it before their fp32
+            # reduce-scatter (fitted: Mixtral 8x7B data 2-8 ZeRO-1 and a 12-layer Mixtral-shaped
+            # data 8, temp within 1%; fp32, 4 layers at test size: 10% under).
             buffers += 1
             if layout.zero_stage == 1:
-                carry += 4 * counts.as_params
+                carry = 3 * 4 * counts.as_optimizer + (counts.as_params * cb if cb != pb else 0)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
     stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
     param_cast = counts.as_params * cb if cb != pb else 0
