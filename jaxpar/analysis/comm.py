@@ -147,7 +147,9 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     out = []
     if tiled:
         rows = moe_matmul_rows_per_token(layout) * layout.tokens
-        passes = 3 if layout.remat == "none" else 4
+        # Forward passes (a pipeline stage's B re-runs F's, remat re-runs them once more) plus
+        # the backward's two (measured: 4 with remat full, 5 in a pipeline stage).
+        passes = forward_passes + (0 if layout.remat == "none" else 1) + 2
         out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, L * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
     if layout.sequence_parallel:
         scatter = _scatter(layout)
