@@ -280,13 +280,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
                     Planned(ALL_REDUCE, (CONTEXT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over context"),
                 ]
             if layout.p == 1 and not by_all_to_all:
-                # For the table's gradient (scatter-add, then its ZeRO-1 split) the partitioner
-                # replicates each microbatch's output cotangent [rows, S/c, D] over data x expert
-                # ("Involuntary full rematerialization" in its log): an all-gather per microbatch
-                # (measured, Mixtral 8x7B data 2/4 x expert 2/4, with tensor and context, and at
-                # test size). A jaxpar layout the partitioner handles badly, priced as it is.
-                rows = layout.tokens / layout.microbatches * layout.d * layout.e
-                out.append(Planned(ALL_GATHER, _axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches, "ZeRO-1 MoE: embedding cotangent replicated", True))
+                out.append(_embedding_cotangent_replicated(layout))
         out += [
             Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
@@ -316,6 +310,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
         out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
+        out.append(_embedding_cotangent_replicated(layout))
     if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)
     else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
@@ -324,6 +319,16 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
             Planned(_scatter(layout), data, 4 * counts.embedding, m, "ZeRO-3: embedding gradient"),
         ]
     return out
+
+
+def _embedding_cotangent_replicated(layout: Layout) -> Planned:
+    """MoE with experts on their own axis under ZeRO-1 or 3: for the table's gradient (scatter-add,
+    then its ZeRO split) the partitioner replicates each microbatch's output cotangent [rows,
+    S/c, D] over data x expert ("Involuntary full rematerialization" in its log): an all-gather
+    per microbatch (measured, Mixtral 8x7B data 2/4 x expert 2/4 with tensor and context, ZeRO 1
+    and 3, and at test size). A jaxpar layout the partitioner handles badly, priced as it is."""
+    rows = layout.tokens / layout.microbatches * layout.d * layout.e
+    return Planned(ALL_GATHER, _axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches, "ZeRO MoE: embedding cotangent replicated", True)
 
 
 def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Planned]:
