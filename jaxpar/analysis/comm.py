@@ -36,9 +36,10 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   head's input and its gradient plus the loss vectors (`_spread_vocab`); "ends": after the
   engine the shared (embedding / head / norm) gradients are all-reduced over pipeline. Then all
   gradients over the batch axes once.
-- context (`context_collectives`): per layer the K/V exchange of `parallel.context_impl`
-  (all-gathers + reduce-scatters, ring permutes, or Ulysses all-to-alls); gradients all-reduced
-  over context like over the batch axes (a separate all-reduce on XLA:CPU).
+- context (`jaxpar.analysis.comm_context`): per layer the K/V exchange of
+  `parallel.context_impl` (all-gathers + reduce-scatters, ring permutes, or Ulysses all-to-alls);
+  gradients all-reduced over context like over the batch axes (a separate all-reduce on XLA:CPU,
+  once per microbatch under gradient accumulation; MoE expert weights' with the data one).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
 Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
@@ -50,73 +51,21 @@ reduce-scatters stay all-reduce + dynamic-slice, the backward's per-projection p
 gradients are all-reduced separately (q, k, v: 3; gate, up: 2) instead of summed first, and with
 sequence parallelism each backward use of a gathered output gradient gathers it again (4, not 2).
 Known inefficiencies of jaxpar found by comparing with compiled HLO are priced too, in
-`jaxpar_quirks` (each says what it is): they are what jaxpar does today.
+`jaxpar_quirks` and where they arise (`Planned.quirk`; each says what it is): they are what
+jaxpar does today. `Planned`, `wire_bytes` and the lowerings live in `jaxpar.analysis.planned`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+from jaxpar.analysis.comm_context import (  # noqa: F401 (context_collectives: re-exported)
+    context_collectives, context_gradients, dispatch_manual_over_context, engine_reduces_context,
+)
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
-from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout, LayoutError
+from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
+from jaxpar.analysis.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
+    IDEAL, XLA_CPU, Planned, XlaLowering, lowering_for, present_axes, wire_bytes,
+)
 from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
-
-
-def wire_bytes(kind: str, size: float, group: int) -> float:
-    """Bytes one participating device sends for one collective of `size` over `group` devices."""
-    if group <= 1:
-        return 0.0
-    if kind == ALL_REDUCE:
-        return 2 * (group - 1) / group * size
-    if kind == COLLECTIVE_PERMUTE:
-        return float(size)
-    if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
-        return (group - 1) / group * size
-    raise ValueError(f"unknown collective kind {kind!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class XlaLowering:
-    reduce_scatter_as_all_reduce: bool  # partitioner reduce-scatters stay all-reduce + slice
-    attention_input_grad_all_reduces: int  # per layer backward: q, k, v partials reduced apart
-    mlp_input_grad_all_reduces: int  # gate and up
-    sp_backward_gathers: int  # per layer, SP: output-gradient gathers (one per use on CPU)
-
-
-IDEAL = XlaLowering(False, 1, 1, 2)
-XLA_CPU = XlaLowering(True, 3, 2, 4)
-
-
-def lowering_for(layout: Layout) -> XlaLowering:
-    return XLA_CPU if layout.target == "cpu" else IDEAL
-
-
-@dataclasses.dataclass(frozen=True)
-class Planned:
-    """`count` collectives of one kind per step over `axes`, each moving `size` bytes."""
-
-    kind: str
-    axes: tuple[str, ...]
-    size: float
-    count: float
-    what: str
-    quirk: bool = False  # a known jaxpar inefficiency (see `jaxpar_quirks`)
-    group_size: int = 0  # devices per group when smaller than the axes (0: all of them)
-
-    def group(self, mesh: dict) -> int:
-        if self.group_size:
-            return self.group_size
-        n = 1
-        for a in self.axes:
-            n *= mesh[a]
-        return 2 if self.kind == COLLECTIVE_PERMUTE else n
-
-    def wire_bytes(self, mesh: dict) -> float:
-        return self.count * wire_bytes(self.kind, self.size, self.group(mesh))
-
-
-def _axes(layout: Layout, *names) -> tuple[str, ...]:
-    return tuple(a for a in names if layout.mesh[a] > 1)
 
 
 def _scatter(layout: Layout) -> str:
@@ -203,24 +152,11 @@ def _reductions_per_step(layout: Layout) -> int:
     return 1 if per_replica else layout.microbatches
 
 
-def _engine_reduces_context(layout: Layout) -> bool:
-    """The pipeline engine is manual over context like over the batch axes: below ZeRO-3 its
-    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context
-    2, ZeRO 0 and 1)."""
-    return layout.p > 1 and layout.c > 1 and layout.zero_stage < 3
-
-
-def _dispatch_manual_over_context(layout: Layout) -> bool:
-    """The dropless MoE dispatch's shard_map is manual over context too (`parallel.expert`; inside
-    the pipeline engine, already manual, there is no such shard_map)."""
-    return layout.is_moe and layout.c > 1 and layout.capacity_factor == 0 and layout.p == 1
-
-
 def _expert_grads_apart(layout: Layout) -> bool:
     """Whether the expert weights' gradients are reduced apart from the rest: they are summed by
     the dispatch shard_map's transpose over its manual axes other than expert (they live on one
     expert rank), `_expert_grad_axes`, while the partitioner reduces the others."""
-    return layout.is_moe and (layout.e > 1 or _dispatch_manual_over_context(layout))
+    return layout.is_moe and (layout.e > 1 or dispatch_manual_over_context(layout))
 
 
 def _expert_grad_axes(layout: Layout) -> tuple[str, ...]:
@@ -228,14 +164,14 @@ def _expert_grad_axes(layout: Layout) -> tuple[str, ...]:
     8x7B data 2/4 x context 2, expert 1 and 2, ZeRO 0/1/3, and at test size)."""
     # After the pipeline engine, manual over context, the same (measured, Mixtral 8x7B pipeline 2
     # x context 2 x expert 2).
-    over_context = _dispatch_manual_over_context(layout) or _engine_reduces_context(layout)
-    return _axes(layout, DATA, CONTEXT) if over_context else _axes(layout, DATA)
+    over_context = dispatch_manual_over_context(layout) or engine_reduces_context(layout)
+    return present_axes(layout, DATA, CONTEXT) if over_context else present_axes(layout, DATA)
 
 
 def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     batch = layout.batch_axes
-    if _engine_reduces_context(layout):
-        batch = _axes(layout, DATA, CONTEXT, EXPERT)
+    if engine_reduces_context(layout):
+        batch = present_axes(layout, DATA, CONTEXT, EXPERT)
     apart = _expert_grads_apart(layout)
     if not batch and not apart:
         return []
@@ -258,7 +194,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
         return out
     # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
-    data, zero_axes = _axes(layout, DATA), batch
+    data, zero_axes = present_axes(layout, DATA), batch
     # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
     # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
     by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1 and layout.c == 1
@@ -273,7 +209,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
             zero_axes = data
             # With context the embedding's shard is summed over each axis apart (measured, ibid.).
             table = 4 * counts.embedding if layout.c > 1 else 0
-            out.append(Planned(ALL_REDUCE, _axes(layout, CONTEXT, EXPERT), (grads - embed_bytes - table) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
+            out.append(Planned(ALL_REDUCE, present_axes(layout, CONTEXT, EXPERT), (grads - embed_bytes - table) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
             if table:
                 out += [
                     Planned(ALL_REDUCE, (EXPERT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over expert"),
@@ -307,9 +243,9 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
     ]
     if layout.e > 1 and not layout.is_moe:
-        out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
-        out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
         out.append(_embedding_cotangent_replicated(layout))
     if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)
@@ -328,7 +264,7 @@ def _embedding_cotangent_replicated(layout: Layout) -> Planned:
     per microbatch (measured, Mixtral 8x7B data 2/4 x expert 2/4 with tensor and context, ZeRO 1
     and 3, and at test size). A jaxpar layout the partitioner handles badly, priced as it is."""
     rows = layout.tokens / layout.microbatches * layout.d * layout.e
-    return Planned(ALL_GATHER, _axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches, "ZeRO MoE: embedding cotangent replicated", True)
+    return Planned(ALL_GATHER, present_axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches, "ZeRO MoE: embedding cotangent replicated", True)
 
 
 def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Planned]:
@@ -385,7 +321,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     out = [Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step")]
     # ZeRO-3 leaves the batch axes to the partitioner: the engine's loss scalars are summed over
     # its manual axes and tensor (measured, Llama 3 70B data 2 x pipeline 2 x tensor 2 / context 2).
-    everyone = _axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero_stage >= 3 else _axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
+    everyone = present_axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero_stage >= 3 else present_axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
     out.append(Planned(ALL_REDUCE, everyone, 4, 1, "PP: the loss over pipeline and replicas"))
     if layout.vocab_spread:
         out += _spread_vocab(layout, counts, steps, mb_tokens, mb_full, mb_act)
@@ -449,76 +385,6 @@ def _spread_vocab(layout: Layout, counts: ParamCounts, steps: float, mb_tokens: 
     return out
 
 
-def context_collectives(layout: Layout) -> list[Planned]:
-    """Context parallelism (`jaxpar.parallel.context`), per layer on this device's layers, by
-    `parallel.context_impl` (c = mesh.context; B = rows, Hkv / Hq heads per tensor rank; kv = B x
-    S x Hkv x head_dim, one layer's whole-sequence K or V; measured on compiled HLO, data 4 x
-    context 2 and context 2 x tensor 2, every impl):
-      all_gather  forward: all-gathers of K and V (kv each, compute dtype); backward: the same
-                  again (the kernel keeps only the local shards) and reduce-scatters of dK, dV
-                  (kv each, fp32).
-      ring        forward: c - 1 collective-permutes of the K and V blocks (kv / c each);
-                  backward: c - 1 of K, V and of the travelling dK, dV (fp32), one more of dK, dV.
-      all_to_all  forward: q, k, v in and the output back (B x S/c x heads x head_dim each; fewer
-                  KV heads than c are repeated to c first); backward: four more of the same sizes.
-    Remat full re-runs the all-to-alls (the other impls' re-run exchanges merge with the backward's).
-    The positions ([B, S] int32) are gathered / passed once per step (hoisted out of the layer
-    scan): not priced. Parameter gradients are all-reduced over context like over data
-    (`data_collectives`)."""
-    if layout.c == 1:
-        return []
-    c, L, cb, axes = layout.c, layout.layers_per_device, layout.activation_bytes, (CONTEXT,)
-    hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
-    hq = layout.heads // layout.t
-    positions = layout.tokens * layout.head_dim  # B x S/c x head_dim elements per head
-    if layout.p > 1:
-        # Inside the pipeline engine the per-device kernel runs with tensor (and, under ZeRO-3,
-        # data) left to the partitioner, which gathers the heads over tensor and the rows over
-        # data in front of the exchanges over context: each moves t (x d) times the bytes
-        # (measured, Llama 3 70B pipeline 2 x context 2 x tensor 2, data 2 x pipeline 2 x context
-        # 2 ZeRO-3; `context.sharded.model_attention`: a nested shard_map fails to lower). A
-        # jaxpar inefficiency, priced as it is.
-        hkv, hq = layout.kv_heads, layout.heads
-        if layout.zero_stage >= 3:
-            positions *= layout.d
-    kv = positions * c * hkv  # one layer's whole-sequence K (or V), elements
-    # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
-    # all-gathers and ring permutes of the re-run equal the backward's own and XLA merges them
-    # (measured: remat full moves the same bytes as none for all_gather and ring).
-    # In a pipeline stage F runs the forward and B re-runs it before the backward: the forward's
-    # exchanges twice, none merged (measured, data 2 x pipeline 2 x context 2: 6 K/V gathers
-    # per layer and microbatch).
-    passes = 2 if layout.p > 1 else 1
-    fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
-    impl = layout.context_impl
-    if impl == "all_gather":
-        out = [
-            Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
-            Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
-        ]
-        if layout.p > 1 and layout.t > 1:
-            # The heads' gathers over tensor, per layer and microbatch: K and V in F, and in B
-            # twice (the recompute, the backward) plus the gathered whole-sequence K and V
-            # (measured: Llama 3 70B pipeline 2 x context 2 x tensor 2, and at test size).
-            local = kv / c * cb
-            out.append(Planned(ALL_GATHER, (TENSOR,), local, L * (6 + 2 * c), "PP+CP: heads gathered over tensor", True))
-        return out
-    if impl == "ring":
-        block = kv / c
-        return [
-            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)"),
-            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)"),
-        ]
-    if impl == "all_to_all":
-        q = positions * hq
-        k = positions * max(hkv, c)
-        per_pass = 2 * q + 2 * k
-        return [
-            Planned(ALL_TO_ALL, axes, per_pass / 4 * cb, 4 * L * (fwd + 1), "CP all-to-all: q, k, v in, output back (fwd and bwd)"),
-        ]
-    raise LayoutError(f"parallel.context_impl={impl!r} is not one of ('all_gather', 'ring', 'all_to_all')")
-
-
 # ---- jaxpar's known inefficiencies -------------------------------------------------------------
 
 
@@ -545,56 +411,6 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
                 Planned(COLLECTIVE_PERMUTE, (PIPELINE,), grads, 1, "interleaved: gradients back to stack order", True),
             ]
     return out
-
-
-def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
-    """Parameters are replicated over context: their gradients are summed over it like over data
-    replicas. XLA:CPU reduces them over context in an all-reduce of its own, not merged with the
-    one over data (measured, data 4 x context 2), except the MoE expert weights' (`data_collectives`:
-    the dispatch's shard_map sums them over data and context at once) and, with experts on their
-    own axis under ZeRO-1, the data shards (summed over context and expert at once). The pipeline
-    engine without ZeRO reduces over data and context at once (`data_collectives`).
-
-    How often: the partitioner sums each layer's gradient over context inside the layer scan, so
-    with gradient accumulation once per microbatch, whatever the gradient strategy: per-replica
-    accumulation keeps a per-replica gradient over `data` only (measured: Llama 3 70B data 2/4 x
-    context 2/4 x accum 128/256 and at test size, full gradients every microbatch, also under
-    ZeRO-1). That is a jaxpar inefficiency (`quirk`): a per-(replica, context rank) accumulator, as
-    the pipeline engine keeps, would sum once per step. What: ZeRO 0 the gradients; ZeRO-1 without
-    accumulation their data shards (after the reduce-scatter; the shared tables' whole, ~12% more,
-    not priced), with it the whole gradients (dense) or the data shards (MoE, reduced per
-    microbatch anyway); ZeRO-3 each layer's whole gradient per microbatch before the data
-    reduce-scatter."""
-    if layout.c == 1 or _engine_reduces_context(layout):
-        return []
-    m = layout.microbatches
-    experts = 4 * counts.experts * layout.layers_per_device if _dispatch_manual_over_context(layout) else 0
-    if layout.zero_stage >= 3 and layout.p > 1:
-        # The engine, manual over context, accumulates per context rank: one all-reduce of the
-        # data shards after it (measured, Llama 3 70B data 2 x pipeline 2 x context 2).
-        return [Planned(ALL_REDUCE, (CONTEXT,), 4 * counts.as_params, 1, "CP: gradient shards over context (ZeRO-3, after the engine)")]
-    if layout.zero_stage >= 3:
-        whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered) - experts
-        out = []
-        if layout.is_moe and layout.e > 1:
-            # One vocab table's data shard is summed over context and expert together instead
-            # (measured, Mixtral 8x7B data 2 x context 2 x expert 2).
-            whole -= 4 * counts.head
-            out.append(Planned(ALL_REDUCE, (CONTEXT, EXPERT), 4 * counts.head / layout.d, m, "CP x EP: a vocab table's shard (ZeRO-3 MoE)"))
-        return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)")]
-    # MoE reduces per microbatch by design (`_reductions_per_step`); the pipeline engine is manual
-    # over context and reduces once, after it.
-    per_microbatch = m > 1 and not layout.is_moe and layout.p == 1
-    if layout.p > 1:
-        m = 1
-    if layout.zero_stage == 1 and not per_microbatch:
-        if layout.is_moe and layout.e > 1:
-            return []  # summed with the expert axis
-        grads = 4 * counts.as_optimizer - experts / layout.d
-    else:
-        grads = 4 * counts.as_params - experts
-    what = "CP: gradients over context" + (" per microbatch (accumulation over data only)" if per_microbatch else "")
-    return [Planned(ALL_REDUCE, (CONTEXT,), grads, m if m > 1 else 1, what, quirk=per_microbatch)]
 
 
 def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> list[Planned]:
