@@ -17,7 +17,9 @@ Pipeline (vocab "spread" and "ends"): bytes per axis exact but tensor at pipelin
 (+5.7%: the partitioner gathers the small table once instead of reducing each lookup), memory
 within 10%. Context parallelism (seq 128, context 2, every impl, with data and tensor): bytes
 exact, memory within 2.5%, FLOPs exact; with accumulation 2 (Llama, ZeRO 0 and 1, and Mixtral with and
-without expert 2) bytes within 0.1%, Mixtral memory -14%.
+without expert 2) bytes within 0.1%, Mixtral memory -14%. Pipeline x context (with tensor 2, with
+ZeRO-3) and pipeline x tensor x ZeRO-3 SP: bytes within 0.1%. Mixtral with plain accumulation
+(MoE): memory within 6% (`test_plain_accumulation_memory`).
 """
 
 from __future__ import annotations
