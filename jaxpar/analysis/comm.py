@@ -36,9 +36,10 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   head's input and its gradient plus the loss vectors (`_spread_vocab`); "ends": after the
   engine the shared (embedding / head / norm) gradients are all-reduced over pipeline. Then all
   gradients over the batch axes once.
-- context (`context_collectives`): per layer the K/V exchange of `parallel.context_impl`
-  (all-gathers + reduce-scatters, ring permutes, or Ulysses all-to-alls); gradients all-reduced
-  over context like over the batch axes (a separate all-reduce on XLA:CPU).
+- context (`jaxpar.analysis.comm_context`): per layer the K/V exchange of
+  `parallel.context_impl` (all-gathers + reduce-scatters, ring permutes, or Ulysses all-to-alls);
+  gradients all-reduced over context like over the batch axes (a separate all-reduce on XLA:CPU,
+  once per microbatch under gradient accumulation; MoE expert weights' with the data one).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
 Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
@@ -50,73 +51,21 @@ reduce-scatters stay all-reduce + dynamic-slice, the backward's per-projection p
 gradients are all-reduced separately (q, k, v: 3; gate, up: 2) instead of summed first, and with
 sequence parallelism each backward use of a gathered output gradient gathers it again (4, not 2).
 Known inefficiencies of jaxpar found by comparing with compiled HLO are priced too, in
-`jaxpar_quirks` (each says what it is): they are what jaxpar does today.
+`jaxpar_quirks` and where they arise (`Planned.quirk`; each says what it is): they are what
+jaxpar does today. `Planned`, `wire_bytes` and the lowerings live in `jaxpar.analysis.planned`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
+from jaxpar.analysis.comm_context import (  # noqa: F401 (context_collectives: re-exported)
+    context_collectives, context_gradients, dispatch_manual_over_context, engine_reduces_context,
+)
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
-from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout, LayoutError
+from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
+from jaxpar.analysis.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
+    IDEAL, XLA_CPU, Planned, XlaLowering, lowering_for, present_axes, wire_bytes,
+)
 from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
-
-
-def wire_bytes(kind: str, size: float, group: int) -> float:
-    """Bytes one participating device sends for one collective of `size` over `group` devices."""
-    if group <= 1:
-        return 0.0
-    if kind == ALL_REDUCE:
-        return 2 * (group - 1) / group * size
-    if kind == COLLECTIVE_PERMUTE:
-        return float(size)
-    if kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
-        return (group - 1) / group * size
-    raise ValueError(f"unknown collective kind {kind!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class XlaLowering:
-    reduce_scatter_as_all_reduce: bool  # partitioner reduce-scatters stay all-reduce + slice
-    attention_input_grad_all_reduces: int  # per layer backward: q, k, v partials reduced apart
-    mlp_input_grad_all_reduces: int  # gate and up
-    sp_backward_gathers: int  # per layer, SP: output-gradient gathers (one per use on CPU)
-
-
-IDEAL = XlaLowering(False, 1, 1, 2)
-XLA_CPU = XlaLowering(True, 3, 2, 4)
-
-
-def lowering_for(layout: Layout) -> XlaLowering:
-    return XLA_CPU if layout.target == "cpu" else IDEAL
-
-
-@dataclasses.dataclass(frozen=True)
-class Planned:
-    """`count` collectives of one kind per step over `axes`, each moving `size` bytes."""
-
-    kind: str
-    axes: tuple[str, ...]
-    size: float
-    count: float
-    what: str
-    quirk: bool = False  # a known jaxpar inefficiency (see `jaxpar_quirks`)
-    group_size: int = 0  # devices per group when smaller than the axes (0: all of them)
-
-    def group(self, mesh: dict) -> int:
-        if self.group_size:
-            return self.group_size
-        n = 1
-        for a in self.axes:
-            n *= mesh[a]
-        return 2 if self.kind == COLLECTIVE_PERMUTE else n
-
-    def wire_bytes(self, mesh: dict) -> float:
-        return self.count * wire_bytes(self.kind, self.size, self.group(mesh))
-
-
-def _axes(layout: Layout, *names) -> tuple[str, ...]:
-    return tuple(a for a in names if layout.mesh[a] > 1)
 
 
 def _scatter(layout: Layout) -> str:
@@ -147,7 +96,9 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     out = []
     if tiled:
         rows = moe_matmul_rows_per_token(layout) * layout.tokens
-        passes = 3 if layout.remat == "none" else 4
+        # Forward passes (a pipeline stage's B re-runs F's, remat re-runs them once more) plus
+        # the backward's two (measured: 4 with remat full, 5 in a pipeline stage).
+        passes = forward_passes + (0 if layout.remat == "none" else 1) + 2
         out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, L * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
     if layout.sequence_parallel:
         scatter = _scatter(layout)
@@ -201,42 +152,71 @@ def _reductions_per_step(layout: Layout) -> int:
     return 1 if per_replica else layout.microbatches
 
 
-def _engine_reduces_context(layout: Layout) -> bool:
-    """The pipeline engine is manual over context like over the batch axes: without ZeRO its
-    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context 2)."""
-    return layout.p > 1 and layout.c > 1 and layout.zero_stage == 0
+def _expert_grads_apart(layout: Layout) -> bool:
+    """Whether the expert weights' gradients are reduced apart from the rest: they are summed by
+    the dispatch shard_map's transpose over its manual axes other than expert (they live on one
+    expert rank), `_expert_grad_axes`, while the partitioner reduces the others."""
+    return layout.is_moe and (layout.e > 1 or dispatch_manual_over_context(layout))
+
+
+def _expert_grad_axes(layout: Layout) -> tuple[str, ...]:
+    """Data, and with a dropless dispatch context too: one all-reduce over both (measured, Mixtral
+    8x7B data 2/4 x context 2, expert 1 and 2, ZeRO 0/1/3, and at test size)."""
+    # After the pipeline engine, manual over context, the same (measured, Mixtral 8x7B pipeline 2
+    # x context 2 x expert 2).
+    over_context = dispatch_manual_over_context(layout) or engine_reduces_context(layout)
+    return present_axes(layout, DATA, CONTEXT) if over_context else present_axes(layout, DATA)
 
 
 def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     batch = layout.batch_axes
-    if _engine_reduces_context(layout):
-        batch = _axes(layout, DATA, CONTEXT, EXPERT)
-    if not batch:
+    if engine_reduces_context(layout):
+        batch = present_axes(layout, DATA, CONTEXT, EXPERT)
+    apart = _expert_grads_apart(layout)
+    if not batch and not apart:
         return []
     out = []
     k = _reductions_per_step(layout)
     grads = 4 * counts.as_params
-    if layout.is_moe and layout.e > 1:
-        # Expert weights live on one expert rank: their gradients reduce over data only.
-        expert_grads = 4 * counts.experts * layout.layers_per_device
-        if layout.d > 1 and layout.zero_stage < 3:  # ZeRO-3 reduce-scatters them below
-            out.append(Planned(ALL_REDUCE, _axes(layout, DATA), expert_grads, k, "DP: expert weight gradients"))
+    expert_grads = 4 * counts.experts * layout.layers_per_device if apart else 0
+    if apart:
+        # Whatever the ZeRO stage (ZeRO-3's data split of the expert weights is sliced after the
+        # sum): one all-reduce per MoE layer and microbatch.
+        axes = _expert_grad_axes(layout)
+        # ZeRO-3 slices its data shard out of the sum: a reduce-scatter where it is over data alone.
+        kind = _scatter(layout) if layout.zero_stage >= 3 and axes == (DATA,) else ALL_REDUCE
+        if axes:
+            out.append(Planned(kind, axes, expert_grads, k, "DP: expert weight gradients (dispatch transpose)"))
         grads -= expert_grads
+    if not batch:
+        return out
     if layout.zero_stage == 0:
         out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
         return out
     # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
-    data, zero_axes = _axes(layout, DATA), batch
+    data, zero_axes = present_axes(layout, DATA), batch
     # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
     # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
     by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1 and layout.c == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
     if layout.zero_stage == 1:
-        if layout.is_moe and layout.e > 1:
-            # Reduce-scattered over data, then the data shard all-reduced over expert (measured,
-            # MoE data 2 x expert 4).
+        # After the pipeline engine the per-replica gradients are summed over all the batch axes
+        # at once (measured, Mixtral 8x7B data 2 x pipeline 2 x expert 2).
+        if layout.is_moe and layout.e > 1 and layout.p == 1:
+            # Reduce-scattered over data, then the data shard all-reduced over expert, and over
+            # context in the same all-reduce (measured, MoE data 2 x expert 4; Mixtral 8x7B data 2
+            # x context 2 x expert 2).
             zero_axes = data
-            out.append(Planned(ALL_REDUCE, (EXPERT,), (grads - embed_bytes) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
+            # With context the embedding's shard is summed over each axis apart (measured, ibid.).
+            table = 4 * counts.embedding if layout.c > 1 else 0
+            out.append(Planned(ALL_REDUCE, present_axes(layout, CONTEXT, EXPERT), (grads - embed_bytes - table) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
+            if table:
+                out += [
+                    Planned(ALL_REDUCE, (EXPERT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over expert"),
+                    Planned(ALL_REDUCE, (CONTEXT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over context"),
+                ]
+            if layout.p == 1 and not by_all_to_all:
+                out.append(_embedding_cotangent_replicated(layout))
         out += [
             Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
@@ -251,20 +231,22 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     L, m, cb = layout.layers_per_device, layout.microbatches, layout.activation_bytes
     gathers = 3 if layout.p > 1 else 2
     layer = counts.layer_gathered  # experts included: ZeRO-3 splits their embed dim too (measured, MoE data 8)
-    # Layer gradients are reduce-scattered over data; with experts on their own axis only the
-    # expert weights' are, the rest are all-reduced over data x expert (measured, MoE data 2 x
-    # expert 4).
-    scattered = counts.experts if layout.is_moe and layout.e > 1 else layer
+    # Layer gradients are reduce-scattered over data; the expert weights' are the dispatch's
+    # all-reduce above when apart. With experts on their own axis the rest are all-reduced over
+    # data x expert (measured, MoE data 2 x expert 4), else reduce-scattered over data.
+    out.append(Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"))
+    if not (layout.is_moe and layout.e > 1):
+        scattered = layer - (counts.experts if apart else 0)
+        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"))
     out += [
-        Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"),
-        Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"),
         Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
     ]
     if layout.e > 1 and not layout.is_moe:
-        out.append(Planned(ALL_REDUCE, _axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
-        out.append(Planned(ALL_REDUCE, _axes(layout, DATA, EXPERT), 4 * (layer - scattered), L * m, "ZeRO-3 MoE: other layer gradients"))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
+        out.append(_embedding_cotangent_replicated(layout))
     if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)
     else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
@@ -273,6 +255,16 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
             Planned(_scatter(layout), data, 4 * counts.embedding, m, "ZeRO-3: embedding gradient"),
         ]
     return out
+
+
+def _embedding_cotangent_replicated(layout: Layout) -> Planned:
+    """MoE with experts on their own axis under ZeRO-1 or 3: for the table's gradient (scatter-add,
+    then its ZeRO split) the partitioner replicates each microbatch's output cotangent [rows,
+    S/c, D] over data x expert ("Involuntary full rematerialization" in its log): an all-gather
+    per microbatch (measured, Mixtral 8x7B data 2/4 x expert 2/4 with tensor and context, ZeRO 1
+    and 3, and at test size). A jaxpar layout the partitioner handles badly, priced as it is."""
+    rows = layout.tokens / layout.microbatches * layout.d * layout.e
+    return Planned(ALL_GATHER, present_axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches, "ZeRO MoE: embedding cotangent replicated", True)
 
 
 def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Planned]:
@@ -299,6 +291,10 @@ def expert_collectives(layout: Layout) -> list[Planned]:
     axes, L = (EXPERT,), layout.layers_per_device
     buffer = layout.tokens * moe_rows_per_token(layout) * layout.hidden * layout.activation_bytes
     fwd_passes = 1 if layout.remat == "none" else 2  # the exchange is not a dot: save_dots recomputes it
+    if layout.p > 1:
+        # A pipeline stage's B re-runs F's forward before its backward, whose remat runs it again
+        # (measured, Mixtral 8x7B pipeline 2/4 x expert 2/4, remat full: 8 per layer, not 6).
+        fwd_passes += 1
     counts = layout.e * (layout.experts // layout.e) * 4
     return [
         Planned(ALL_TO_ALL, axes, buffer, 2 * L * fwd_passes, "EP: dispatch and return (fwd)"),
@@ -323,7 +319,9 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     mb_full = mb_tokens * layout.hidden * layout.activation_bytes
     mb_act = mb_full / layout.t if layout.sequence_parallel else mb_full  # stage boundaries carry SP shards
     out = [Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step")]
-    everyone = _axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
+    # ZeRO-3 leaves the batch axes to the partitioner: the engine's loss scalars are summed over
+    # its manual axes and tensor (measured, Llama 3 70B data 2 x pipeline 2 x tensor 2 / context 2).
+    everyone = present_axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero_stage >= 3 else present_axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
     out.append(Planned(ALL_REDUCE, everyone, 4, 1, "PP: the loss over pipeline and replicas"))
     if layout.vocab_spread:
         out += _spread_vocab(layout, counts, steps, mb_tokens, mb_full, mb_act)
@@ -369,6 +367,15 @@ def _spread_vocab(layout: Layout, counts: ParamCounts, steps: float, mb_tokens: 
             Planned(ALL_REDUCE, (TENSOR,), mb_tokens * layout.hidden * 4, m, "PP vocab+TP: head input gradient (fp32)"),
             Planned(ALL_REDUCE, (TENSOR,), per_token, 4 * m, "PP vocab+TP: loss vectors"),
         ]
+        if layout.sequence_parallel and layout.zero_stage >= 3 and layout.d > 1:
+            # The partitioner re-lays the SP-split [mb, S/t, D] values between the rows' data
+            # split and the ZeRO-3 table's by a permute over data x tensor each step: stage 0's
+            # input gradient for the table's scatter-add, and, where that is cheaper than moving
+            # the table shard (vocab 128256), both embedding lookups too (measured: 1 per step
+            # at vocab 512, 3 at Llama 3 70B data 2 x pipeline 2 x tensor 2). Each with its ids.
+            table_shard = layout.vocab * layout.hidden * 4 / (layout.vocab_shards * layout.d)
+            moves = 3 if mb_act < table_shard else 1
+            out.append(Planned(COLLECTIVE_PERMUTE, (DATA, TENSOR), mb_act + mb_tokens / layout.t * 4, moves * steps, "PP vocab+SP ZeRO-3: lookups re-laid over data x tensor"))
         if layout.sequence_parallel:
             out += [
                 Planned(ALL_GATHER, (TENSOR,), mb_full, m, "PP vocab+SP: the head's input sequence"),
@@ -376,59 +383,6 @@ def _spread_vocab(layout: Layout, counts: ParamCounts, steps: float, mb_tokens: 
                 Planned(ALL_GATHER, (TENSOR,), mb_tokens, steps, "PP vocab+SP: token ids"),
             ]
     return out
-
-
-def context_collectives(layout: Layout) -> list[Planned]:
-    """Context parallelism (`jaxpar.parallel.context`), per layer on this device's layers, by
-    `parallel.context_impl` (c = mesh.context; B = rows, Hkv / Hq heads per tensor rank; kv = B x
-    S x Hkv x head_dim, one layer's whole-sequence K or V; measured on compiled HLO, data 4 x
-    context 2 and context 2 x tensor 2, every impl):
-      all_gather  forward: all-gathers of K and V (kv each, compute dtype); backward: the same
-                  again (the kernel keeps only the local shards) and reduce-scatters of dK, dV
-                  (kv each, fp32).
-      ring        forward: c - 1 collective-permutes of the K and V blocks (kv / c each);
-                  backward: c - 1 of K, V and of the travelling dK, dV (fp32), one more of dK, dV.
-      all_to_all  forward: q, k, v in and the output back (B x S/c x heads x head_dim each; fewer
-                  KV heads than c are repeated to c first); backward: four more of the same sizes.
-    Remat full re-runs the all-to-alls (the other impls' re-run exchanges merge with the backward's).
-    The positions ([B, S] int32) are gathered / passed once per step (hoisted out of the layer
-    scan): not priced. Parameter gradients are all-reduced over context like over data
-    (`data_collectives`)."""
-    if layout.c == 1:
-        return []
-    c, L, cb, axes = layout.c, layout.layers_per_device, layout.activation_bytes, (CONTEXT,)
-    hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
-    hq = layout.heads // layout.t
-    positions = layout.tokens * layout.head_dim  # B x S/c x head_dim elements per head
-    kv = positions * c * hkv  # one layer's whole-sequence K (or V), elements
-    # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
-    # all-gathers and ring permutes of the re-run equal the backward's own and XLA merges them
-    # (measured: remat full moves the same bytes as none for all_gather and ring).
-    # In a pipeline stage F runs the forward and B re-runs it before the backward: the forward's
-    # exchanges twice, none merged (measured, data 2 x pipeline 2 x context 2: 6 K/V gathers
-    # per layer and microbatch).
-    passes = 2 if layout.p > 1 else 1
-    fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
-    impl = layout.context_impl
-    if impl == "all_gather":
-        return [
-            Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
-            Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
-        ]
-    if impl == "ring":
-        block = kv / c
-        return [
-            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)"),
-            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)"),
-        ]
-    if impl == "all_to_all":
-        q = positions * hq
-        k = positions * max(hkv, c)
-        per_pass = 2 * q + 2 * k
-        return [
-            Planned(ALL_TO_ALL, axes, per_pass / 4 * cb, 4 * L * (fwd + 1), "CP all-to-all: q, k, v in, output back (fwd and bwd)"),
-        ]
-    raise LayoutError(f"parallel.context_impl={impl!r} is not one of ('all_gather', 'ring', 'all_to_all')")
 
 
 # ---- jaxpar's known inefficiencies -------------------------------------------------------------
@@ -457,23 +411,6 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
                 Planned(COLLECTIVE_PERMUTE, (PIPELINE,), grads, 1, "interleaved: gradients back to stack order", True),
             ]
     return out
-
-
-def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
-    """Parameters are replicated over context: their gradients are summed over it like over data
-    replicas, as often. XLA:CPU reduces them over context in an all-reduce of its own, not
-    merged with the one over data (measured, data 4 x context 2): ZeRO 0 the gradients, ZeRO-1
-    their data shards (after the reduce-scatter; the shared tables' whole, ~12% more, not priced),
-    ZeRO-3 each layer's whole gradient per microbatch before the data reduce-scatter. The pipeline
-    engine without ZeRO reduces over data and context at once (`data_collectives`)."""
-    if layout.c == 1 or _engine_reduces_context(layout):
-        return []
-    k = _reductions_per_step(layout)
-    if layout.zero_stage >= 3:
-        whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered)
-        return [Planned(ALL_REDUCE, (CONTEXT,), whole, layout.microbatches, "CP: gradients over context (ZeRO-3, per microbatch)")]
-    grads = counts.as_optimizer if layout.zero_stage == 1 else counts.as_params
-    return [Planned(ALL_REDUCE, (CONTEXT,), 4 * grads, k, "CP: gradients over context")]
 
 
 def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> list[Planned]:

@@ -91,6 +91,7 @@ class MemoryEstimate:
     working: int
     pipeline_buffers: int = 0
     grad_carry: int = 0  # with accumulation: the running sum and a microbatch's fresh gradients
+    optimizer_grad_buffers: int = OPTIMIZER_GRAD_BUFFERS  # gradient-sized buffers while AdamW updates (a count)
 
     @property
     def state(self) -> int:
@@ -107,7 +108,7 @@ class MemoryEstimate:
 
     @property
     def optimizer_phase(self) -> int:
-        return OPTIMIZER_GRAD_BUFFERS * self.grads
+        return self.optimizer_grad_buffers * self.grads
 
     @property
     def temp(self) -> int:
@@ -118,7 +119,8 @@ class MemoryEstimate:
         return self.state + self.temp
 
     def rows(self) -> list[tuple[str, int]]:
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)] + [("peak", self.peak)]
+        fields = [f.name for f in dataclasses.fields(self) if f.name != "optimizer_grad_buffers"]
+        return [(name, getattr(self, name)) for name in fields] + [("peak", self.peak)]
 
 
 # ---- parameters under the rules table ------------------------------------------------------------
@@ -307,7 +309,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
     params = counts.as_params * pb
     optimizer = 2 * counts.as_optimizer * pb
     grads = 4 * (counts.as_optimizer if layout.zero_stage >= 1 else counts.as_params)
-    carry = 0
+    carry, buffers = 0, OPTIMIZER_GRAD_BUFFERS
     if layout.microbatches > 1:
         # The accumulation scan carries the running sum and each microbatch's fresh gradients.
         # Per-replica accumulation (ZeRO 0/1, dense) keeps them unsharded over data until the
@@ -317,6 +319,17 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         # (measured: Llama-2-7B data 8 accum 2, temp within 0.5%).
         per_replica = layout.d > 1 and layout.zero_stage < 3 and not layout.is_moe  # `data.gradient_strategy`
         carry = 2 * 4 * (counts.as_params if per_replica else counts.as_optimizer)
+        if not per_replica:
+            # Plain accumulation: the optimizer phase holds one more gradient-sized buffer (the
+            # scan's sum beside the scaled gradients: temp 3.99 x the gradients, 3.09 without
+            # accumulation; Mixtral-shaped data 8, and Mixtral 8x7B ZeRO 0 and 3 layouts within
+            # 1%). Under ZeRO-1 the backward holds three gradient shards and, with a 16-bit
+            # compute dtype, each microbatch's whole gradients in it before their fp32
+            # reduce-scatter (fitted: Mixtral 8x7B data 2-8 ZeRO-1 and a 12-layer Mixtral-shaped
+            # data 8, temp within 1%; fp32, 4 layers at test size: 10% under).
+            buffers += 1
+            if layout.zero_stage == 1:
+                carry = 3 * 4 * counts.as_optimizer + (counts.as_params * cb if cb != pb else 0)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
     stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
     param_cast = counts.as_params * cb if cb != pb else 0
@@ -329,6 +342,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         param_cast=param_cast,
         working=int(working),
         grad_carry=carry,
+        optimizer_grad_buffers=buffers,
     )
 
 
@@ -430,4 +444,8 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         param_cast=counts.as_params * cb if cb != pb else 0,
         working=int(working),
         pipeline_buffers=int(buffers + accumulators),
+        # Where AdamW's phase is the peak it holds four gradient-sized buffers beside the
+        # engine's (temp 4.0 x the gradients: Llama 3 70B and Mixtral 8x7B pipeline 2-8 with
+        # data, context, tensor, ZeRO 0 and 3); ZeRO-1's whole gradients are counted in `grads`.
+        optimizer_grad_buffers=OPTIMIZER_GRAD_BUFFERS + (layout.zero_stage != 1),
     )

@@ -37,8 +37,12 @@ from jaxpar.axes import MESH_AXES
 # Fidelity targets (the issue's): peak memory within 15%, collective bytes within 10%.
 MEMORY_TOLERANCE = 0.15
 BYTES_TOLERANCE = 0.10
-# An axis carrying less than this share of a step's compiled bytes is not held to BYTES_TOLERANCE.
+# An axis carrying less than this share of a step's compiled bytes, compiled and predicted, is not
+# held to BYTES_TOLERANCE (e.g. the pipeline's loss scalars: 4 bytes over data x pipeline).
 MINOR_AXIS_SHARE = 0.001
+# Collectives the model does not plan are listed from this many wire bytes per device and step
+# (below it: scalars such as the loss and the MoE statistics, 4 to 100 bytes).
+MIN_LISTED_BYTES = 1e6
 
 
 @dataclasses.dataclass
@@ -56,14 +60,14 @@ class SweepRow:
         return Fidelity(self.cpu, self.compiled) if self.cpu is not None and self.compiled is not None else None
 
     def axis_errors(self) -> dict:
-        """Relative error of predicted wire bytes per mesh-axis set carrying at least
-        MINOR_AXIS_SHARE of the compiled bytes."""
+        """Relative error of predicted wire bytes per mesh-axis set carrying, compiled or
+        predicted, at least MINOR_AXIS_SHARE of the step's compiled bytes."""
         fid = self.fidelity
         if fid is None:
             return {}
         rows = fid.axis_bytes()
         total = sum(r.compiled for r in rows) or 1.0
-        return {r.axes: r.error for r in rows if r.compiled >= MINOR_AXIS_SHARE * total or r.predicted > 0 and r.compiled == 0}
+        return {r.axes: r.error for r in rows if max(r.compiled, r.predicted) >= MINOR_AXIS_SHARE * total}
 
     @property
     def within_tolerance(self) -> bool | None:
@@ -146,6 +150,10 @@ def reprice(config, path: str, num_devices: int, hardware="a100-80g") -> list[Sw
     return rows
 
 
+def _unexpected(fid: Fidelity) -> list:
+    return [t for t in fid.unexpected(min_fraction=0.0) if t.wire_bytes >= MIN_LISTED_BYTES]
+
+
 def _collectives_text(totals) -> str:
     return "; ".join(f"{t.kind}@{'+'.join(t.axes) or '-'}={t.wire_bytes:.4g}" for t in totals)
 
@@ -175,7 +183,7 @@ def record(row: SweepRow) -> dict:
         max_axis_bytes_error=round(max(map(abs, row.axis_errors().values()), default=0.0), 4) if fid else "",
         within_tolerance=row.within_tolerance if fid else "",
         compiled_collectives=_collectives_text(fid.compiled_totals() if fid else c.comm_totals()) if c else "",
-        unexpected_collectives=_collectives_text(fid.unexpected(min_fraction=0.0)) if fid else "",
+        unexpected_collectives=_collectives_text(_unexpected(fid)) if fid else "",
         predicted_peak_bytes_hw=target.memory.peak if target else "",
         predicted_step_s=round(target.time.seconds, 4) if target else "",
         predicted_compute_s=round(target.time.compute, 4) if target else "",
@@ -266,8 +274,9 @@ def fidelity_summary(rows: list[SweepRow]) -> list[str]:
         if not r.within_tolerance:
             errs = ", ".join(f"{'+'.join(a)} {100 * e:+.1f}%" for a, e in r.axis_errors().items() if abs(e) > BYTES_TOLERANCE)
             out.append(f"  - outside: {r.candidate.describe()}: memory {100 * r.fidelity.memory_error:+.1f}%" + (f"; bytes {errs}" if errs else ""))
-    unexpected = [(r, t) for r in priced for t in r.fidelity.unexpected(min_fraction=0.0)]
-    out += ["", "Collectives XLA emitted that the model does not plan (kind over axes: bytes per device per step):", ""]
+    unexpected = [(r, t) for r in priced for t in _unexpected(r.fidelity)]
+    out += ["", "Collectives XLA emitted that the model does not plan (kind over axes: bytes per device per step; "
+            f"from {MIN_LISTED_BYTES / 1e6:g} MB):", ""]
     out += [f"- {r.candidate.describe()}: {t.kind} over {'+'.join(t.axes) or '-'}: {t.wire_bytes / 1e6:,.1f} MB "
             f"in {t.instructions} instructions" for r, t in unexpected] or ["- none"]
     failed = [r for r in rows if r.error]
