@@ -3,13 +3,12 @@
 Laid out for 32 x a100-80g (4 nodes of 8): data 8 with ZeRO-3 x tensor 4 (NVLink) with sequence
 parallelism, remat full, no accumulation, 68 of the 72 GiB `scripts/plan.py` lets a layout use.
 fp32 parameters + AdamW + fp32 gradients + a bf16 copy are 18 B per parameter, 840 GB: 16 devices
-do not hold it with activations. Since MoE runs through the pipeline and context parallelism is
-priced, `python scripts/plan.py --config=configs/mixtral_8x7b.py --hardware=a100-80g --devices=32`
-ranks this 24th of 60 fitting meshes, 20% behind its winner (pipeline 4 x context 2 x expert 2 x
-tensor 2, SP, 1F1B m=128; data 2 x pipeline 4 x tensor 4 with ZeRO-1 is 4% behind that). This
-config stays on the layout whose pricing the compiled Mixtral sweep checked (docs/experiments.md);
-MoE inside pipeline stages is priced but no compiled sweep has checked it yet. Try the winner with
---plan=a100-80g.
+do not hold it with activations. `python scripts/plan.py --config=configs/mixtral_8x7b.py
+--hardware=a100-80g --devices=32` ranks this 17th of 41 fitting meshes, 15% behind its winner
+(data 2 x pipeline 4 x tensor 4 with ZeRO-1, SP, remat none, 1F1B m=128). This config stays on a
+layout whose pricing the compiled Mixtral sweep matches within both targets (docs/experiments.md);
+the sweep still under-prices MoE x tensor x SP exchanges by 11-15%, which is the winner's kind of
+layout. Try the winner with --plan=a100-80g.
 """
 
 from jaxpar.config import base_config, mixtral_model_config
