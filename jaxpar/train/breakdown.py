@@ -265,7 +265,9 @@ def format_report(trace: Trace, module_filter: str = "") -> str:
         f"steps traced: {len(trace.step_ns)}, devices: {trace.devices}, step wall time {wall / 1e6:.1f} ms; "
         f"per device per step: op time {total / 1e6:.1f} ms, of which collectives {coll / 1e6:.1f} ms",
         "share: of all op time / of compute (op time without collectives). On XLA:CPU a collective's",
-        "time includes waiting at its rendezvous for the other devices (which compute meanwhile).",
+        "time includes waiting at its rendezvous for the other devices (which compute meanwhile), and",
+        "any op's time includes waiting for intra-op threads busy with a concurrent op: small fusions",
+        "read long (a [2048, 512] norm traced at 30 ms per step took 0.18 ms alone); matmuls do not.",
         f"{'scope':<22}{'ms':>9}{'share':>8}{'compute':>9}{'fwd ms':>9}{'bwd ms':>9}{'recomp ms':>10}",
     ]
 
