@@ -34,6 +34,10 @@ _PLOTS = flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
 _REPRICE = flags.DEFINE_bool(
     "reprice", False, "Do not compile: re-price OUT/compiled.pkl from an earlier run with the current model."
 )
+_RECOMPILE = flags.DEFINE_list(
+    "recompile_gradient", [], "With --reprice: compile again the layouts whose gradient strategy is one of these "
+    "(e.g. per_rank, after its code changed); the rest are re-priced from OUT/compiled.pkl."
+)
 flags.mark_flags_as_required(["config", "out"])
 
 
@@ -65,7 +69,13 @@ def main(argv):
     start = time.perf_counter()
     screen = Screen(config, _DEVICES.value)
     if _REPRICE.value:
-        rows = sw.reprice(config, pickled, _DEVICES.value, _HARDWARE.value)
+        again = set(_RECOMPILE.value)
+        rows = sw.reprice(
+            config, pickled, _DEVICES.value, _HARDWARE.value,
+            recompile=(lambda layout: layout.gradient.value in again) if again else None,
+        )
+        if again:
+            sw.save(rows, pickled)
         for candidate in candidates(config, _DEVICES.value, space):  # the refusal counts, as when compiled
             screen.admit(candidate)
         with open(os.path.join(_OUT.value, "sweep.md")) as f:  # keep the compiling run's command and time

@@ -60,6 +60,41 @@ def test_grad_accumulation_reduces_gradients_once_per_step():
     assert not in_loops, f"gradient-shaped reductions inside loops: {in_loops}"
 
 
+def _gradient_reductions(program, compiled):
+    grads = parameter_shapes(program)
+    ops = [c for c in collectives(compiled.as_text()) if c.op in ("all-reduce", "reduce-scatter")]
+    in_loops = [c for c in ops if c.loop_depth > 0 and grads & {_squeeze(s) for s in c.shapes}]
+    once = [c for c in ops if c.loop_depth == 0 and grads & {_squeeze(s) for s in c.shapes}]
+    return in_loops, once
+
+
+@pytest.mark.timeout(300)
+def test_context_accumulation_reduces_gradients_once_per_step(monkeypatch):
+    """Under context parallelism each microbatch's gradient is a sum over context ranks: the plan's
+    per-rank accumulation sums once, after the loop. Positive control: the plain accumulation
+    (what the plan chose before) reduces gradient-shaped arrays inside the loops, and K / V are
+    all-gathered over context inside them in both programs."""
+    from jaxpar.parallel import plan as plan_module
+    from jaxpar.parallel.data import GradientStrategy
+
+    config = tiny.with_overrides(
+        tiny.llama({"grad_accum": 2}), {"data": 2, "context": 2, "tensor": 2},
+        parallel=dict(context_impl="all_gather", zero_stage=1),
+    )
+    program, compiled = compiled_step(config)
+    assert program.plan.gradient is GradientStrategy.PER_RANK
+    gathers = [c for c in collectives(compiled.as_text()) if c.op == "all-gather" and c.loop_depth >= 1]
+    assert gathers, "expected the context all-gathers of K / V inside the loops"
+    in_loops, once = _gradient_reductions(program, compiled)
+    assert once, "expected the gradient reduction after the accumulation loop"
+    assert not in_loops, f"gradient-shaped reductions inside loops: {in_loops}"
+
+    monkeypatch.setattr(plan_module, "gradient_strategy", lambda **_: GradientStrategy.PLAIN)
+    plain, plain_compiled = compiled_step(config)
+    assert plain.plan.gradient is GradientStrategy.PLAIN
+    assert _gradient_reductions(plain, plain_compiled)[0], "the checker missed per-microbatch gradient reductions"
+
+
 # ---- the vocab-parallel loss never gathers logits ----------------------------------------------
 
 VOCAB = 1000  # padded to 1024: a size no other dim of these programs has, whole or split by 2 or 4

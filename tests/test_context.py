@@ -3,8 +3,8 @@
 Degeneracy: 3 fp32 steps per case against the one-device run of the same model and data
 (identical initial params, step-1 loss and gradients within 1e-5 relative, every step's loss and
 gradient norm within 1e-4). Together the cases cover context 2, 4 and 8, each implementation
-balanced and contiguous, and context with data, tensor + sequence parallelism, the per-replica
-accumulation (vmap over `data`), ZeRO-3, Mixtral with expert 2, and pipeline 2 under 1f1b and
+balanced and contiguous, and context with data, tensor + sequence parallelism, gradient
+accumulation (per (replica, context rank), with and without data, tensor, ZeRO-1), ZeRO-3, Mixtral with expert 2, and pipeline 2 under 1f1b and
 interleaved_1f1b — each combination at least once, not the full cross product. The attention
 kernels alone are compared with one-device attention in tests/test_context_attention.py.
 """
@@ -40,10 +40,16 @@ CASES = {
     "c8_ring_balanced": ("llama", {}, {}, {"context": 8}, cp("ring")),
     "c8_all_gather_contiguous": ("llama", {}, {}, {"context": 8}, cp("all_gather", False)),
     "c4_all_to_all_contiguous_data2": ("llama", {}, {}, {"context": 4, "data": 2}, cp("all_to_all", False)),
-    # grad_accum with data > 1: each replica accumulates under vmap(spmd_axis_name="data").
+    # grad_accum: each (replica, context rank) accumulates its own partial gradient
+    # (jaxpar.parallel.context.accumulation), with tensor left to the partitioner inside.
     "c4_ring_contiguous_data2_accum2": (
         "llama", {}, {"grad_accum": 2}, {"context": 4, "data": 2}, cp("ring", False)
     ),
+    "c2_all_gather_balanced_tensor2_sp_data2_zero1_accum2": (
+        "llama", {}, {"grad_accum": 2}, {"context": 2, "tensor": 2, "data": 2},
+        cp("all_gather", sequence_parallel=True, zero_stage=1),
+    ),
+    "c2_all_to_all_contiguous_accum4": ("llama", {}, {"grad_accum": 4}, {"context": 2}, cp("all_to_all", False)),
     "c4_all_gather_balanced_data2_zero3": ("llama", {}, {}, {"context": 4, "data": 2}, cp("all_gather", zero_stage=3)),
     "c2_ring_balanced_tensor2_sp_data2": (
         "llama", {}, {}, {"context": 2, "tensor": 2, "data": 2}, cp("ring", sequence_parallel=True)

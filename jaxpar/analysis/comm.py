@@ -18,7 +18,7 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   (fp32) once; the loss reduces three [tokens] fp32 vectors. With sequence parallelism each
   all-reduce becomes an all-gather + reduce-scatter pair of the same a.
 - data / expert-as-data (batch axes): gradients all-reduced over the batch axes once per step
-  (per-replica accumulation) or once per microbatch (MoE, ZeRO-3: plain accumulation). ZeRO-1:
+  (per-replica / per-rank accumulation) or once per microbatch (MoE, ZeRO-3: plain accumulation). ZeRO-1:
   reduce-scatter of the gradients over data, then all-gather of the updated parameters (param
   dtype); the embedding's gradient instead moves its cotangent activations by all-to-all (and
   the token ids by all-gather). ZeRO-3: each layer's weights all-gathered (compute dtype) inside
@@ -38,8 +38,9 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
   gradients over the batch axes once.
 - context (`jaxpar.analysis.comm_context`): per layer the K/V exchange of
   `parallel.context_impl` (all-gathers + reduce-scatters, ring permutes, or Ulysses all-to-alls);
-  gradients all-reduced over context like over the batch axes (a separate all-reduce on XLA:CPU,
-  once per microbatch under gradient accumulation; MoE expert weights' with the data one).
+  gradients all-reduced over context like over the batch axes (a separate all-reduce on XLA:CPU;
+  with the batch axes in one all-reduce once per step under per-rank accumulation and after the
+  pipeline engine; MoE expert weights' with the data one, per microbatch).
 
 `XlaLowering` says how the compiler turns the sharding into collectives. `IDEAL` is the
 Megatron/ZeRO count above: XLA's GPU compiler runs ReduceScatterCreator and AllReduceReassociate
@@ -58,13 +59,14 @@ jaxpar does today. `Planned`, `wire_bytes` and the lowerings live in `jaxpar.ana
 from __future__ import annotations
 
 from jaxpar.analysis.comm_context import (  # noqa: F401 (context_collectives: re-exported)
-    context_collectives, context_gradients, dispatch_manual_over_context, engine_reduces_context,
+    context_collectives, context_gradients, dispatch_manual_over_context, context_reduced_with_data,
 )
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
 from jaxpar.analysis.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
     IDEAL, XLA_CPU, Planned, XlaLowering, lowering_for, present_axes, wire_bytes,
 )
+from jaxpar.parallel.data import GradientStrategy
 from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
 
 
@@ -144,12 +146,9 @@ def tensor_collectives(layout: Layout) -> list[Planned]:
 
 
 def _reductions_per_step(layout: Layout) -> int:
-    """How often gradients are reduced over the batch axes per step: once with per-replica
-    accumulation (dense, ZeRO 0/1, data > 1) or the pipeline engine, else per microbatch."""
-    if layout.p > 1 or layout.microbatches == 1:
-        return 1
-    per_replica = layout.d > 1 and layout.zero_stage < 3 and not layout.is_moe
-    return 1 if per_replica else layout.microbatches
+    """How often gradients are reduced over the batch axes per step: once with per-replica or
+    per-rank accumulation (dense, ZeRO 0/1) or the pipeline engine, else per microbatch."""
+    return layout.microbatches if layout.gradient is GradientStrategy.PLAIN else 1
 
 
 def _expert_grads_apart(layout: Layout) -> bool:
@@ -164,13 +163,13 @@ def _expert_grad_axes(layout: Layout) -> tuple[str, ...]:
     8x7B data 2/4 x context 2, expert 1 and 2, ZeRO 0/1/3, and at test size)."""
     # After the pipeline engine, manual over context, the same (measured, Mixtral 8x7B pipeline 2
     # x context 2 x expert 2).
-    over_context = dispatch_manual_over_context(layout) or engine_reduces_context(layout)
+    over_context = dispatch_manual_over_context(layout) or context_reduced_with_data(layout)
     return present_axes(layout, DATA, CONTEXT) if over_context else present_axes(layout, DATA)
 
 
 def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     batch = layout.batch_axes
-    if engine_reduces_context(layout):
+    if context_reduced_with_data(layout):
         batch = present_axes(layout, DATA, CONTEXT, EXPERT)
     apart = _expert_grads_apart(layout)
     if not batch and not apart:

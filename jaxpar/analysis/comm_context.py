@@ -8,13 +8,17 @@ from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_P
 from jaxpar.analysis.layout import CONTEXT, EXPERT, TENSOR, Layout, LayoutError
 from jaxpar.analysis.memory import ParamCounts
 from jaxpar.analysis.planned import Planned
+from jaxpar.parallel.data import GradientStrategy
 
 
-def engine_reduces_context(layout: Layout) -> bool:
-    """The pipeline engine is manual over context like over the batch axes: below ZeRO-3 its
-    one gradient all-reduce after the engine spans both (measured, data 2 x pipeline 2 x context
-    2, ZeRO 0 and 1)."""
-    return layout.p > 1 and layout.c > 1 and layout.zero_stage < 3
+def context_reduced_with_data(layout: Layout) -> bool:
+    """The pipeline engine and the per-rank accumulation (`parallel.context.accumulation`) are
+    manual over context like over the batch axes: below ZeRO-3 their one gradient all-reduce
+    after the loop spans both (measured: data 2 x pipeline 2 x context 2, ZeRO 0 and 1; data 4 x
+    context 2 x accumulation 2, ZeRO 0 and 1)."""
+    return layout.c > 1 and (
+        (layout.p > 1 and layout.zero_stage < 3) or layout.gradient is GradientStrategy.PER_RANK
+    )
 
 
 def dispatch_manual_over_context(layout: Layout) -> bool:
@@ -45,15 +49,20 @@ def context_collectives(layout: Layout) -> list[Planned]:
     hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
     hq = layout.heads // layout.t
     positions = layout.tokens * layout.head_dim  # B x S/c x head_dim elements per head
-    if layout.p > 1:
-        # Inside the pipeline engine the per-device kernel runs with tensor (and, under ZeRO-3,
-        # data) left to the partitioner, which gathers the heads over tensor and the rows over
-        # data in front of the exchanges over context: each moves t (x d) times the bytes
-        # (measured, Llama 3 70B pipeline 2 x context 2 x tensor 2, data 2 x pipeline 2 x context
-        # 2 ZeRO-3; `context.sharded.model_attention`: a nested shard_map fails to lower). A
-        # jaxpar inefficiency, priced as it is.
+    impl = layout.context_impl
+    # Inside the pipeline engine and the per-rank accumulation (`parallel.context.accumulation`),
+    # both manual over context, the per-device kernel runs with tensor (and, in the engine under
+    # ZeRO-3, data) left to the partitioner, which gathers the heads over tensor and the rows
+    # over data in front of the exchanges over context: each moves t (x d) times the bytes
+    # (measured, Llama 3 70B pipeline 2 x context 2 x tensor 2, data 2 x pipeline 2 x context
+    # 2 ZeRO-3, and per rank data 2 x context 2 x tensor 2 and context 4 x tensor 2 at test size;
+    # the ring's permutes keep the heads split). A nested shard_map manual over tensor would
+    # avoid it, but fails to lower in jax 0.10.2 (Shardy: "manual axis tensor after free axis").
+    # A jaxpar inefficiency, priced as it is.
+    per_rank = layout.gradient is GradientStrategy.PER_RANK and layout.t > 1 and impl != "ring"
+    if layout.p > 1 or per_rank:
         hkv, hq = layout.kv_heads, layout.heads
-        if layout.zero_stage >= 3:
+        if layout.p > 1 and layout.zero_stage >= 3:
             positions *= layout.d
     kv = positions * c * hkv  # one layer's whole-sequence K (or V), elements
     # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
@@ -64,18 +73,19 @@ def context_collectives(layout: Layout) -> list[Planned]:
     # per layer and microbatch).
     passes = 2 if layout.p > 1 else 1
     fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
-    impl = layout.context_impl
+    local = kv / c * cb  # one layer's local K (or V) with every head
     if impl == "all_gather":
         out = [
             Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
             Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
         ]
-        if layout.p > 1 and layout.t > 1:
-            # The heads' gathers over tensor, per layer and microbatch: K and V in F, and in B
-            # twice (the recompute, the backward) plus the gathered whole-sequence K and V
-            # (measured: Llama 3 70B pipeline 2 x context 2 x tensor 2, and at test size).
-            local = kv / c * cb
-            out.append(Planned(ALL_GATHER, (TENSOR,), local, L * (6 + 2 * c), "PP+CP: heads gathered over tensor", True))
+        if layout.t > 1 and (layout.p > 1 or per_rank):
+            # The heads' gathers over tensor, per layer and microbatch: K and V in the forward and
+            # the backward (in a pipeline stage's B twice: the recompute, the backward) plus the
+            # gathered whole-sequence K and V (measured: Llama 3 70B pipeline 2 x context 2 x
+            # tensor 2; at test size, and per rank with context 2 and 4, remat none and full).
+            count = L * (2 * (passes + 1) + 2 * c)
+            out.append(Planned(ALL_GATHER, (TENSOR,), local, count, "CP: heads gathered over tensor", True))
         return out
     if impl == "ring":
         block = kv / c
@@ -87,9 +97,14 @@ def context_collectives(layout: Layout) -> list[Planned]:
         q = positions * hq
         k = positions * max(hkv, c)
         per_pass = 2 * q + 2 * k
-        return [
+        out = [
             Planned(ALL_TO_ALL, axes, per_pass / 4 * cb, 4 * L * (fwd + 1), "CP all-to-all: q, k, v in, output back (fwd and bwd)"),
         ]
+        if per_rank and layout.p == 1:
+            # Per rank, the heads' gathers over tensor: 6 local K/V per layer, 10 under remat full
+            # (measured at test size, data 2 x context 2 x tensor 2 and context 4 x tensor 2).
+            out.append(Planned(ALL_GATHER, (TENSOR,), local, L * (2 + 4 * fwd), "CP: heads gathered over tensor", True))
+        return out
     raise LayoutError(f"parallel.context_impl={impl!r} is not one of ('all_gather', 'ring', 'all_to_all')")
 
 
@@ -101,17 +116,14 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
     own axis under ZeRO-1, the data shards (summed over context and expert at once). The pipeline
     engine without ZeRO reduces over data and context at once (`data_collectives`).
 
-    How often: the partitioner sums each layer's gradient over context inside the layer scan, so
-    with gradient accumulation once per microbatch, whatever the gradient strategy: per-replica
-    accumulation keeps a per-replica gradient over `data` only (measured: Llama 3 70B data 2/4 x
-    context 2/4 x accum 128/256 and at test size, full gradients every microbatch, also under
-    ZeRO-1). That is a jaxpar inefficiency (`quirk`): a per-(replica, context rank) accumulator, as
-    the pipeline engine keeps, would sum once per step. What: ZeRO 0 the gradients; ZeRO-1 without
-    accumulation their data shards (after the reduce-scatter; the shared tables' whole, ~12% more,
-    not priced), with it the whole gradients (dense) or the data shards (MoE, reduced per
-    microbatch anyway); ZeRO-3 each layer's whole gradient per microbatch before the data
-    reduce-scatter."""
-    if layout.c == 1 or engine_reduces_context(layout):
+    How often: once per step with gradient accumulation on dense models below ZeRO-3, where every
+    (replica, context rank) accumulates its own partial gradient (`GradientStrategy.PER_RANK`;
+    before it, the partitioner summed each layer's gradient over context inside the layer scan,
+    once per microbatch: Llama 3 70B data 4 x context 2, 36 TB per step where 0.28 TB would do);
+    per microbatch for MoE models and ZeRO-3. What: ZeRO 0 the gradients; ZeRO-1 their data
+    shards (after the reduce-scatter; the shared tables' whole, ~12% more, not priced); ZeRO-3
+    each layer's whole gradient per microbatch before the data reduce-scatter."""
+    if layout.c == 1 or context_reduced_with_data(layout):
         return []
     m = layout.microbatches
     experts = 4 * counts.experts * layout.layers_per_device if dispatch_manual_over_context(layout) else 0
@@ -128,16 +140,12 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
             whole -= 4 * counts.head
             out.append(Planned(ALL_REDUCE, (CONTEXT, EXPERT), 4 * counts.head / layout.d, m, "CP x EP: a vocab table's shard (ZeRO-3 MoE)"))
         return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)")]
-    # MoE reduces per microbatch by design (`_reductions_per_step`); the pipeline engine is manual
-    # over context and reduces once, after it.
-    per_microbatch = m > 1 and not layout.is_moe and layout.p == 1
-    if layout.p > 1:
-        m = 1
-    if layout.zero_stage == 1 and not per_microbatch:
+    # Dense models below ZeRO-3 with accumulation returned above: m > 1 here is MoE, which reduces
+    # per microbatch by design (`_reductions_per_step`).
+    if layout.zero_stage == 1:
         if layout.is_moe and layout.e > 1:
             return []  # summed with the expert axis
         grads = 4 * counts.as_optimizer - experts / layout.d
     else:
         grads = 4 * counts.as_params - experts
-    what = "CP: gradients over context" + (" per microbatch (accumulation over data only)" if per_microbatch else "")
-    return [Planned(ALL_REDUCE, (CONTEXT,), grads, m if m > 1 else 1, what, quirk=per_microbatch)]
+    return [Planned(ALL_REDUCE, (CONTEXT,), grads, m, "CP: gradients over context")]

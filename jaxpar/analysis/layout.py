@@ -10,6 +10,7 @@ from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.config import head_dim_of, padded_vocab_size
 from jaxpar.models.options import resolve_remat
+from jaxpar.parallel.data import GradientStrategy, gradient_strategy
 from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
 from jaxpar.parallel.pipeline.slots import slot_plan_for
 
@@ -177,6 +178,15 @@ class Layout:
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def gradient(self) -> GradientStrategy:
+        """The train step's gradient path, by the plan's own rule (`parallel.data.gradient_strategy`;
+        MoE models carry auxiliary losses)."""
+        return gradient_strategy(
+            pipelined=self.p > 1, grad_accum=self.grad_accum, data_size=self.d, context_size=self.c,
+            zero_shards_params=self.zero_stage >= 3, has_aux_losses=self.is_moe,
+        )
 
     @property
     def layers_per_device(self) -> int:

@@ -31,6 +31,7 @@ from jaxpar.analysis.candidates import Candidate, Screen, Space, candidates
 from jaxpar.analysis.compiled import CompiledStep, compile_step
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.analysis.fidelity import Fidelity
+from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.search import USABLE_FRACTION, memory_terms
 from jaxpar.axes import MESH_AXES
 
@@ -126,8 +127,9 @@ def save(rows: list[SweepRow], path: str) -> None:
         pickle.dump(kept, f)
 
 
-def reprice(config, path: str, num_devices: int, hardware="a100-80g") -> list[SweepRow]:
-    """Rows from `save`d compiled results, priced by the model as it is now."""
+def reprice(config, path: str, num_devices: int, hardware="a100-80g", *, recompile=None) -> list[SweepRow]:
+    """Rows from `save`d compiled results, priced by the model as it is now. `recompile(layout)`:
+    true for the layouts whose code path changed since, which are compiled again."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -141,11 +143,15 @@ def reprice(config, path: str, num_devices: int, hardware="a100-80g") -> list[Sw
     for k in kept:
         candidate = Candidate(k["keys"])
         row = SweepRow(candidate, usable=USABLE_FRACTION * hardware.hbm_bytes, error=k["error"], wall_seconds=k["wall"])
+        applied = candidate.apply(config)
+        if recompile is not None and recompile(Layout.from_config(applied, num_devices)):
+            rows.append(_one(candidate, applied, num_devices, hardware, None))
+            continue
         if k["compiled"] is not None:
             # Collectives name logical device ids, so any mesh of the same shape reads them alike.
             devices = np.array(jax.devices()[:num_devices]).reshape(k["mesh_shape"])
             row.compiled = dataclasses.replace(k["compiled"], mesh=Mesh(devices, AXES))
-        _price(row, candidate.apply(config), num_devices, hardware)
+        _price(row, applied, num_devices, hardware)
         rows.append(row)
     return rows
 

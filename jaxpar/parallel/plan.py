@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpar.axes import DATA, MESH_AXES
+from jaxpar.axes import CONTEXT, DATA, MESH_AXES
 from jaxpar.parallel.context.plan import ContextPlan, context_plan
 from jaxpar.parallel.data import BATCH_AXES, GradientStrategy, gradient_strategy
 from jaxpar.parallel.pipeline.options import PipelineOptions, pipeline_options
@@ -53,6 +53,7 @@ def make_plan(config, mesh: dict, *, has_aux_losses: bool) -> ParallelPlan:
             pipelined=pipeline is not None,
             grad_accum=grad_accum,
             data_size=mesh[DATA],
+            context_size=mesh[CONTEXT],
             zero_shards_params=zero.shard_params,
             has_aux_losses=has_aux_losses,
         ),

@@ -14,12 +14,14 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxpar import models
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel import data
+from jaxpar.parallel.context.accumulation import per_rank_grads
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.pipeline.engine import pipelined_loss_and_grads
 from jaxpar.parallel.zero import constrain_grads
-from jaxpar.train.loss import model_loss
+from jaxpar.train.loss import model_loss, token_loss
 from jaxpar.train.loss_scale import LossScale, all_finite
 
 
@@ -38,6 +40,12 @@ def loss_and_grads(params, batch, *, model_config, opts: RunOptions, scale=1.0):
     strategy = opts.plan.gradient
     if strategy is GradientStrategy.PIPELINED:
         return pipelined_loss_and_grads(params, batch, model_config=model_config, opts=opts, scale=scale)
+    if strategy is GradientStrategy.PER_RANK:
+        return per_rank_grads(
+            functools.partial(token_loss, model_config=model_config, opts=opts), params, batch,
+            accum=opts.plan.grad_accum, rules=opts.rules, plan=opts.plan, scale=scale,
+            param_names=models.logical_axes(model_config),
+        )
     loss_fn = functools.partial(model_loss, model_config=model_config, opts=opts, scale=scale)
     accumulate = data.per_replica_grads if strategy is GradientStrategy.PER_REPLICA else data.accumulated_grads
     return accumulate(loss_fn, params, batch, accum=opts.plan.grad_accum, rules=opts.rules, scale=scale)

@@ -7,7 +7,9 @@ residuals, MLP activations, logits. Only attention needs other ranks' tokens. Th
 the batch once into the sharded order (`sequence.py`; load balancing: rank r holds chunks r and
 2c-1-r of 2c) and gives every token its true position, so RoPE, the causal mask and the
 token-mean loss are unchanged. Parameters are replicated over `context`; their gradients are
-summed over it like over data replicas.
+summed over it like over data replicas — with gradient accumulation once per step, not per
+microbatch: every (replica, context rank) accumulates its own partial gradient
+(`accumulation.py`, `GradientStrategy.PER_RANK`).
 
 The model's attention (`model_attention`) enters a `jax.shard_map` manual over context, the head
 axis (`tensor`) and the batch axes (`context_attention`), or, inside the pipeline engine, whose

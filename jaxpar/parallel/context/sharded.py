@@ -8,14 +8,13 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import CONTEXT, DATA, TENSOR
+from jaxpar.axes import CONTEXT, TENSOR
 from jaxpar.parallel.context.local import (
     DEFAULT_BLOCK,
     all_gather_attention_local,
     all_to_all_attention_local,
     ring_attention_local,
 )
-from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.manual import manual_axes
 
 IMPLS = {
@@ -100,8 +99,9 @@ def model_attention(q, k, v, positions, *, rules, plan):
     and positions [B, S] laid out by the rules table (sequence over `context`, heads over
     `tensor`). Inside a shard_map already manual over `context` (the pipeline engine) the
     sequence is this rank's shard and the per-device kernel runs directly; otherwise
-    `context_attention` enters one, manual over the batch axes the rules name (and over `data`
-    under the per-replica accumulation's vmap, which drops `data` from the rules)."""
+    `context_attention` enters one, manual over the batch axes the rules name. (Gradient
+    accumulation under context parallelism runs the model inside a shard_map manual over
+    `context` too: `jaxpar.parallel.context.accumulation`.)"""
     ctx = plan.context
     if CONTEXT in manual_axes():
         # Under ZeRO-3 the engine leaves the batch axes to the partitioner, which then gathers the
@@ -112,9 +112,8 @@ def model_attention(q, k, v, positions, *, rules, plan):
         return local(q, k, v, positions, positions, axis_name=CONTEXT, block_q=ctx.block, block_kv=ctx.block)
     rows = rules.spec(("batch",))[0]
     batch_axes = () if rows is None else rows if isinstance(rows, tuple) else (rows,)
-    vmapped = (DATA,) if plan.gradient is GradientStrategy.PER_REPLICA else ()
     return context_attention(
-        q, k, v, positions, mesh=rules.mesh, impl=ctx.impl, batch_axes=batch_axes, vmapped_axes=vmapped,
+        q, k, v, positions, mesh=rules.mesh, impl=ctx.impl, batch_axes=batch_axes,
         block_q=ctx.block, block_kv=ctx.block,
     )
 
