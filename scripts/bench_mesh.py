@@ -6,11 +6,17 @@
 Every run is a fresh process (cold compile, as MaxText's runner measures it): jaxpar runs
 `configs/maxtext_tiny.py` on the mesh (fsdp8 = data 8 + ZeRO-3, dp8, tp2dp4 = tensor 2 × data 4,
 pp2dp4 = pipeline 2 × data 4 with 2 microbatches,
-cp2dp4 = context 2 × data 4), one fixed random batch, 10 steps; the step
+cp2dp4 = context 2 × data 4; one = the whole batch on one device, no collectives: on 8 emulated
+devices sharing the same cores, a bound no mesh can beat), one fixed random batch, 10 steps; the step
 time is the median of steps 4..10 (each step waited for), as MaxText's runner takes its median
 after 3 warm-up steps. With --maxtext, `../shared/peers/maxtext/run_tiny.sh MESH fp32 REMAT` runs
 right after each jaxpar run (interleaved, repeated), and the table shows tokens/s side by side
 (median over repeats, min–max), the ratio, and each side's train-step compile time.
+Layouts are matched by mesh, not by what each side shards: MaxText's rules shard the weights'
+embed dimension over `fsdp` and `context` (base.yml), so its cp2dp4 is FSDP over context while
+jaxpar's keeps weights and optimizer state replicated unless ZeRO is asked for
+(`--override=parallel.zero_stage=1`; measured in docs/peers.md). Its data axis replicates, as
+jaxpar's dp8 does.
 `--trees` runs jaxpar from several source trees (e.g. a copy of the previous commit) interleaved
 the same way, for before/after measurements of one change.
 """
@@ -140,6 +146,8 @@ def run_jaxpar(tree: str, mesh: str, remat: str) -> dict:
 
 
 def run_maxtext(mesh: str, remat: str) -> dict:
+    if mesh == "one":
+        return {"error": "MaxText's runner has no one-device mesh"}  # it would run its default mesh
     env = dict(os.environ, STEPS=str(_STEPS.value))
     done = subprocess.run(["bash", MAXTEXT_RUNNER, mesh, "fp32", remat], capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
