@@ -162,6 +162,12 @@ CASES = {
     # accumulation) or once per microbatch (Mixtral: the expert weights' over data and context).
     "context2_accum2": (accumulated(llama(16, seq=128), 2), {"data": 4, "context": 2}, {}),
     "context2_zero1_accum2": (accumulated(llama(16, seq=128), 2), {"data": 4, "context": 2}, {"zero_stage": 1}),
+    # Per rank with tensor 2: the heads gathered over tensor in front of the K/V all-gathers, and
+    # none of the per-replica path's SP re-gathers.
+    "context2_tensor2_sp_accum2": (
+        accumulated(llama(8, seq=128), 2), {"data": 2, "context": 2, "tensor": 2},
+        {"sequence_parallel": True, "remat": "full"},
+    ),
     "context2_mixtral_accum2": (accumulated(mixtral(16), 2), {"data": 4, "context": 2}, {}),
     "context2_expert2_mixtral_accum2": (accumulated(mixtral(16), 2), {"data": 2, "context": 2, "expert": 2}, {}),
     "pipeline2_context2": (

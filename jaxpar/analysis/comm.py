@@ -128,9 +128,11 @@ def tensor_collectives(layout: Layout) -> list[Planned]:
     out = _tp_layers(layout, act, 1, "TP")
     if layout.sequence_parallel:
         out.append(Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"))
-        if _reductions_per_step(layout) == 1 and layout.microbatches > 1:
+        if layout.gradient is GradientStrategy.PER_REPLICA:
             # Per-replica accumulation (vmapped over data) gathers each layer's attention and MLP
-            # inputs once more per forward pass (measured: data 2 x tensor 4, accum 2 and 4).
+            # inputs once more per forward pass (measured: data 2 x tensor 4, accum 2 and 4); the
+            # per-rank accumulation's shard_map does not (measured: Llama 3 70B data 2 x context 2
+            # x tensor 2 SP remat none, and at test size).
             passes = 2 if layout.remat == "full" else 1
             out.append(Planned(ALL_GATHER, axes, act, 2 * passes * layout.layers_per_device, "SP: per-replica re-gathers", True))
     head_dx = layout.tokens * layout.hidden * 4
