@@ -1,4 +1,4 @@
-"""Typing of values inside `jax.shard_map`: which manual mesh axes a value varies over.
+"""Values inside `jax.shard_map`: their specs over the manual axes and which manual axes they vary over.
 
 Inside a shard_map with `check_vma`, a loop carry or a `lax.switch` branch result must keep one
 type, so a value that starts replicated but becomes per-device is marked varying first
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 
 def varying_axes(x) -> frozenset:
@@ -21,6 +22,16 @@ def manual_axes() -> tuple:
     """The manual axes of the mesh being traced in (empty outside shard_map)."""
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual)
+
+
+def manual_spec(rules, names, manual) -> P:
+    """The shard_map spec of a value with logical axis `names`: each name's mesh axes from the
+    rules table, keeping only the `manual` ones (the others stay with the partitioner)."""
+    entries = []
+    for name in names:
+        axes = () if name is None else tuple(a for a in rules.table[name] if a in manual)
+        entries.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*entries)
 
 
 def mark_varying(x, axes):

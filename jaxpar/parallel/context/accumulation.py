@@ -37,12 +37,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.axes import CONTEXT
 from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.parallel.manual import vary_everywhere
-
-
-def _manual(entry, manual):
-    axes = () if entry is None else tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in manual)
-    return axes[0] if len(axes) == 1 else (axes or None)
+from jaxpar.parallel.manual import manual_spec, vary_everywhere
 
 
 def per_rank_grads(loss_fn, params, batch, *, accum: int, rules, plan, scale, param_names):
@@ -58,7 +53,7 @@ def per_rank_grads(loss_fn, params, batch, *, accum: int, rules, plan, scale, pa
     ranks = math.prod(mesh.shape[a] for a in lead)
     micro = split_microbatches(batch, accum, rules)
     tokens, targets, positions = split_rows(micro, plan.context, rules, names=(None, "batch", "seq"))
-    token_spec = P(*(_manual(e, manual) for e in rules.spec((None, "batch", "seq"))))
+    token_spec = manual_spec(rules, (None, "batch", "seq"), manual)
 
     def body(params, tokens, targets, positions, scale):
         inner = rules.without(*manual).on(jax.sharding.get_abstract_mesh())

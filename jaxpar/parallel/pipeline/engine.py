@@ -62,7 +62,7 @@ from jaxpar.models.llama import default_positions
 from jaxpar.parallel.context.plan import sequence_axes
 from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.parallel.manual import psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
+from jaxpar.parallel.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.pipeline import router
 from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
 from jaxpar.parallel.pipeline.slots import FIELDS, FIRST, LAST, STEP_FIELDS, slot_plan_for
@@ -86,15 +86,6 @@ class Carry(NamedTuple):
     metrics: Any  # sums of the microbatches' MoE metrics ({} for dense models)
     stats: Any  # [m, ...] this rank's router statistics per microbatch, summed over its stages
     totals: Any  # [m, ...] per microbatch, summed over all stages and replicas (once known)
-
-
-def _manual_spec(rules, names, manual) -> P:
-    """The shard_map spec of a parameter: its rule's mesh axes, keeping only the manual ones."""
-    entries = []
-    for name in names:
-        axes = () if name is None else tuple(a for a in rules.table[name] if a in manual)
-        entries.append(axes[0] if len(axes) == 1 else (axes or None))
-    return P(*entries)
 
 
 def _spec_axes(spec) -> set:
@@ -354,7 +345,7 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     # Per (replica, context rank) partial results, averaged below: each holds the mean over its tokens.
     batch_axes += sequence_axes(opts.plan.context)
     manual = {PIPELINE, *batch_axes}
-    spec = functools.partial(_manual_spec, rules, manual=manual)
+    spec = functools.partial(manual_spec, rules, manual=manual)
     layer_specs = jax.tree.map(spec, logical["layers"], is_leaf=is_logical_names)
     shared_specs = jax.tree.map(spec, shared_names, is_leaf=is_logical_names)
     replica_grads = lambda specs: jax.tree.map(  # noqa: E731
