@@ -91,8 +91,8 @@ def main(argv):
     import jax
     import numpy as np
 
-    from jaxpar import preflight
-    from jaxpar.flops import train_flops_per_step
+    from jaxpar.train import preflight
+    from jaxpar.models import facts
     from jaxpar.train.setup import build
 
     config = load_config(_MODEL.value)
@@ -139,7 +139,7 @@ def main(argv):
         print(f"peer: tokens/s median {statistics.median(peers):.0f} (min {min(peers):.0f}, max {max(peers):.0f}); "
               f"jaxpar / peer = {statistics.median(tokens) / statistics.median(peers):.2f}x "
               f"(per repeat: {', '.join(f'{a / b:.2f}' for a, b in zip(tokens, peers))})")
-    flops = train_flops_per_step(config.model, batch_size, seq)
+    flops = facts(config.model).model_flops_per_step(batch_size, seq)
     if devices[0].platform == "cpu":
         print(roofline(flops, batch_size * seq, statistics.median(tokens), statistics.median(peers) if peers else None))
     print(f"step_s={step_s:.4f} tokens_per_sec={batch_size * seq / step_s:.0f} gflops_per_sec={flops / step_s / 1e9:.1f}")

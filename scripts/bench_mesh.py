@@ -95,7 +95,7 @@ def worker(spec: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpar import preflight
+    from jaxpar.train import preflight
     from jaxpar.train.setup import build
 
     compile_s = [0.0]

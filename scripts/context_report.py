@@ -39,7 +39,8 @@ DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8
 
 
 def make_config(seq_len: int, c: int, impl: str):
-    from jaxpar.config import base_config, llama_model_config
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config as llama_model_config
 
     config = base_config()
     config.model = llama_model_config(
@@ -57,7 +58,7 @@ def compile_step(config, devices):
     import jax
     import jax.numpy as jnp
 
-    from jaxpar import preflight
+    from jaxpar.train import preflight
     from jaxpar.train.setup import build
 
     preflight.check(config, len(devices))

@@ -48,7 +48,7 @@ def _config(args, problems: list[str]):
 def to_checkpoint(args) -> int:
     import jax
 
-    from jaxpar import preflight
+    from jaxpar.train import preflight
     from jaxpar.checkpoint import Checkpoints
     from jaxpar.checkpoint.listing import finished_steps
     from jaxpar.interop import hf, sharded

@@ -31,7 +31,8 @@ _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 256, "Vocab size.")
 
 
 def make_config(schedule: str | None, p: int, m: int, v: int):
-    from jaxpar.config import base_config, llama_model_config
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config as llama_model_config
 
     c = base_config()
     c.model = llama_model_config(
@@ -53,7 +54,7 @@ def measure(config, devices):
     import jax
     import numpy as np
 
-    from jaxpar import preflight
+    from jaxpar.train import preflight
     from jaxpar.train.setup import build
 
     preflight.check(config, len(devices))
@@ -80,6 +81,7 @@ def main(argv):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    from jaxpar.models import facts
     from jaxpar.parallel.pipeline.balance import split_report
     from jaxpar.parallel.pipeline.checks import peak_in_flight
     from jaxpar.parallel.pipeline.options import pipeline_options
@@ -119,8 +121,8 @@ def main(argv):
     print()
     for name, config in splits.items():
         plan = slot_plan_for(name, p, m, config.parallel.virtual_stages)
-        split = pipeline_options(config, dict(config.mesh)).stage_layers
-        print(f"{name}: " + "\n  ".join(split_report(config.model, config.train.seq_len, plan.schedule, split, _VOCAB_AT.value)))
+        split = pipeline_options(config, dict(config.mesh), facts(config.model)).stage_layers
+        print(f"{name}: " + "\n  ".join(split_report(facts(config.model), config.train.seq_len, plan.schedule, split, _VOCAB_AT.value)))
 
 
 if __name__ == "__main__":

@@ -49,16 +49,17 @@ def main(argv):
     print(f"peak in-flight {unit} per rank: {peak_in_flight(schedule)}")
     if _CONFIG.value is None:
         return
+    from jaxpar.models import facts
     from jaxpar.parallel.pipeline import balance
 
     config = _CONFIG.value
     split = balance.parse_split(_SPLIT.value)
     if split == balance.AUTO:
-        split = balance.auto_split(config.model, config.train.seq_len, name, p, m, v, placement=_VOCAB.value)
+        split = balance.auto_split(facts(config.model), config.train.seq_len, name, p, m, v, placement=_VOCAB.value)
     elif problems := balance.split_problems(split, config.model.num_hidden_layers, p, v):
         raise app.UsageError(f"--stage_layers={_SPLIT.value}: " + "; ".join(problems))
     print()
-    print("\n".join(balance.split_report(config.model, config.train.seq_len, schedule, split, _VOCAB.value)))
+    print("\n".join(balance.split_report(facts(config.model), config.train.seq_len, schedule, split, _VOCAB.value)))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def run(args, config) -> int:
     from jaxpar.analysis.hardware import HardwareError
     from jaxpar.analysis.planner import PlanError
     from jaxpar.checkpoint import CheckpointError
-    from jaxpar.preflight import ConfigError
+    from jaxpar.train.preflight import ConfigError
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
     from jaxpar.train.signals import Interrupted

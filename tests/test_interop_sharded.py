@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpar import models
 from jaxpar.interop import hf, sharded
+from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
 from jaxpar.train.setup import build
 from tests import tiny
@@ -53,8 +54,8 @@ def test_sharded_import_equals_whole_tensor_load_and_reads_only_blocks(family, t
     model = saved_checkpoint(tmp_path, family)
     assert os.path.isfile(tmp_path / "model.safetensors.index.json"), "expected a sharded checkpoint"
     reads = []
-    read_block = sharded._rows_cols
-    monkeypatch.setattr(sharded, "_rows_cols", lambda get, name, rows, cols: reads.append((name, rows, cols)) or read_block(get, name, rows, cols))
+    read_block = hf_adapter.rows_cols  # every layer entry reads its blocks through it
+    monkeypatch.setattr(hf_adapter, "rows_cols", lambda get, name, rows, cols: reads.append((name, rows, cols)) or read_block(get, name, rows, cols))
     make, mesh = FAMILIES[family]
     config = tiny.with_overrides(make(), mesh, parallel={"zero_stage": 3})
     program = build(config)

@@ -9,6 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
+from jaxpar.models import facts
 from jaxpar.parallel.pipeline import balance
 from jaxpar.parallel.pipeline.schedules import make_schedule, step_costs
 from tests import tiny
@@ -42,7 +43,7 @@ def all_splits(layers, stages):
     (12, 16000, "ends", "interleaved_1f1b", 2, 4, 2),
 ])
 def test_auto_split_minimises_the_largest_stage_then_the_step_time(layers, vocab, placement, name, p, m, v):
-    model = tiny.llama(num_hidden_layers=layers, vocab_size=vocab).model
+    model = facts(tiny.llama(num_hidden_layers=layers, vocab_size=vocab).model)
     seq = 16
     table = make_schedule(name, p, m, v)
 
@@ -57,7 +58,7 @@ def test_auto_split_minimises_the_largest_stage_then_the_step_time(layers, vocab
 
 
 def test_spread_vocab_keeps_divisible_splits_equal_and_ends_unloads_the_last_stage():
-    model = tiny.llama(num_hidden_layers=8, vocab_size=32000, hidden_size=256).model
+    model = facts(tiny.llama(num_hidden_layers=8, vocab_size=32000, hidden_size=256).model)
     assert balance.auto_split(model, 128, "1f1b", 2, 4) == (4, 4)
     ends = balance.auto_split(model, 128, "1f1b", 2, 4, placement="ends")
     assert ends[-1] < ends[0]

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.preflight import ConfigError
+from jaxpar.train.preflight import ConfigError
 from jaxpar.train.loop import train
 from jaxpar.train.observe import TIMING_FIELDS
 from tests import tiny

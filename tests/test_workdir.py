@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jaxpar.preflight import ConfigError, check_run
+from jaxpar.train.preflight import ConfigError, check_run
 from jaxpar.train import workdir as workdirs
 from tests import tiny
 

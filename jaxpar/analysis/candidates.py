@@ -1,7 +1,7 @@
 """The layouts of a config on N devices: meshes, ZeRO stage, remat, sequence parallelism, microbatches.
 
 `candidates(config, num_devices, space)` yields every `Candidate` — a set of config keys — whose
-mesh has N devices; `admitted(config, num_devices, ...)` keeps those `jaxpar.preflight.check`
+mesh has N devices; `admitted(config, num_devices, ...)` keeps those `jaxpar.train.preflight.check`
 accepts and counts the refusals by reason. Both the compiled sweep (`jaxpar.analysis.sweep`) and
 the planner (`jaxpar.analysis.planner`) walk this one enumeration.
 
@@ -25,7 +25,8 @@ import re
 from collections.abc import Iterable, Iterator
 
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
-from jaxpar.preflight import ConfigError, check
+from jaxpar.models.families import facts
+from jaxpar.train.preflight import ConfigError, check
 
 SCHEDULE_KEY = "parallel.pipeline_schedule"
 MICROBATCH_KEY = "parallel.num_microbatches"
@@ -205,7 +206,7 @@ def candidates(config, num_devices: int, space: Space | None = None, fixed: Iter
     the config's value: layouts that would change them are left out (mesh sizes of -1 match any)."""
     space = space or Space()
     fixed = set(fixed)
-    moe = config.model.model_type == "mixtral"
+    moe = facts(config.model).is_moe
     for mesh in meshes(num_devices, moe=moe):
         for knobs in _knobs(config, mesh, space):
             values = {f"mesh.{name}": size for name, size in mesh.items()}

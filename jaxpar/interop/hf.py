@@ -27,12 +27,13 @@ from safetensors.numpy import save_file
 from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
+from jaxpar.models.hf_adapter import Adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
 
 
-def _adapter(model_type, where: str = "config.json") -> hf_core.Adapter:
+def _adapter(model_type, where: str = "config.json") -> Adapter:
     if model_type not in FAMILIES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported (only {', '.join(sorted(FAMILIES))})")
     return FAMILIES[model_type].hf

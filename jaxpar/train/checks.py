@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from jaxpar.config import DTYPES
+from jaxpar.dtypes import DTYPES
 from jaxpar.ranges import at_least, one_of, positive, within
 
 NONFINITE_POLICIES = ("stop", "skip")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ml_collections import ConfigDict
 
-from jaxpar.preflight import flat_keys, nearest_key
+from jaxpar.train.preflight import flat_keys, nearest_key
 
 USAGE = """usage: train.py --config=CONFIG.py[:ARG] --workdir=DIR [--config.SECTION.KEY=VALUE ...]
                 [--overwrite] [--cpu_devices=N] [--plan=HARDWARE] [--coordinator=HOST:PORT --num_processes=N --process_id=I]

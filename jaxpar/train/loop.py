@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxpar import preflight
+from jaxpar.train import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
 from jaxpar.checkpoint.manager import is_remote
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens

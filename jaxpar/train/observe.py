@@ -8,7 +8,7 @@
     `scripts/profile_report.py` can attribute device time to named scopes
     (`jaxpar.train.breakdown`);
   - `observer.throughput(step, seconds)` — `step_s` (execution only: the loop compiles ahead of
-    time), `tokens_per_sec`, `mfu` (model FLOPs `jaxpar.flops` / step time / peak FLOP/s of the
+    time), `tokens_per_sec`, `mfu` (model FLOPs `ModelFacts.model_flops_per_step` / step time / peak FLOP/s of the
     devices), and on the first step run `compile_s`, the ahead-of-time compile;
   - `observer.log(record)` — every numeric field of the metrics record as a TensorBoard scalar under
     `WORKDIR/tensorboard` (tensorboardX; list-valued MoE router statistics one scalar per expert).
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.flops import train_flops_per_step
+from jaxpar.models.families import facts
 from jaxpar.train.breakdown import HLO_DIR, STEP_ANNOTATION
 
 # Dense peak FLOP/s per chip by device kind (substring of `device.device_kind`, first match wins)
@@ -104,7 +104,7 @@ class Observer:
         self.compiled = compiled
         self.devices = list(program.mesh.devices.flat)
         self.tokens_per_step = train.global_batch_size * train.seq_len
-        self.flops_per_step = train_flops_per_step(config.model, train.global_batch_size, train.seq_len)
+        self.flops_per_step = facts(config.model).model_flops_per_step(train.global_batch_size, train.seq_len)
         peak, self.peak_source = peak_flops_per_device(self.devices[0], train.compute_dtype, train.peak_flops_per_device)
         self.peak_flops = peak * len(self.devices)
         self.profile_dir = os.path.join(workdir, "profile")

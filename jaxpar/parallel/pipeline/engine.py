@@ -56,13 +56,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import models
 from jaxpar.axes import PIPELINE
-from jaxpar.models.llama import default_positions
+from jaxpar.parallel.context.sequence import default_positions
 from jaxpar.parallel.context.plan import sequence_axes
 from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.parallel.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
+from jaxpar.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.pipeline import router
 from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
 from jaxpar.parallel.pipeline.slots import FIELDS, FIRST, LAST, STEP_FIELDS, slot_plan_for
@@ -319,13 +318,13 @@ def _layout(split, p, v):
 def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     """Same contract as `jaxpar.train.step.loss_and_grads`: (loss, fp32 unscaled grads, metrics),
     computed by the pipeline engine with the plan's pipeline options (microbatches replace
-    `train.grad_accum`)."""
+    `train.grad_accum`). `model_config`: the model as the pipeline sees it (`stage.StageModel`)."""
     pipe, rules = opts.plan.pipeline, opts.rules
     mesh = rules.mesh
     p, m, v = mesh.shape[PIPELINE], pipe.microbatches, pipe.virtual_stages
     plan = slot_plan_for(pipe.schedule, p, m, v)
     layout = _layout(pipe.stage_layers, p, v)
-    logical = models.logical_axes(model_config)
+    logical = model_config.logical
     shared = {k: a for k, a in params.items() if k != "layers"}
     shared_names = {k: n for k, n in logical.items() if k != "layers"}
     micro = split_microbatches(batch, m, rules)

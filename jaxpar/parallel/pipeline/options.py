@@ -1,11 +1,12 @@
-"""Pipeline options from `config.parallel`, decided once, and the config checks they need."""
+"""Pipeline options from `config.parallel` and the model's facts, decided once, and the config checks they need."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
-from jaxpar.config import padded_vocab_size
+from jaxpar.model_facts import padded_vocab_size
 from jaxpar.parallel.pipeline.balance import AUTO, PLACEMENTS, auto_split, parse_split, split_problems
 from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
 
@@ -15,41 +16,49 @@ class PipelineOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    stage_layers: tuple = ()  # layers per global stage s = u·p + r (virtual stage u on rank r)
+    num_ranks: int = 1  # mesh.pipeline
+    layers: int = 0  # the model's decoder layers
     vocab: str = "spread"  # where embedding / head run: a `balance.PLACEMENTS` entry (see `vocab.py`)
+    # `parallel.pipeline_stage_layers`: an explicit split (layers per global stage s = u·p + r,
+    # virtual stage u on rank r), or AUTO, balanced from the model's facts at `seq_len`.
+    split: tuple | str = AUTO
+    facts: object = None  # the model's `jaxpar.model_facts.ModelFacts` (read by AUTO only)
+    seq_len: int = 0
 
-    @property
-    def num_ranks(self) -> int:
-        return len(self.stage_layers) // self.virtual_stages
+    @functools.cached_property
+    def stage_layers(self) -> tuple:
+        """Layers per global stage: the explicit split, or the auto split, computed when first read
+        (a schedule simulation, ~20 ms at 70B: the planner prices thousands of plans and never
+        needs it; the rules table reads only `shard_layers`)."""
+        if self.split != AUTO:
+            return tuple(self.split)
+        return auto_split(
+            self.facts, self.seq_len, self.schedule, self.num_ranks, self.microbatches, self.virtual_stages,
+            placement=self.vocab,
+        )
 
     @property
     def shard_layers(self) -> bool:
         """The [L, ...] layer stacks split over `pipeline` (else replicated: see `layout.py`)."""
-        return sum(self.stage_layers) % self.num_ranks == 0
+        return self.layers % self.num_ranks == 0
 
 
-def stage_split(config, p: int) -> tuple:
-    """`parallel.pipeline_stage_layers` resolved: the explicit list, or the `auto` split."""
-    parallel, train = config.parallel, config.train
-    split = parse_split(parallel.pipeline_stage_layers)
-    if split != AUTO:
-        return split
-    m = parallel.num_microbatches or p
-    return auto_split(
-        config.model, train.seq_len, parallel.pipeline_schedule, p, m, parallel.virtual_stages,
-        placement=parallel.pipeline_vocab,
-    )
-
-
-def pipeline_options(config, mesh: dict) -> PipelineOptions | None:
+def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
     """None when the pipeline axis is 1. `parallel.num_microbatches` 0 means mesh.pipeline."""
     p = mesh[PIPELINE]
     if p == 1:
         return None
     parallel = config.parallel
     return PipelineOptions(
-        parallel.pipeline_schedule, parallel.num_microbatches or p, parallel.virtual_stages, stage_split(config, p),
-        parallel.pipeline_vocab,
+        schedule=parallel.pipeline_schedule,
+        microbatches=parallel.num_microbatches or p,
+        virtual_stages=parallel.virtual_stages,
+        num_ranks=p,
+        layers=facts.layers,
+        vocab=parallel.pipeline_vocab,
+        split=parse_split(parallel.pipeline_stage_layers),
+        facts=facts,
+        seq_len=config.train.seq_len,
     )
 
 
