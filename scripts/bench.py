@@ -71,18 +71,17 @@ def profile_steps(program, state, batch, folder: str):
     """Two annotated steps under jax.profiler plus the step's HLO text, then the breakdown."""
     import jax
 
-    from jaxpar.train import breakdown
+    from jaxpar.analysis import profile
+    from jaxpar.train.observe import STEP_ANNOTATION, save_step_hlo
 
     jax.profiler.start_trace(folder)
     for number in (1, 2):
-        with jax.profiler.StepTraceAnnotation(breakdown.STEP_ANNOTATION, step_num=number):
+        with jax.profiler.StepTraceAnnotation(STEP_ANNOTATION, step_num=number):
             state, metrics = program.step(state, batch)
             jax.block_until_ready(metrics)
     jax.profiler.stop_trace()
-    os.makedirs(os.path.join(folder, breakdown.HLO_DIR), exist_ok=True)
-    with open(os.path.join(folder, breakdown.HLO_DIR, "train_step.txt"), "w") as f:
-        f.write(program.step.lower(state, batch).compile().as_text())
-    print(breakdown.format_report(breakdown.load(folder)))
+    save_step_hlo(folder, program.step.lower(state, batch).compile())
+    print(profile.format_report(profile.load(folder)))
     return state
 
 
