@@ -48,23 +48,12 @@ def make_config(split, vocab: str):
 
 
 def prepare(config, devices):
-    """(step, state, batch) ready to time: the jitted train step compiled and run twice."""
-    import jax
-    import numpy as np
+    """The checked, built train step (`jaxpar.train.harness`), compiled and run twice."""
+    from jaxpar.train import harness
 
-    from jaxpar.train import preflight
-    from jaxpar.train.setup import build
-
-    preflight.check(config, len(devices))
-    program = build(config, devices)
-    state = program.init()
-    shape = (config.train.global_batch_size, config.train.seq_len + 1)
-    rng = np.random.default_rng(0)
-    batch = jax.device_put(rng.integers(0, config.model.vocab_size, shape, dtype=np.int32), program.batch_sharding)
-    for _ in range(2):
-        state, metrics = program.step(state, batch)
-    jax.block_until_ready(metrics)
-    return [program.step, state, batch]
+    run = harness.prepare(config, devices)
+    run.steps(2)
+    return run
 
 
 def _median_time(fn, *args, repeats: int = 5) -> float:
@@ -119,17 +108,10 @@ def measured_action_costs(config, p: int) -> dict:
 def time_round_robin(prepared: list, steps: int) -> list[float]:
     """Median step time of each prepared step, timed in turns (A B C D A B C D ...) so that load
     from other processes drifting over the run hits every row alike."""
-    import jax
-
     times = [[] for _ in prepared]
     for _ in range(steps):
-        for i, entry in enumerate(prepared):
-            step, state, batch = entry
-            start = time.perf_counter()
-            state, metrics = step(state, batch)
-            jax.block_until_ready(metrics)
-            times[i].append(time.perf_counter() - start)
-            entry[1] = state
+        for i, run in enumerate(prepared):
+            times[i].append(run.step()[1])
     return [statistics.median(t) for t in times]
 
 

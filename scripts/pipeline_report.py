@@ -12,7 +12,6 @@ recomputing backward and idle ranks' zero sends), not the bubble a real accelera
 """
 
 import statistics
-import time
 
 from absl import app, flags
 
@@ -51,28 +50,14 @@ def make_config(schedule: str | None, p: int, m: int, v: int):
 
 
 def measure(config, devices):
-    import jax
-    import numpy as np
+    """(compiled temp bytes per device, median step seconds after one warm-up step)."""
+    from jaxpar.train import harness
 
-    from jaxpar.train import preflight
-    from jaxpar.train.setup import build
-
-    preflight.check(config, len(devices))
-    program = build(config, devices)
-    state = program.init()
-    shape = (config.train.global_batch_size, config.train.seq_len + 1)
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
-    batch = jax.device_put(tokens, program.batch_sharding)
-    compiled = program.step.lower(state, batch).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(_STEPS.value):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    run = harness.prepare(config, devices)
+    run.compile()
+    temp = run.executable.memory_analysis().temp_size_in_bytes
+    run.step()
+    _, times = run.steps(_STEPS.value)
     return temp, statistics.median(times)
 
 

@@ -45,8 +45,6 @@ def run(args, config) -> int:
     import jax
 
     from jaxpar import distributed
-    from jaxpar.analysis.hardware import HardwareError
-    from jaxpar.analysis.planner import PlanError
     from jaxpar.checkpoint import CheckpointError
     from jaxpar.train.preflight import ConfigError
     from jaxpar.train.loop import train
@@ -54,6 +52,12 @@ def run(args, config) -> int:
     from jaxpar.train.signals import Interrupted
     from jaxpar.train.workdir import WorkdirBusy
 
+    plan_errors = ()
+    if args.plan:  # the planner (the whole cost model) is imported only when asked for
+        from jaxpar.analysis.hardware import HardwareError
+        from jaxpar.analysis.planner import PlanError
+
+        plan_errors = (PlanError, HardwareError)
     try:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         if args.cpu_devices and not os.environ.get("JAX_NUM_CPU_DEVICES"):
@@ -63,7 +67,7 @@ def run(args, config) -> int:
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
-    except (ConfigError, WorkdirBusy, distributed.DistributedError, PlanError, HardwareError) as e:
+    except (ConfigError, WorkdirBusy, distributed.DistributedError, *plan_errors) as e:
         _error(e)
         return EXIT_USAGE
     except CheckpointError as e:

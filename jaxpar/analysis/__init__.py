@@ -14,6 +14,8 @@
   `planner.best_layout` is what `scripts/train.py --plan` calls, `planner.report` what
   `scripts/plan.py` prints.
 - `sweep`, `plots`: compile every layout and set the model beside it (`scripts/sweep.py`).
+- `profile`: a `jax.profiler` trace of the train step read back per named scope, joined to the
+  step's HLO through `hlo` (`scripts/profile_report.py`).
 
 Nothing is imported here, so `import jaxpar.analysis.hlo` stays free of jaxpar's model code.
 """
