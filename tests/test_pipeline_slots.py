@@ -12,7 +12,8 @@ stage kinds, branches) comes from the slot plan.
 import pytest
 
 from jaxpar.parallel.pipeline.checks import peak_in_flight
-from jaxpar.parallel.pipeline.schedules import B, W, make_schedule, parse
+from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.parallel.pipeline.table import B, W, parse
 from jaxpar.parallel.pipeline.slots import FIRST, LAST, MIDDLE, back_branch, build_slot_plan
 
 CASES = [

@@ -2,21 +2,42 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
 from jaxpar.config import padded_vocab_size
 from jaxpar.parallel.pipeline.balance import AUTO, PLACEMENTS, auto_split, parse_split, split_problems
-from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
+from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, ScheduleKind, schedule_kind
+from jaxpar.parallel.pipeline.slots import SlotPlan, build_slot_plan
+from jaxpar.parallel.pipeline.table import Schedule
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    schedule: str = "1f1b"
+    """What the engine, the rules table and the analysis read. `schedule` is the record (a name is
+    looked up, so options can be stated by hand); `table` its built table, which
+    `pipeline_options` builds once (options stated by hand without one build it on first use of
+    `slot_plan`). The engine, the slot plan and the layout read the table's stage map."""
+
+    schedule: ScheduleKind | str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    stage_layers: tuple = ()  # layers per global stage s = u·p + r (virtual stage u on rank r)
+    stage_layers: tuple = ()  # layers per global stage, placed by the table's stage map
     vocab: str = "spread"  # where embedding / head run: a `balance.PLACEMENTS` entry (see `vocab.py`)
+    # Not compared or hashed: a function of the fields above (plans are cache keys in the analysis).
+    table: Schedule | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "schedule", schedule_kind(self.schedule))
+        t = self.table
+        if t is not None and (t.num_ranks, t.num_microbatches, t.virtual_stages) != (
+            self.num_ranks, self.microbatches, self.virtual_stages
+        ):
+            raise ValueError(
+                f"table {t.name!r} (p={t.num_ranks}, m={t.num_microbatches}, v={t.virtual_stages}) does not fit "
+                f"{self.microbatches} microbatches and {len(self.stage_layers)} stages of {self.virtual_stages}"
+            )
 
     @property
     def num_ranks(self) -> int:
@@ -27,18 +48,21 @@ class PipelineOptions:
         """The [L, ...] layer stacks split over `pipeline` (else replicated: see `layout.py`)."""
         return sum(self.stage_layers) % self.num_ranks == 0
 
+    @functools.cached_property
+    def slot_plan(self) -> SlotPlan:
+        """The engine's branch and buffer-slot tables for `table`, built once per options."""
+        table = self.table
+        if table is None:
+            table = self.schedule.table(self.num_ranks, self.microbatches, self.virtual_stages)
+        return build_slot_plan(table)
 
-def stage_split(config, p: int) -> tuple:
-    """`parallel.pipeline_stage_layers` resolved: the explicit list, or the `auto` split."""
-    parallel, train = config.parallel, config.train
-    split = parse_split(parallel.pipeline_stage_layers)
+
+def stage_split(config, table: Schedule) -> tuple:
+    """`parallel.pipeline_stage_layers` resolved: the explicit list, or the `auto` split on `table`."""
+    split = parse_split(config.parallel.pipeline_stage_layers)
     if split != AUTO:
         return split
-    m = parallel.num_microbatches or p
-    return auto_split(
-        config.model, train.seq_len, parallel.pipeline_schedule, p, m, parallel.virtual_stages,
-        placement=parallel.pipeline_vocab,
-    )
+    return auto_split(config.model, config.train.seq_len, table, placement=config.parallel.pipeline_vocab)
 
 
 def pipeline_options(config, mesh: dict) -> PipelineOptions | None:
@@ -47,10 +71,9 @@ def pipeline_options(config, mesh: dict) -> PipelineOptions | None:
     if p == 1:
         return None
     parallel = config.parallel
-    return PipelineOptions(
-        parallel.pipeline_schedule, parallel.num_microbatches or p, parallel.virtual_stages, stage_split(config, p),
-        parallel.pipeline_vocab,
-    )
+    kind, m, v = schedule_kind(parallel.pipeline_schedule), parallel.num_microbatches or p, parallel.virtual_stages
+    table = kind.table(p, m, v)
+    return PipelineOptions(kind, m, v, stage_split(config, table), parallel.pipeline_vocab, table)
 
 
 def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
@@ -58,12 +81,15 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
     parallel, train, model = config.parallel, config.train, config.model
     errors = []
     name, v, m = parallel.pipeline_schedule, parallel.virtual_stages, parallel.num_microbatches
+    kind = None
     if name not in SCHEDULE_NAMES:
         errors.append(f"parallel.pipeline_schedule={name!r} is not one of {SCHEDULE_NAMES}")
+    else:
+        kind = schedule_kind(name)
     if v < 1:
         errors.append(f"parallel.virtual_stages={v} must be >= 1")
-    elif v > 1 and name != "interleaved_1f1b":
-        errors.append(f"parallel.virtual_stages={v} needs parallel.pipeline_schedule='interleaved_1f1b' (got {name!r})")
+    elif kind and (problem := kind.virtual_stage_problem(v)):
+        errors.append(problem)
     if m < 0:
         errors.append(f"parallel.num_microbatches={m} must be >= 1 (or 0: mesh.{PIPELINE})")
     if parallel.pipeline_vocab not in PLACEMENTS:
@@ -99,8 +125,7 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
             )
     else:
         errors += [f"{key}={list(split)} {problem}" for problem in split_problems(split, layers, p, v)]
-    if name == "interleaved_1f1b" and m % p:
-        errors.append(f"parallel.num_microbatches={m} must be a multiple of mesh.{PIPELINE}={p} for interleaved_1f1b")
+    errors += kind.constraints(p, m, v)  # the schedule's own microbatch constraints
     if has_aux_losses and parallel.zero_stage == 3:
         # ZeRO-3 leaves the batch axes to the partitioner inside the engine, so the expert dispatch
         # would nest its own shard_map over them inside the pipeline's; Shardy rejects that.

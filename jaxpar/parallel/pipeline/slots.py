@@ -38,7 +38,8 @@ import functools
 import numpy as np
 
 from jaxpar.parallel.pipeline.checks import validate
-from jaxpar.parallel.pipeline.schedules import B, F, W, Schedule, make_schedule
+from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.parallel.pipeline.table import B, F, W, Schedule
 
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
 # Per-(step, rank) int32 fields the engine scans over.
