@@ -52,7 +52,7 @@ def run(args, config) -> int:
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
     from jaxpar.train.signals import Interrupted
-    from jaxpar.train.workdir import WorkdirBusy
+    from jaxpar.train.workdir import WorkdirError
 
     try:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
@@ -63,7 +63,7 @@ def run(args, config) -> int:
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
-    except (ConfigError, WorkdirBusy, distributed.DistributedError, PlanError, HardwareError) as e:
+    except (ConfigError, WorkdirError, distributed.DistributedError, PlanError, HardwareError) as e:
         _error(e)
         return EXIT_USAGE
     except CheckpointError as e:

@@ -93,13 +93,13 @@ def _lock(workdir: str) -> workdirs.WorkdirLock | None:
     if jax.process_index() == 0:
         try:
             lock = workdirs.WorkdirLock(workdir).acquire()
-        except workdirs.WorkdirBusy as e:
+        except workdirs.WorkdirError as e:
             error = e
     failed = _agree(error is None)
     if error is not None:
         raise error
     if failed:
-        raise workdirs.WorkdirBusy(f"--workdir={workdir} is in use by another run (see process 0's error)")
+        raise workdirs.WorkdirError(f"--workdir={workdir} could not be locked by process 0 (see its error)")
     if lock is not None and lock.stale:
         print(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
     return lock
@@ -109,7 +109,7 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     """Trains to `config.train.steps` steps (resuming from WORKDIR's checkpoints when they fit);
     returns the metrics of the steps run here, which it also appends to WORKDIR/metrics.jsonl.
 
-    Raises ConfigError (bad input, nothing written), WorkdirBusy, CheckpointError, NonFiniteStop or
+    Raises ConfigError (bad input, nothing written), WorkdirError (busy, or no lock possible), CheckpointError, NonFiniteStop or
     Interrupted (after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
     run = _run_preflight(config, workdir, devices, overwrite)

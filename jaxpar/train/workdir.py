@@ -40,7 +40,11 @@ CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.json
 OVERWRITE_HINT = "pass --overwrite to start afresh (it deletes the earlier run) or choose another --workdir"
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used (its lock cannot be created); the message is one line."""
+
+
+class WorkdirBusy(WorkdirError):
     """Another live run holds the workdir; the message is one line naming its host and pid."""
 
 
@@ -174,8 +178,17 @@ class WorkdirLock:
         self.stale: str | None = None  # the previous holder, if the lock was left by a killed run
 
     def acquire(self) -> "WorkdirLock":
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        f = open(self.path, "a+")
+        workdir = os.path.dirname(self.path)
+        try:
+            # The first write of a run: permission checks can pass where nothing can be created (as
+            # root under /proc, on a read-only mount), so the OS's answer is the one reported.
+            os.makedirs(workdir, exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError as e:
+            raise WorkdirError(
+                f"--workdir={workdir}: cannot create its lock file {self.path} ({type(e).__name__}: {e.strerror or e}); "
+                f"choose a writable directory"
+            ) from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
