@@ -177,6 +177,7 @@ CASES = [
     ("workdir_is_a_file", lambda t: ([f"--workdir={write(t.root / 'afile', 'x')}"], "afile is a file, not a directory")),
     ("workdir_parent_file", lambda t: ([f"--workdir={write(t.root / 'bfile', 'x')}/run"], "bfile is a file")),
     ("workdir_unwritable", lambda t: (t.unwritable(), "is not writable")),
+    ("gcs_without_gcsfs", lambda t: (t.without_module("gcsfs", ["--config.checkpoint.dir=gs://jaxpar-test-bucket/run"]), 'checkpoint.dir=gs://jaxpar-test-bucket/run needs the gcsfs package: pip install -e ".[gcs]"')),
     ("checkpoint_dir_file", lambda t: ([f"--config.checkpoint.dir={write(t.root / 'cfile', 'x')}"], "checkpoint.dir=")),
     ("earlier_run_no_checkpoint", lambda t: (t.no_overwrite(t.earlier_logs_only()), "holds an earlier run (metrics.jsonl, config.json) but no complete checkpoint")),
     ("earlier_run_other_model", lambda t: (t.no_overwrite(["--config.model.hidden_size=128"]), "model.hidden_size (saved 64, now 128)")),
@@ -235,6 +236,10 @@ class Setup:
         write(logs / "config.json", "{}")
         self.workdir = str(logs)
         return []
+
+    def without_module(self, name, argv):
+        self.monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+        return argv
 
     def locked(self):
         self.holder = hold_lock(self.earlier)

@@ -1,4 +1,9 @@
-"""Start-of-run checks that the checkpoint directory can be written and is shared by all processes.
+"""Start-of-run checks that the checkpoint directory can be reached, written and is shared by all
+processes.
+
+A remote `checkpoint.dir` (gs://, s3://) is reached through etils.epath, which needs an optional
+package per scheme (gcsfs, s3fs; or TensorFlow's gfile); `remote_problem` names the missing one and
+the pip extra that installs it, instead of the ImportError a first listing would raise.
 
 Every process of a multi-process run writes its own shards of each checkpoint into the same
 directory, and process 0 alone finalizes it (an atomic rename), so a directory that is local to each
@@ -12,6 +17,7 @@ process is left waiting in a collective the others never enter.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 import uuid
@@ -23,6 +29,28 @@ from jax.experimental import multihost_utils
 from jaxpar.checkpoint.errors import CheckpointError
 
 TOKEN_PREFIX = ".shared-storage-check-"
+# URL scheme -> (the fsspec package etils needs for it, the pyproject extra that installs it).
+REMOTE_BACKENDS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+
+
+def _importable(package: str) -> bool:
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
+
+
+def remote_problem(directory: str, key: str = "checkpoint.dir") -> str | None:
+    """One line if `directory` is a remote URL whose filesystem package is not installed, else None."""
+    scheme = directory.split("://", 1)[0] if "://" in directory else ""
+    if scheme not in REMOTE_BACKENDS:
+        return None
+    package, extra = REMOTE_BACKENDS[scheme]
+    # etils prefers TensorFlow's gfile when TensorFlow is installed; found without importing it.
+    if _importable(package) or importlib.util.find_spec("tensorflow") is not None:
+        return None
+    return f'{key}={directory} needs the {package} package: pip install -e ".[{extra}]" (or pip install {package})'
 
 
 def _try_write(directory: str) -> str | None:

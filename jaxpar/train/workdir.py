@@ -34,6 +34,7 @@ from etils import epath
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.manager import is_remote
+from jaxpar.checkpoint.storage import remote_problem
 from jaxpar.data.sources import corpus_tokens
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
@@ -112,6 +113,8 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     problems = [p for p in [_directory_problem(workdir, "--workdir")] if p]
     inside = os.path.abspath(ckpt_dir).startswith(os.path.abspath(workdir) + os.sep)
     if not is_remote(ckpt_dir) and not (problems and inside) and (p := _directory_problem(ckpt_dir, "checkpoint.dir")):
+        problems.append(p)
+    if p := remote_problem(ckpt_dir):
         problems.append(p)
     if problems:
         return None, problems
