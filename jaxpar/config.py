@@ -29,6 +29,29 @@ def head_dim_of(model) -> int:
     return model.head_dim if model.head_dim is not None else model.hidden_size // model.num_attention_heads
 
 
+def resolve_derived(config: dict) -> dict:
+    """A config as a plain nested dict (e.g. saved JSON) with every derived default made explicit
+    and every key its other keys leave unused dropped, so two configs that describe the same run
+    compare equal: `model.head_dim` None -> hidden_size // num_attention_heads; the llama3 fields
+    of `model.rope_scaling` under rope_type "default"; `data.token_dtype` unless data.source is
+    "tokens", `data.path` unless "text" or "tokens", `data.max_corpus_bytes` unless "stdlib"."""
+    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    model, data = config.get("model"), config.get("data")
+    if isinstance(model, dict):
+        if model.get("head_dim") is None and {"hidden_size", "num_attention_heads"} <= model.keys():
+            model["head_dim"] = model["hidden_size"] // model["num_attention_heads"]
+        scaling = model.get("rope_scaling")
+        if isinstance(scaling, dict) and scaling.get("rope_type", "default") == "default":
+            model["rope_scaling"] = {"rope_type": "default"}
+    if isinstance(data, dict) and "source" in data:
+        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes")}.get(
+            data["source"], ("token_dtype", "path")
+        )
+        for key in unused:
+            data.pop(key, None)
+    return config
+
+
 def llama_model_config(**overrides) -> ConfigDict:
     """A Llama `config.model` section, LlamaConfig field names plus `model_type`."""
     model = ConfigDict(

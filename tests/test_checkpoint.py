@@ -236,6 +236,29 @@ def test_compare_configs():
     )
 
 
+def test_compare_configs_treats_derived_defaults_as_equal():
+    """A key left to its derived default and the value it derives to are the same config; keys
+    another key makes unused never differ; a real difference in either still refuses."""
+    explicit = source_config()
+    explicit.model.head_dim = explicit.model.hidden_size // explicit.model.num_attention_heads
+    derived = with_overrides(explicit, {"data": 2, "tensor": 4})
+    derived.model.head_dim = None
+    derived.model.rope_scaling.factor = 2.0  # unused by rope_type "default"
+    derived.data.token_dtype = "uint32"  # unused by data.source "stdlib"
+    derived.data.path = ""
+    assert compare_configs(explicit.to_json_best_effort(), derived.to_json_best_effort(), checkpoint="/c/3") == []
+    assert compare_configs(derived.to_json_best_effort(), explicit.to_json_best_effort(), checkpoint="/c/3") == []
+    derived.model.head_dim = 2 * explicit.model.head_dim
+    with pytest.raises(CheckpointError, match=r"model.head_dim \(saved 8, now 16\)"):
+        compare_configs(explicit.to_json_best_effort(), derived.to_json_best_effort(), checkpoint="/c/3")
+    llama3 = with_overrides(explicit, {"data": 2, "tensor": 4})
+    llama3.model.rope_scaling.rope_type = "llama3"
+    other = with_overrides(llama3, {"data": 2, "tensor": 4})
+    other.model.rope_scaling.factor = 2.0
+    with pytest.raises(CheckpointError, match=r"model.rope_scaling.factor \(saved 8.0, now 2.0\)"):
+        compare_configs(llama3.to_json_best_effort(), other.to_json_best_effort(), checkpoint="/c/3")
+
+
 def test_shared_storage_check_single_process(tmp_path):
     check_shared_storage(str(tmp_path / "new" / "dir"))
     assert os.path.isdir(tmp_path / "new" / "dir") and os.listdir(tmp_path / "new" / "dir") == []

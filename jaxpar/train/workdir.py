@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from etils import epath
 
 from jaxpar.checkpoint import CheckpointError, compare_configs
-from jaxpar.checkpoint.listing import finished_steps, saved_config, saved_data_state
+from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.manager import is_remote
 from jaxpar.checkpoint.storage import remote_problem
 from jaxpar.data.sources import corpus_tokens
@@ -124,6 +124,12 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     notes = []
     steps = finished_steps(ckpt_dir)
     earlier = _earlier_run_files(workdir) if os.path.isdir(workdir) else []
+    converted = converted_from(ckpt_dir, steps)
+    if overwrite and converted:
+        return None, [
+            f"checkpoint.dir={ckpt_dir} holds checkpoint {converted[0]}, converted from {converted[1]} by scripts/convert.py; "
+            f"--overwrite never deletes a converted checkpoint: drop --overwrite to train from it, or choose another checkpoint.dir"
+        ]
     if overwrite:
         if steps or earlier:
             notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) is deleted when this run starts")
@@ -139,9 +145,9 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             notes += compare_configs(saved, current, checkpoint=os.path.join(ckpt_dir, str(step)))
             corpus_problem = _corpus_changed(config, ckpt_dir, step)
         except CheckpointError as e:
-            return None, [f"{e}; {OVERWRITE_HINT}"]
+            return None, [f"{e}; {_refusal_hint(ckpt_dir, step, converted)}"]
         if corpus_problem:
-            return None, [f"{corpus_problem}; {OVERWRITE_HINT}"]
+            return None, [f"{corpus_problem}; {_refusal_hint(ckpt_dir, step, converted)}"]
         return WorkdirPlan(workdir, ckpt_dir, step, False, tuple(notes)), []
     if steps:
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
@@ -151,6 +157,15 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             f"to resume from; {OVERWRITE_HINT}"
         ]
     return WorkdirPlan(workdir, ckpt_dir, None, False, tuple(notes)), []
+
+
+def _refusal_hint(ckpt_dir: str, step: int, converted: tuple[int, str] | None) -> str:
+    if converted is not None and converted[0] == step:
+        return (
+            f"it was converted from {converted[1]} by scripts/convert.py: train with the command convert.py printed "
+            f"(the model of {converted[1]}, the config convert.py was given)"
+        )
+    return OVERWRITE_HINT
 
 
 def corpus_changed_problem(path: str, saved: int, now: int) -> str:
