@@ -35,21 +35,26 @@ def resolve_derived(config: dict) -> dict:
     compare equal: `model.head_dim` None -> hidden_size // num_attention_heads; the llama3 fields
     of `model.rope_scaling` under rope_type "default"; `data.token_dtype` unless data.source is
     "tokens", `data.path` unless "text" or "tokens", `data.max_corpus_bytes` unless "stdlib"."""
-    config = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
-    model, data = config.get("model"), config.get("data")
-    if isinstance(model, dict):
-        if model.get("head_dim") is None and {"hidden_size", "num_attention_heads"} <= model.keys():
-            model["head_dim"] = model["hidden_size"] // model["num_attention_heads"]
+    config = ConfigDict(config)  # a deep copy, and sections by attribute
+    model = config.get("model")
+    if isinstance(model, ConfigDict):
+        if model.get("head_dim") is None and {"hidden_size", "num_attention_heads"} <= set(model.keys()):
+            model.head_dim = model.hidden_size // model.num_attention_heads
         scaling = model.get("rope_scaling")
-        if isinstance(scaling, dict) and scaling.get("rope_type", "default") == "default":
-            model["rope_scaling"] = {"rope_type": "default"}
-    if isinstance(data, dict) and "source" in data:
+        if isinstance(scaling, ConfigDict) and scaling.get("rope_type", "default") == "default":
+            model.rope_scaling = ConfigDict({"rope_type": "default"})
+    try:
+        data = config.data  # by attribute: the section's name is also a mesh axis name (jaxpar.axes)
+    except AttributeError:
+        data = None
+    if isinstance(data, ConfigDict) and "source" in data:
         unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes")}.get(
-            data["source"], ("token_dtype", "path")
+            data.source, ("token_dtype", "path")
         )
         for key in unused:
-            data.pop(key, None)
-    return config
+            if key in data:
+                del data[key]
+    return config.to_dict()
 
 
 def llama_model_config(**overrides) -> ConfigDict:

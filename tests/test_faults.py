@@ -97,3 +97,20 @@ def test_signal_saves_a_final_checkpoint_and_exits_cleanly(tmp_path, signum):
     )
     assert f"received {name}: finishing this step and saving a checkpoint" in out
     assert (workdir / ".lock").read_text() == "", "the lock was not released"
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_write_that_fails_is_one_line(tmp_path):
+    """No file may grow past 64 KiB (RLIMIT_FSIZE), so the first checkpoint's array files fail to
+    write in Orbax's background threads, as on a disk that fills during the save: one line naming
+    the directory, step and OS error, exit 1, and none of Orbax's own reports of it."""
+    config = write(tmp_path / "config.py", CONFIG_FILE.format(vocab=256, steps=2, every=1))
+    workdir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, WORKER, "limit_file_size", str(64 << 10), "--", f"--config={config}", f"--workdir={workdir}", "--cpu_devices=4"],
+        capture_output=True, text=True, env=env(), timeout=200,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: writing checkpoints in {workdir / 'checkpoints'} failed at step 1") and "File too large" in line
+    assert finished_steps(str(workdir / "checkpoints")) == []

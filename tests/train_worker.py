@@ -3,11 +3,15 @@
 python tests/train_worker.py kill_mid_save STEP -- TRAIN_ARGS...
     trains as scripts/train.py would, and SIGKILLs itself as soon as the async save of step STEP
     has started (save() returned, the background commit still writing), like a preempted node.
+python tests/train_worker.py limit_file_size BYTES -- TRAIN_ARGS...
+    trains with no file allowed to grow past BYTES (RLIMIT_FSIZE; SIGXFSZ ignored, so a write past
+    it fails with EFBIG), like a disk that fills while a checkpoint is written.
 """
 
 import glob
 import importlib.util
 import os
+import resource
 import signal
 import sys
 
@@ -40,7 +44,13 @@ def kill_mid_save(step: int, train_args: list[str]) -> int:
     return load_train_script().main(train_args)
 
 
+def limit_file_size(limit: int, train_args: list[str]) -> int:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return load_train_script().main(train_args)
+
+
 if __name__ == "__main__":
-    mode, step, separator, *rest = sys.argv[1:]
-    assert mode == "kill_mid_save" and separator == "--"
-    sys.exit(kill_mid_save(int(step), rest))
+    mode, number, separator, *rest = sys.argv[1:]
+    assert separator == "--"
+    sys.exit({"kill_mid_save": kill_mid_save, "limit_file_size": limit_file_size}[mode](int(number), rest))

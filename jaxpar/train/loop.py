@@ -15,7 +15,6 @@ process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import time
@@ -26,7 +25,7 @@ from jax.experimental import multihost_utils
 
 from jaxpar import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
-from jaxpar.checkpoint.manager import is_remote
+from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe
@@ -200,6 +199,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
             print(line)
         print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
         print(memory_report(program), flush=True)
+    check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before compiling, not at the first save
     resuming = plan.resume_step is not None
     run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, len(tokens))
     if resuming:
@@ -220,7 +220,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     run.observer = Observer(config, plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
     run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=progress and jax.process_index() == 0)
-    history = []
+    history, failed = [], True
     try:
         with signals.deferred():
             for step in range(start + 1, train_cfg.steps + 1):
@@ -234,9 +234,10 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
                 history.append(record)
                 _after_step(run, step, state, record, metrics, signals)
         _save(run, train_cfg.steps, state, force=True)
-        _wait(run, train_cfg.steps)
+        run.checkpoints.wait()
+        failed = False
     finally:
-        _finish(run)
+        _finish(run, failed)
     return history
 
 
@@ -266,36 +267,19 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     signum = signals.agreed()
     if signum is not None:
         _save(run, step, state, force=True)
-        _wait(run, step)
+        run.checkpoints.wait()
         path = run.checkpoints.path(step)
         name = signal.Signals(signum).name
         raise Interrupted(signum, f"interrupted by {name} after step {step}: checkpoint {path} saved; rerun the same command to resume")
 
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
+    # A failed (background) write surfaces at the next save or wait as one CheckpointError line.
     data_state = {**run.iterator.get_state(), "corpus_tokens": run.corpus_tokens}
-    with _naming_failures(run, step):
-        run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+    run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
 
 
-def _wait(run: _Run, step: int) -> None:
-    with _naming_failures(run, step):
-        run.checkpoints.wait()
-
-
-@contextlib.contextmanager
-def _naming_failures(run: _Run, step: int):
-    """A failed (background) write surfaces at the next save or wait: one line naming the directory."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore / OS errors alike
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"writing checkpoints in {run.checkpoints.directory} failed at step {step} ({type(e).__name__}: {first})") from None
-
-
-def _finish(run: _Run) -> None:
+def _finish(run: _Run, failed: bool) -> None:
     if run.observer is not None:
         run.observer.close()
     if run.progress is not None:
@@ -305,5 +289,7 @@ def _finish(run: _Run) -> None:
     if run.checkpoints is not None:
         try:
             run.checkpoints.close()  # waits for a save still being written
-        except Exception as e:  # noqa: BLE001 - do not hide the error that ended the run
-            _say(f"closing checkpoints failed ({type(e).__name__}: {e})")
+        except CheckpointError:
+            if not failed:
+                raise
+            # else: the error that ended the run is the one reported (often this same failed write)
