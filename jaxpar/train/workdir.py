@@ -5,8 +5,13 @@ elsewhere) and `.lock`. Before anything is written, `inspect` decides what a new
 - nothing there (or no such directory): a fresh run;
 - complete checkpoints whose saved config fits (same model and data; mesh, parallel, steps may
   change — `jaxpar.checkpoint.compare_configs`): resume from the newest;
-- anything else of an earlier run (another model or data, or logs without a checkpoint): refused in
-  one line naming what differs, unless `--overwrite`, which clears it once the run is known to start.
+- logs of a run of the same model and data that wrote no checkpoint (it failed or was killed
+  before its first): replaced, as by `--overwrite` — rerunning the command is what it asks for;
+- anything else of an earlier run (another model or data, logs of another config without a
+  checkpoint): refused in one line naming what differs, unless `--overwrite`.
+Replacing never deletes first: the earlier run is moved aside when the new run is known to start and
+deleted only at the new run's first complete checkpoint (`jaxpar.train.aside`). A `previous-*`
+folder left by a killed replacement is named at every start.
 
 `WorkdirLock` keeps two runs out of one workdir with `flock` on `.lock`: the kernel drops the lock
 when its holder dies, so a lock left by a killed run is stale by construction and simply taken over
@@ -20,7 +25,6 @@ continues without duplicated or missing steps.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import math
@@ -29,16 +33,18 @@ import socket
 import time
 from dataclasses import dataclass
 
-from etils import epath
-
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
-from jaxpar.checkpoint.manager import is_remote
-from jaxpar.checkpoint.storage import remote_problem
+from jaxpar.checkpoint.storage import is_remote, remote_problem
 from jaxpar.data.sources import corpus_tokens
+from jaxpar.train import aside as asides
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
-OVERWRITE_HINT = "pass --overwrite to start afresh (it deletes the earlier run) or choose another --workdir"
+# A run's files and folders in its workdir besides checkpoints (the last two: jaxpar.train.observe's).
+RUN_FILES = (METRICS_FILE, CONFIG_FILE, "tensorboard", "profile")
+OVERWRITE_HINT = (
+    "pass --overwrite to replace it (it is kept aside until the new run's first checkpoint) or choose another --workdir"
+)
 
 
 class WorkdirError(RuntimeError):
@@ -59,7 +65,7 @@ class WorkdirPlan:
     workdir: str
     checkpoint_dir: str
     resume_step: int | None  # the newest complete checkpoint that fits the config; None: fresh run
-    overwrite: bool  # clear the earlier run's files when the run starts
+    overwrite: bool  # move the earlier run's files aside when the run starts (`jaxpar.train.aside`)
     notes: tuple[str, ...]  # one line each, printed at start
 
 
@@ -130,9 +136,14 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             f"checkpoint.dir={ckpt_dir} holds checkpoint {converted[0]}, converted from {converted[1]} by scripts/convert.py; "
             f"--overwrite never deletes a converted checkpoint: drop --overwrite to train from it, or choose another checkpoint.dir"
         ]
+    notes += [
+        f"{folder} holds a run an --overwrite replaced, kept because the replacing run was killed before its first "
+        f"checkpoint; move its files back to resume it, or delete it" for folder in asides.leftovers(workdir, ckpt_dir)
+    ]
+    replacing = "is moved aside when this run starts, deleted at its first checkpoint and restored if it fails before"
     if overwrite:
         if steps or earlier:
-            notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) is deleted when this run starts")
+            notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) {replacing}")
         return WorkdirPlan(workdir, ckpt_dir, None, bool(steps or earlier), tuple(notes)), []
     current = json.loads(config.to_json_best_effort())
     for step in reversed(steps):
@@ -152,11 +163,25 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     if steps:
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
     if earlier:
+        if _same_run_without_checkpoint(workdir, current):
+            notes.append(f"--workdir={workdir} holds a run of this model and data that wrote no checkpoint: starting afresh; it {replacing}")
+            return WorkdirPlan(workdir, ckpt_dir, None, True, tuple(notes)), []
         return None, [
             f"--workdir={workdir} holds an earlier run ({', '.join(earlier)}) but no complete checkpoint in {ckpt_dir} "
             f"to resume from; {OVERWRITE_HINT}"
         ]
     return WorkdirPlan(workdir, ckpt_dir, None, False, tuple(notes)), []
+
+
+def _same_run_without_checkpoint(workdir: str, current: dict) -> bool:
+    """Does WORKDIR/config.json describe the same model and data as `current` (a rerun of a run that
+    failed or was killed before its first checkpoint)?"""
+    try:
+        with open(os.path.join(workdir, CONFIG_FILE)) as f:
+            compare_configs(json.load(f), current, checkpoint=os.path.join(workdir, CONFIG_FILE))
+    except (OSError, ValueError, CheckpointError):
+        return False
+    return True
 
 
 def _refusal_hint(ckpt_dir: str, step: int, converted: tuple[int, str] | None) -> str:
@@ -249,20 +274,6 @@ def _replace_text(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def clear_earlier_run(plan: WorkdirPlan) -> None:
-    """--overwrite, once the run is known to start: delete the earlier run's logs and checkpoints."""
-    for name in (METRICS_FILE, CONFIG_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(plan.workdir, name))
-    ckpt = epath.Path(plan.checkpoint_dir)
-    if not ckpt.exists():
-        return
-    for child in ckpt.iterdir():
-        # Only what Orbax and jaxpar put there: step directories, interrupted and quarantined saves.
-        if child.name.split(".")[0].isdigit() and child.is_dir():
-            child.rmtree()
 
 
 def write_config(workdir: str, config) -> None:
