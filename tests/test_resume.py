@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.preflight import ConfigError
+from jaxpar.data.sources import corpus_fingerprint
+from jaxpar.preflight import ConfigError, check_run
 from jaxpar.train.loop import train
 from jaxpar.train.observe import TIMING_FIELDS
 from tests import tiny
@@ -125,7 +126,8 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(runs / "stopped", workdir)
     with open(workdir / "checkpoints" / "3" / "data_iterator" / "metadata") as f:
-        assert json.load(f) == {"step": 3, "corpus_tokens": 20_000}, "the token iterator's state is in the checkpoint"
+        saved = json.load(f)
+    assert saved == {"step": 3, "corpus_tokens": 20_000, "corpus_fingerprint": corpus_fingerprint(config().data)}, saved
     before = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     other = config()
     other.model.hidden_size = 128
@@ -148,6 +150,21 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
             os.replace(file + ".orig", file)
     (line,) = str(error.value).splitlines()
     assert "saved reading a corpus of 20000 tokens but the corpus now has 30000" in line, line
+    # Rewritten at the same size (another seed): the sampled content tells.
+    ids = np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16)
+    shutil.copy(corpus, corpus + ".orig")
+    ids.tofile(corpus)
+    try:
+        with pytest.raises(ConfigError) as error:
+            train(config(), str(workdir), progress=False)
+    finally:
+        os.replace(corpus + ".orig", corpus)
+    (line,) = str(error.value).splitlines()
+    assert "saved reading a corpus of the same size (20000 tokens) but other content" in line, line
+    # A resumed run does not read train.init_from_hf: said once, not silently.
+    plan = check_run(config(init_from_hf=str(tmp_path)), str(workdir), 8, "cpu").workdir
+    assert plan.resume_step == 3
+    assert f"train.init_from_hf={tmp_path} is ignored: this run resumes from checkpoint {workdir / 'checkpoints' / '3'}" in plan.notes
     after = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     assert after == before
 

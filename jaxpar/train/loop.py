@@ -30,6 +30,7 @@ from jaxpar import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
+from jaxpar.data.sources import corpus_fingerprint, corpus_warnings
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe
 from jaxpar.checkpoint.listing import finished_steps
@@ -137,7 +138,7 @@ class _Run:
     program: object
     iterator: BatchIterator
     checkpoints: Checkpoints | None
-    corpus_tokens: int
+    corpus: dict  # the corpus's identity (size, fingerprint), saved with every checkpoint
     signals: StopSignals
     show_progress: bool
     metrics: workdirs.MetricsLog | None = None
@@ -165,9 +166,8 @@ def _restore(run: _Run):
     # A fallback may have landed on an older checkpoint: its config must fit too.
     for note in compare_configs(restored.config, run.config.to_json_best_effort(), checkpoint=restored.path):
         _say(note)
-    saved_tokens = restored.data_state.get("corpus_tokens")
-    if saved_tokens is not None and saved_tokens != run.corpus_tokens:
-        raise CheckpointError(workdirs.corpus_changed_problem(restored.path, saved_tokens, run.corpus_tokens))
+    if problem := workdirs.corpus_changed_problem(restored.path, restored.data_state, run.corpus):
+        raise CheckpointError(problem)
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
     return restored.state, int(restored.data_state["step"])
 
@@ -222,6 +222,9 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     if not is_remote(plan.checkpoint_dir):
         check_shared_storage(plan.checkpoint_dir)
     tokens = load_tokens(config.data)
+    for warning in corpus_warnings(config.data, tokens):
+        _say(f"warning: {warning}")
+    corpus = {workdirs.CORPUS_TOKENS: len(tokens), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
     batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
     signals.check("data", resuming)
     program = build(config, devices)
@@ -232,7 +235,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         print(memory_report(program), flush=True)
     check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before compiling, not at the first save
     signals.check("build", resuming)
-    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, len(tokens), signals, progress)
+    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, corpus, signals, progress)
     try:
         history = _run(run, resuming, batches.shape)
     except BaseException as error:
@@ -327,7 +330,7 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
     # A failed (background) write surfaces at the next save or wait as one CheckpointError line.
-    data_state = {**run.iterator.get_state(), "corpus_tokens": run.corpus_tokens}
+    data_state = {**run.iterator.get_state(), **run.corpus}
     run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
 
 

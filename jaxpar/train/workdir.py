@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.storage import is_remote, remote_problem
-from jaxpar.data.sources import corpus_tokens
+from jaxpar.data.sources import corpus_fingerprint, corpus_tokens
 from jaxpar.train import aside as asides
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
@@ -159,6 +159,11 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             return None, [f"{e}; {_refusal_hint(ckpt_dir, step, converted)}"]
         if corpus_problem:
             return None, [f"{corpus_problem}; {_refusal_hint(ckpt_dir, step, converted)}"]
+        if config.train.init_from_hf:
+            notes.append(
+                f"train.init_from_hf={config.train.init_from_hf} is ignored: this run resumes from checkpoint "
+                f"{os.path.join(ckpt_dir, str(step))}"
+            )
         return WorkdirPlan(workdir, ckpt_dir, step, False, tuple(notes)), []
     if steps:
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
@@ -193,22 +198,35 @@ def _refusal_hint(ckpt_dir: str, step: int, converted: tuple[int, str] | None) -
     return OVERWRITE_HINT
 
 
-def corpus_changed_problem(path: str, saved: int, now: int) -> str:
-    return (
-        f"checkpoint {path} was saved reading a corpus of {saved} tokens but the corpus now has {now}: "
-        f"its data position would point elsewhere; restore the corpus"
-    )
+# The data-state keys that identify the corpus a checkpoint was saved reading.
+CORPUS_TOKENS, CORPUS_FINGERPRINT = "corpus_tokens", "corpus_fingerprint"
+
+
+def corpus_changed_problem(path: str, saved: dict, now: dict) -> str | None:
+    """One line if a checkpoint's saved corpus identity (`saved`, its data state) differs from the
+    corpus now (`now`: CORPUS_TOKENS and CORPUS_FINGERPRINT), else None. Keys a checkpoint lacks
+    (older checkpoints, converted ones) are not compared."""
+    tokens, fingerprint = saved.get(CORPUS_TOKENS), saved.get(CORPUS_FINGERPRINT)
+    if tokens is not None and tokens != now[CORPUS_TOKENS]:
+        change = f"a corpus of {tokens} tokens but the corpus now has {now[CORPUS_TOKENS]}"
+    elif fingerprint is not None and fingerprint != now[CORPUS_FINGERPRINT]:
+        change = f"a corpus of the same size ({now[CORPUS_TOKENS]} tokens) but other content (its sampled blocks differ)"
+    else:
+        return None
+    return f"checkpoint {path} was saved reading {change}: its data position would point elsewhere; restore the corpus"
+
+
+def corpus_identity(data_config) -> dict:
+    return {CORPUS_TOKENS: corpus_tokens(data_config), CORPUS_FINGERPRINT: corpus_fingerprint(data_config)}
 
 
 def _corpus_changed(config, ckpt_dir: str, step: int) -> str | None:
     """Same data config but another corpus (a token file rewritten, a folder grown)?"""
-    saved = saved_data_state(ckpt_dir, step).get("corpus_tokens")
+    saved = saved_data_state(ckpt_dir, step)
     try:
-        now = corpus_tokens(config.data)
+        now = corpus_identity(config.data)
     except (OSError, ValueError):
         return None  # the data preflight reports an unreadable corpus
-    if saved is None or saved == now:
-        return None
     return corpus_changed_problem(os.path.join(ckpt_dir, str(step)), saved, now)
 
 
