@@ -4,8 +4,10 @@
       [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite] [--plan=a100-80g]
 
 Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
-problem on stderr; 1 a checkpoint could not be written or read; 3 stopped for non-finite values;
-130 / 143 interrupted by SIGINT / SIGTERM (after a final checkpoint).
+problem on stderr; 1 a checkpoint could not be written or read (a full disk included); 3 stopped
+for non-finite values; 4 another process of a multi-process run was lost (`jaxpar.peers`); 130 /
+143 interrupted by SIGINT / SIGTERM (during start-up: nothing changed; in the loop: after a final
+checkpoint; a second signal quits at once, without one).
 Multi-process: see `--help` and README ("Multi-process runs").
 """
 

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxpar import preflight
+from jaxpar import peers, preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
@@ -37,7 +37,7 @@ from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.train import aside as asides
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
-from jaxpar.train.nonfinite import NonFiniteGuard
+from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
 from jaxpar.train.setup import build, bytes_per_device
@@ -118,15 +118,32 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     CheckpointError, NonFiniteStop or Interrupted (during start-up: nothing changed; in the loop:
     after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
-    with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
-        run = _run_preflight(config, workdir, devices, overwrite)
-        signals.check("preflight", run.workdir.resume_step is not None)
-        lock = _lock(workdir)
-        try:
-            return _train(config, run, devices, signals, progress)
-        finally:
-            if lock is not None:
-                lock.release()
+    try:
+        with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
+            run = _run_preflight(config, workdir, devices, overwrite)
+            signals.check("preflight", run.workdir.resume_step is not None)
+            peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
+            lock = _lock(workdir)
+            try:
+                return _train(config, run, devices, signals, progress)
+            finally:
+                if lock is not None:
+                    lock.release()
+    except (preflight.ConfigError, workdirs.WorkdirError, NonFiniteStop, Interrupted):
+        raise  # one-line errors every process reaches together
+    except CheckpointError:
+        peers.stop_if_peer_lost(collective_failed=False)  # a lost peer ends this process here (exit 4)
+        raise
+    except Exception:
+        peers.stop_if_peer_lost(collective_failed=True)
+        raise
+
+
+def _resume_point(checkpoint_dir: str) -> str:
+    steps = finished_steps(checkpoint_dir)
+    if not steps:
+        return f"no checkpoint was completed in {checkpoint_dir}"
+    return f"the newest complete checkpoint, {checkpoint_dir}/{steps[-1]}, is the resume point"
 
 
 @dataclasses.dataclass
