@@ -159,7 +159,8 @@ def test_a_signal_at_every_start_up_phase_stops_with_one_line(tmp_path):
             assert finished_steps(checkpoints) == [1] and [r["step"] for r in lines(workdir)] == [1]
             continue
         then = "resume" if phase == "restore" else "start"
-        assert line == f"interrupted by {name} during start-up ({phase}); nothing of an earlier run was changed: rerun the same command to {then}"
+        said = {"data": "loading data"}.get(phase, phase)
+        assert line == f"interrupted by {name} during start-up ({said}); nothing of an earlier run was changed: rerun the same command to {then}"
         assert f"received {name}: stopping after this start-up phase" in done.stdout
         if phase == "restore":
             assert finished_steps(checkpoints) == [1] and [r["step"] for r in lines(workdir)] == [1]

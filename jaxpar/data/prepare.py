@@ -189,7 +189,9 @@ def sidecar_path(token_file: str) -> str:
 def _refuse_existing(output: str) -> None:
     for path in (output, sidecar_path(output)):
         if os.path.lexists(path):
-            raise PrepareError(f"--output={output}: {path} already exists; pass --overwrite to replace it or choose another --output")
+            raise PrepareError(
+                f"--output={output}: {path} already exists; pass --overwrite to replace it or choose another --output"
+            )
 
 
 def prepare(

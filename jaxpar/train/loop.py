@@ -243,7 +243,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         _say(f"warning: {warning}")
     corpus = {workdirs.CORPUS_TOKENS: len(tokens), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
     batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
-    signals.check("data", resuming)
+    signals.check("loading data", resuming)
     program = build(config, devices)
     if jax.process_index() == 0:
         for line in report(program.mesh):

@@ -4,8 +4,8 @@ The handler never raises. A signal may arrive while the main thread is inside na
 compile, a step, a collective), where an exception raised by a Python handler crashed the process
 (issue 25: exit 139 in 8 of 10 tries during the AOT compile). So the first signal is only recorded,
 and the run stops at the next safe point:
-- during start-up, at the end of the phase it arrived in (`check`: preflight, lock, data, build,
-  restore, compile): `Interrupted`, one line, nothing of an earlier run changed;
+- during start-up, at the end of the phase it arrived in (`check`: preflight, loading data, build,
+  restore or init, compile): `Interrupted`, one line, nothing of an earlier run changed;
 - in the training loop (`deferred()`), after the step: the loop saves a final checkpoint and raises
   `Interrupted` itself.
 A second signal quits at once, even while the main thread is blocked in native code (where Python
@@ -77,9 +77,8 @@ class StopSignals:
                 data = os.read(read_fd, 64)
             except BlockingIOError:
                 continue
-            except OSError:
-                return  # the pipe was closed: the `with` block ended
-            if not data:
+            if not data:  # the write end was closed: the `with` block ended
+                os.close(read_fd)  # here, not there: closing an fd another thread selects on races its reuse
                 return
             for signum in data:
                 if signum not in HANDLED:
@@ -118,9 +117,8 @@ class StopSignals:
             signal.set_wakeup_fd(self._previous_wakeup)
             read_fd, write_fd = self._pipe
             self._pipe = None
-            os.close(write_fd)  # the watcher reads end-of-file and returns
-            with contextlib.suppress(OSError):
-                os.close(read_fd)
+            del read_fd
+            os.close(write_fd)  # the watcher reads end-of-file, closes its end and returns
 
     @contextlib.contextmanager
     def deferred(self):

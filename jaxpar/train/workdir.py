@@ -134,7 +134,8 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     if overwrite and converted:
         return None, [
             f"checkpoint.dir={ckpt_dir} holds checkpoint {converted[0]}, converted from {converted[1]} by scripts/convert.py; "
-            f"--overwrite never deletes a converted checkpoint: drop --overwrite to train from it, or choose another checkpoint.dir"
+            f"--overwrite never deletes a converted checkpoint: drop --overwrite to train from it, or choose another "
+            f"checkpoint.dir"
         ]
     notes += [
         f"{folder} holds a run an --overwrite replaced, kept because the replacing run was killed before its first "
@@ -169,7 +170,10 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
     if earlier:
         if _same_run_without_checkpoint(workdir, current):
-            notes.append(f"--workdir={workdir} holds a run of this model and data that wrote no checkpoint: starting afresh; it {replacing}")
+            notes.append(
+                f"--workdir={workdir} holds a run of this model and data that wrote no checkpoint: starting afresh; "
+                f"it {replacing}"
+            )
             return WorkdirPlan(workdir, ckpt_dir, None, True, tuple(notes)), []
         return None, [
             f"--workdir={workdir} holds an earlier run ({', '.join(earlier)}) but no complete checkpoint in {ckpt_dir} "
