@@ -14,8 +14,9 @@ watcher also reads, so all survivors stop within about two seconds, each printin
 names the lost process and ending with EXIT_PEER_LOST, without running JAX's shutdown barrier. The
 main thread does the same at once when a collective fails (`stop_if_peer_lost`, called by the
 training loop). A process that ends on its own (done, or an error of its own) first marks itself
-ended (`atexit`), so its neighbours do not take a normal finish for a loss; its watcher goes on
-during JAX's shutdown barrier, where a neighbour that dies is still noticed.
+ended and stops its watcher (`atexit`, before JAX's shutdown): its neighbours do not take a normal
+finish for a loss, and no thread is inside a JAX call when Python finalizes (a daemon thread torn
+down there aborts the process: "FATAL: exception not rethrown").
 
 The resume point is the last complete checkpoint: a save in flight never completes (Orbax finalises
 a checkpoint only after every process has committed its shards).
@@ -76,8 +77,9 @@ class _Watch:
                 host, port = client.blocking_key_value_get(ADDRESS_KEY.format(i), 300_000).split()
                 self.peers[i] = (host, int(port))
         self.hint: Callable[[], str] = lambda: "the last complete checkpoint is the resume point"
-        self.reporting = threading.Lock()
-        threading.Thread(target=self._run, name="jaxpar-peers", daemon=True).start()
+        self.reporting, self.stop = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="jaxpar-peers", daemon=True)
+        self.thread.start()
         atexit.register(self.end)
 
     # -- the watcher thread ----------------------------------------------------------------
@@ -93,9 +95,11 @@ class _Watch:
     def _run(self) -> None:
         neighbour = (self.me + 1) % self.n
         unreachable_since = None
-        while True:
+        while not self.stop.wait(0):
             select.select([self.server], [], [], PROBE_S)
             self._drain()
+            if self.stop.is_set():
+                return
             verdict = self._published()
             if verdict is not None:
                 self.report(verdict)
@@ -168,11 +172,15 @@ class _Watch:
         return None
 
     def end(self) -> None:
-        """This process ends on its own: its neighbours must not take that for a loss."""
+        """This process ends on its own: its neighbours must not take that for a loss; the watcher
+        stops (joined, so it is not inside a JAX call when Python finalizes)."""
         try:
             self.client.key_value_set(ENDED_KEY.format(self.me), "1", allow_overwrite=True)
         except Exception:  # noqa: BLE001 - the service may already be shut down
             pass
+        self.stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout=2 * CONNECT_TIMEOUT_S + PROBE_S)
 
 
 def _family(coordinator: str) -> socket.AddressFamily:

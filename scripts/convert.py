@@ -173,9 +173,12 @@ def to_hf(args) -> int:
 
     from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state
     from jaxpar.checkpoint.listing import finished_steps, saved_config
+    from jaxpar.checkpoint.storage import remote_problem
     from jaxpar.interop import hf
     from jaxpar.train.setup import build
 
+    if problem := remote_problem(args.from_checkpoint, key="--from_checkpoint"):
+        return _error(problem)
     directory = _checkpoint_dir(args.from_checkpoint)
     steps = finished_steps(directory)
     if not steps:

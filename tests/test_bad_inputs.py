@@ -183,8 +183,9 @@ CASES = [
     ("earlier_run_other_model", lambda t: (t.no_overwrite(["--config.model.hidden_size=128"]), "model.hidden_size (saved 64, now 128)")),
     ("earlier_run_other_data", lambda t: (t.no_overwrite(["--config.data.max_corpus_bytes=90000"]), "data.max_corpus_bytes (saved 100000, now 90000)")),
     ("workdir_locked", lambda t: (t.locked(), "is in use by another run (host elsewhere, pid")),
-    # /proc passes the permission checks (root may "write" there) but no directory can be made in it.
-    ("workdir_lock_impossible", lambda t: (["--workdir=/proc/jaxpar-no-such-run"], "--workdir=/proc/jaxpar-no-such-run: cannot create its lock file")),
+    # As root (the tests' user) /proc passes the permission checks, but no directory can be made in
+    # it: the lock's creation fails ("cannot create its lock file"); others get preflight's line.
+    ("workdir_lock_impossible", lambda t: (["--workdir=/proc/jaxpar-no-such-run"], "--workdir=/proc/jaxpar-no-such-run")),
     # -- transformers checkpoints (train.init_from_hf)
     ("hf_dir_missing", lambda t: ([f"--config.train.init_from_hf={t.root / 'nohf'}"], "train.init_from_hf=")),
     ("hf_no_config", hf_edit("no_config")),

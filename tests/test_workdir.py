@@ -136,3 +136,10 @@ def test_overwrite_moves_the_earlier_run_aside_then_restores_or_lets_go(tmp_path
     aside.let_go()
     assert not asides.leftovers(str(workdir), str(ckpt)) and not (workdir / "metrics.jsonl").exists()
     assert asides.set_aside(str(workdir), str(ckpt), workdirs.RUN_FILES) is None, "nothing left to move"
+
+
+def test_a_lock_that_cannot_be_created_is_one_line():
+    with pytest.raises(workdirs.WorkdirError) as error:
+        workdirs.WorkdirLock("/proc/jaxpar-no-such-run").acquire()
+    (line,) = str(error.value).splitlines()
+    assert line.startswith("--workdir=/proc/jaxpar-no-such-run: cannot create its lock file /proc/jaxpar-no-such-run/.lock")

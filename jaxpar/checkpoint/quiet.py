@@ -57,8 +57,9 @@ class _Noise(logging.Filter):
             if self.users > 1:
                 return
             for name in LOGGERS:
-                logging.getLogger(name).addFilter(self)
-            self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+                logging.getLogger(name).addFilter(self)  # idempotent
+            if sys.unraisablehook != self._unraisable:  # still installed after a failure
+                self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
 
     def close(self) -> None:
         with self._lock:
