@@ -6,3 +6,11 @@ Where things live: `config` (every key and its default), `mesh` + `axes` (the fi
 plan that decides them), `models/` (the families and their functional face), `train/` (loss, step,
 setup, loop), `data/`, `interop/` (transformers checkpoints), `kernels/`.
 """
+
+
+def generate(model_config, params, prompts, **kwargs):
+    """Token ids continuing each prompt: `jaxpar.sampling.generate` (imported on first use, so
+    `import jaxpar` stays light)."""
+    from jaxpar.sampling import generate as _generate
+
+    return _generate(model_config, params, prompts, **kwargs)

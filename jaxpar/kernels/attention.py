@@ -12,6 +12,11 @@ path), with fewer passes over the [B, H, T, S] scores:
     tiling: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K, dK = dSᵀ Q.
 Softmax statistics are fp32 whatever the input dtype (as jax's XLA path does). Compared with
 `jax.nn.dot_product_attention` by `tests/test_cpu_kernels.py`.
+
+`masked_attention(q, k, v, mask [B, T, S])` is the same forward with an explicit mask instead of
+the causal one: the decode path (`jaxpar.sampling`) attends over a KV cache whose valid slots
+differ per row (left padding). Forward only; proven by the cached-vs-full-forward logits of
+`tests/test_sampling.py`.
 """
 
 from __future__ import annotations
@@ -32,19 +37,22 @@ def _grouped(q, k):
     return q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
 
 
-def _scores(qg, k):
-    """Masked fp32 scores [B, K, G, T, S] from scaled grouped queries and k [B, S, K, D]."""
+def _scores(qg, k, mask=None):
+    """Masked fp32 scores [B, K, G, T, S] from scaled grouped queries and k [B, S, K, D]; `mask`
+    [B, T, S] (True: attend) replaces the causal mask when given."""
     s = jnp.einsum("bkgtd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    if mask is not None:
+        return jnp.where(mask[:, None, None], s, _MASKED)
     t, length = s.shape[-2], s.shape[-1]
     row = jax.lax.broadcasted_iota(jnp.int32, (t, length), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (t, length), 1)
     return jnp.where(col <= row, s, _MASKED)  # jax's causal mask: tril of [T, S]
 
 
-def _forward(q, k, v):
+def _forward(q, k, v, mask=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q * jnp.asarray(scale, q.dtype), k)
-    s = _scores(qg, k)
+    s = _scores(qg, k, mask)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
@@ -53,6 +61,11 @@ def _forward(q, k, v):
     lse = (m + jnp.log(l))[..., 0]  # [B, K, G, T]
     b, t, h, d = q.shape
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype), lse
+
+
+def masked_attention(q, k, v, mask):
+    """q [B, T, H, D] over k, v [B, S, K, D] where `mask` [B, T, S] is True (forward only)."""
+    return _forward(q, k, v, mask)[0]
 
 
 @jax.custom_vjp

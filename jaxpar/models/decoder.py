@@ -54,6 +54,13 @@ class DecoderBlock(nnx.Module):
         mlp_out, aux = self.mlp(self.post_attention_norm(x), opts)
         return constrain(opts.rules, x + mlp_out, RESIDUAL), aux
 
+    def cached(self, x, positions, inv_freq, kv_cache, write_at, mask, opts: RunOptions):
+        """The decode path: (x, this layer's updated KV cache); see `Attention.cached`."""
+        out, kv_cache = self.attention.cached(self.input_norm(x), positions, inv_freq, kv_cache, write_at, mask, opts)
+        x = constrain(opts.rules, x + out, RESIDUAL)
+        mlp_out, _ = self.mlp(self.post_attention_norm(x), opts)
+        return constrain(opts.rules, x + mlp_out, RESIDUAL), kv_cache
+
 
 def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp):
     """`num_hidden_layers` blocks with independent init, stacked on a leading `layers` axis."""
@@ -66,9 +73,10 @@ def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp):
     return build(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
+def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn, xs=None):
     """Runs `layer_fn(block, x) -> (x, layer_aux)` over the stacked blocks with `lax.scan` (and
-    remat, if asked); returns x and the per-layer aux outputs stacked on a leading axis."""
+    remat, if asked); returns x and the per-layer aux outputs stacked on a leading axis. With `xs`
+    (arrays stacked over layers, e.g. a KV cache) it is `layer_fn(block, x, layer's slice of xs)`."""
     graphdef, state = nnx.split(blocks)
     # Each leaf's logical names without the leading `layers`: the names of one layer's slice.
     layer_names = jax.tree.map(
@@ -80,6 +88,13 @@ def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
         layer_state = gather_layer(layer_state, layer_names, opts.rules, opts.plan.zero)
         return layer_fn(nnx.merge(graphdef, layer_state), h)
 
+    def body_with_xs(h, layer_state_and_xs):
+        layer_state, layer_xs = layer_state_and_xs
+        layer_state = gather_layer(layer_state, layer_names, opts.rules, opts.plan.zero)
+        return layer_fn(nnx.merge(graphdef, layer_state), h, layer_xs)
+
+    if xs is not None:
+        return jax.lax.scan(body_with_xs, x, (state, xs))
     policy = layer_remat_policy(REMAT_POLICIES[opts.plan.remat], opts.plan.zero)
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
@@ -128,3 +143,16 @@ class Decoder(nnx.Module):
             positions = default_positions(tokens)
         x, aux = self.run_layers(self.embed_tokens(tokens, opts), positions, opts)
         return self.logits_from_hidden(x, opts), aux
+
+    def extend(self, tokens, positions, cache, write_at, mask, opts: RunOptions):
+        """The decode path (`jaxpar.sampling`): runs tokens [B, T] at `positions` [B, T], writing
+        their keys / values into `cache` (k, v [layers, B, S, K', Dh]) at slots write_at .. +T-1
+        and attending over the cache where `mask` [B, T, S] allows (no remat: nothing is
+        differentiated). Returns (fp32 logits of the last position [B, 1, padded vocab], cache)."""
+        inv_freq = rope_inverse_frequencies(self.cfg)
+
+        def layer(block, h, kv_cache):
+            return block.cached(h, positions, inv_freq, kv_cache, write_at, mask, opts)
+
+        x, cache = scan_blocks(self.layers, self.embed_tokens(tokens, opts), opts, layer, xs=cache)
+        return self.logits_from_hidden(x[:, -1:], opts), cache

@@ -82,26 +82,47 @@ class Attention(nnx.Module):
         self.v = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
         self.o = nnx.Param(normal_init(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
 
-    def __call__(self, x, positions, inv_freq, opts: RunOptions):
+    def _rotated_qkv(self, x, positions, inv_freq, opts: RunOptions):
+        """q [B, S, H, Dh] and k, v [B, S, K', Dh] (K' = KV heads, repeated for tensor when fewer
+        than its ranks), each in its head layout, q and k rotated."""
         rules, split = opts.rules, opts.plan.splits_sequence
+        # Each projection is constrained to its head layout at once: left free, under sequence
+        # parallelism the partitioner gathered the weights, ran RoPE on sequence-split q/k and
+        # then all-to-all'd them to split heads (found by comparing with jaxpar.analysis).
+        q = checkpoint_name(project(x, self.q[...], splits_sequence=split), "q_proj")
+        q = constrain(rules, q, ("batch", "seq", "act_heads", "head_dim"))
+        k = checkpoint_name(project(x, self.k[...], splits_sequence=split), "k_proj")
+        v = checkpoint_name(project(x, self.v[...], splits_sequence=split), "v_proj")
+        k, v = repeat_kv(k, v, opts.plan.tensor, rules)
+        kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
+        k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _output(self, out, opts: RunOptions):
+        out = constrain(opts.rules, out, ("batch", "seq", "act_heads", "head_dim"))
+        return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence), "o_proj")
+
+    def __call__(self, x, positions, inv_freq, opts: RunOptions):
         with jax.named_scope("attention"):
-            # Each projection is constrained to its head layout at once: left free, under sequence
-            # parallelism the partitioner gathered the weights, ran RoPE on sequence-split q/k and
-            # then all-to-all'd them to split heads (found by comparing with jaxpar.analysis).
-            q = checkpoint_name(project(x, self.q[...], splits_sequence=split), "q_proj")
-            q = constrain(rules, q, ("batch", "seq", "act_heads", "head_dim"))
-            k = checkpoint_name(project(x, self.k[...], splits_sequence=split), "k_proj")
-            v = checkpoint_name(project(x, self.v[...], splits_sequence=split), "v_proj")
-            k, v = repeat_kv(k, v, opts.plan.tensor, rules)
-            kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
-            k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
-            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            q, k, v = self._rotated_qkv(x, positions, inv_freq, opts)
             if opts.plan.context is not None:  # sequence split over devices: ring / all-gather / all-to-all
-                out = model_attention(q, k, v, positions, rules=rules, plan=opts.plan)
+                out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan)
             else:
                 out = causal_attention(q, k, v, opts.plan.attention)
-            out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
-            return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=split), "o_proj")
+            return self._output(out, opts)
+
+    def cached(self, x, positions, inv_freq, kv_cache, write_at, mask, opts: RunOptions):
+        """The decode path (`jaxpar.sampling`): writes this call's rotated k/v for x [B, T, D] into
+        `kv_cache` (k, v [B, S, K', Dh]) at slots write_at .. write_at + T - 1, then attends over the
+        whole cache where `mask` [B, T, S] allows. Returns (out [B, T, D], the updated cache)."""
+        with jax.named_scope("attention"):
+            q, k, v = self._rotated_qkv(x, positions, inv_freq, opts)
+            k_cache, v_cache = (
+                jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), write_at, axis=1)
+                for cache, new in zip(kv_cache, (k, v))
+            )
+            out = attention_kernel.masked_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+            return self._output(out, opts), (k_cache, v_cache)
 
 
 def causal_attention(q, k, v, implementation: str):
