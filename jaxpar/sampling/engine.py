@@ -72,10 +72,11 @@ def sampling_config(model_config, sizes: dict, compute_dtype: str = "float32") -
     return config
 
 
-def mesh_problems(model_config, sizes: dict, key: str = "mesh") -> list[str]:
-    """One line per reason the sampler cannot run this model on a mesh of `sizes`."""
+def mesh_problems(model_config, sizes: dict, prefix: str = "mesh.") -> list[str]:
+    """One line per reason the sampler cannot run this model on a mesh of `sizes` (`prefix`: how
+    the axis sizes are spelled where they came from: mesh.tensor, --tensor)."""
     errors = [
-        f"{key}.{axis}={sizes[axis]}: sampling does not split the model over {axis} (use tensor, data, expert)"
+        f"{prefix}{axis}={sizes[axis]}: sampling does not split the model over {axis} (use tensor, data, expert)"
         for axis in (PIPELINE, CONTEXT)
         if sizes.get(axis, 1) > 1
     ]
