@@ -81,7 +81,7 @@ def run_tokenizer(config):
     from jaxpar.data import ByteTokenizer
     from jaxpar.data.sources import BYTE_SOURCES, sidecar_path
 
-    data = config.get("data", {})
+    data = config.data
     if data.get("source") in BYTE_SOURCES:
         return ByteTokenizer()
     sidecar = sidecar_path(data.get("path", "")) if data.get("path") else ""
