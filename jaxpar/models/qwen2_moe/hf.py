@@ -52,6 +52,9 @@ def _stacks(cfg):
 def model_config(hf_config: dict):
     reject_unsupported(hf_config, {"hidden_act": "silu", "use_sliding_window": False})
     fields = decoder_model_fields(hf_config, default_eps=1e-6, default_theta=10000.0)
+    # The config class has no head_dim (hidden / heads unless config.json names one); `save`
+    # writes it out, so load it explicit either way.
+    fields["head_dim"] = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
     return qwen2_moe_config(
         **fields, **moe_fields(hf_config),
         shared_expert_intermediate_size=int(hf_config.get("shared_expert_intermediate_size", 5632)),

@@ -79,6 +79,9 @@ def moe_hf_fields(cfg) -> dict:
 def model_config(hf_config: dict):
     reject_sliding_window(hf_config)
     fields = decoder_model_fields(hf_config, default_eps=1e-6, default_theta=10000.0)
+    # The config class has no head_dim (hidden / heads unless config.json names one); `save`
+    # writes it out, so load it explicit either way.
+    fields["head_dim"] = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
     return qwen3_moe_config(**fields, **moe_fields(hf_config))
 
 
