@@ -8,7 +8,9 @@ Qwen3 of the same shape whose dense MLP has k·F + E/3 hidden units (the routed 
 the router's), both on one device, compiled once each; then `repeats` blocks of `steps` timed
 steps alternate between the two (they compete for the same cores, so they never run at once).
 Model FLOP/s: `ModelFacts.model_flops_per_step` (6·N_active·T + causal attention) over the
-median step time. The last line is `moe_gflops=<x> dense_gflops=<y> ratio=<x / y>`.
+median step time; and per CPU-second of this process (`time.process_time`, all its threads), which
+stays meaningful on a machine shared with other jobs, where wall times swing with their load. The
+last line is `moe_gflops=<x> dense_gflops=<y> ratio=<x / y> cpu_ratio=<the same per CPU-second>`.
 
 --a2a_experts: for each expert count, the MoE model on 8 emulated devices (data 2 x expert 4,
 top-k min(k, E)), two profiled steps, and the all-to-all's share of the per-device op time from
@@ -18,6 +20,7 @@ the profile breakdown (`jaxpar.analysis.profile`), written under DIR/E<count>.
 import os
 import statistics
 import sys
+import time
 
 from absl import app, flags
 
@@ -69,13 +72,18 @@ def side_by_side(moe, dense):
         runs[name] = run
         flops[name] = facts(config.model).model_flops_per_step(config.train.global_batch_size, config.train.seq_len)
         print(f"{name}: {flops[name] / 1e9:.1f} model GFLOP per step, compile + first step {compile_s + first:.1f} s", flush=True)
+    cpu = {"moe": [], "dense": []}
     for repeat in range(_REPEATS.value):
         for name, run in runs.items():
+            start = time.process_time()
             _, block = run.steps(_STEPS.value)
+            cpu[name].append((time.process_time() - start) / _STEPS.value)
             times[name].append(statistics.median(block))
-            print(f"[{repeat + 1}] {name}: step {times[name][-1]:.3f} s, {flops[name] / times[name][-1] / 1e9:.1f} GFLOP/s", flush=True)
+            print(f"[{repeat + 1}] {name}: step {times[name][-1]:.3f} s ({cpu[name][-1]:.2f} CPU-s), "
+                  f"{flops[name] / times[name][-1] / 1e9:.1f} GFLOP/s", flush=True)
     rate = {name: flops[name] / statistics.median(t) / 1e9 for name, t in times.items()}
-    return rate
+    cpu_rate = {name: flops[name] / statistics.median(t) / 1e9 for name, t in cpu.items()}
+    return rate, cpu_rate
 
 
 def a2a_shares(experts_list, top_k, expert_ffn):
@@ -115,10 +123,12 @@ def main(argv):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     sys.path.insert(0, ROOT)  # tests.tiny
     moe, dense = configs(_EXPERTS.value, _TOP_K.value, _EXPERT_FFN.value)
-    rate = side_by_side(moe, dense)
+    rate, cpu_rate = side_by_side(moe, dense)
     if _A2A.value:
         a2a_shares([int(e) for e in _A2A.value], _TOP_K.value, _EXPERT_FFN.value)
-    print(f"moe_gflops={rate['moe']:.1f} dense_gflops={rate['dense']:.1f} ratio={rate['moe'] / rate['dense']:.2f}")
+    print(f"per CPU-second: moe {cpu_rate['moe']:.1f} GFLOP, dense {cpu_rate['dense']:.1f} GFLOP")
+    print(f"moe_gflops={rate['moe']:.1f} dense_gflops={rate['dense']:.1f} ratio={rate['moe'] / rate['dense']:.2f} "
+          f"cpu_ratio={cpu_rate['moe'] / cpu_rate['dense']:.2f}")
 
 
 if __name__ == "__main__":
