@@ -88,6 +88,7 @@ class ModelFacts:
     flops_expert_row: float  # one routed row through one expert (0 dense)
     flops_router: float  # the router's projection in a routing layer (0 dense)
     flops_head: float  # the LM head per token
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3): no matmul FLOPs, more saved activations
 
     @property
     def is_moe(self) -> bool:

@@ -34,7 +34,7 @@ def qk_norm_params(model) -> int:
 def decoder_facts(
     model, *, layer_params: int, active_layer_params: int, flops_mlp: float, moe: MoEFacts | None = None,
     flops_expert_row: float = 0.0, flops_router: float = 0.0, ffn: int | None = None,
-    stack_params: tuple[int, int] | None = None,
+    stack_params: tuple[int, int] | None = None, qk_norm: bool = False,
 ) -> ModelFacts:
     """Facts of a decoder stack whose layers hold `layer_params` parameters (`active_layer_params`
     of them touched per token) around the shared embedding, final norm and LM head. Layers of two
@@ -69,4 +69,5 @@ def decoder_facts(
         flops_expert_row=float(flops_expert_row),
         flops_router=float(flops_router),
         flops_head=2.0 * d * vocab,
+        qk_norm=qk_norm,
     )

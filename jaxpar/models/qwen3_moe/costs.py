@@ -9,7 +9,7 @@ from jaxpar.models.costs import attention_params, decoder_facts, norm_params, qk
 from jaxpar.models.qwen3_moe.schema import dense_layers
 
 
-def moe_decoder_facts(model, *, attention: int, shared_ffn: int = 0):
+def moe_decoder_facts(model, *, attention: int, shared_ffn: int = 0, qk_norm: bool = False):
     """Facts of a Qwen MoE stack whose layers' attention (with its norms, biases) holds `attention`
     parameters; `shared_ffn`: the shared expert's hidden size (0: none)."""
     d, layers = model.hidden_size, model.num_hidden_layers
@@ -37,8 +37,9 @@ def moe_decoder_facts(model, *, attention: int, shared_ffn: int = 0):
         flops_expert_row=2.0 * expert,
         flops_router=2.0 * d * experts,
         ffn=model.intermediate_size if dense else 0,
+        qk_norm=qk_norm,
     )
 
 
 def facts(model):
-    return moe_decoder_facts(model, attention=attention_params(model) + qk_norm_params(model))
+    return moe_decoder_facts(model, attention=attention_params(model) + qk_norm_params(model), qk_norm=True)
