@@ -152,3 +152,17 @@ def test_save_refuses_routing_transformers_cannot_express(tmp_path):
     with pytest.raises(ValueError, match=r"^model.router_bias_update_rate=0.001 has no transformers equivalent"):
         hf.save(tmp_path / "out", cfg, params)
     assert not (tmp_path / "out").exists(), "nothing is written before the refusal"
+
+
+def test_jaxpar_fields_of_a_loss_free_config_are_kept():
+    """Training an HF checkpoint with loss-free balancing (convert --from_hf, init_from_hf): the
+    routing options config.json cannot hold come from the run's config, not a refusal to save."""
+    from jaxpar.models.families import FAMILIES
+    from tests import tiny
+
+    mine = tiny.qwen3_moe(scoring_func="sigmoid", router_bias_update_rate=1e-3, capacity_factor=1.0).model
+    adapter = FAMILIES["qwen3_moe"].hf
+    read = adapter.to_model_config(adapter.to_hf_config(tiny.qwen3_moe().model))  # as from config.json
+    merged = hf.with_jaxpar_fields(read, mine)
+    assert (merged.scoring_func, merged.router_bias_update_rate, merged.capacity_factor) == ("sigmoid", 1e-3, 1.0)
+    assert merged.to_dict() == mine.to_dict()

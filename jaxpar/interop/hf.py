@@ -28,7 +28,7 @@ from jaxpar.config import resolve_derived
 from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
-from jaxpar.models.hf_adapter import Adapter
+from jaxpar.models.hf_adapter import TRANSFORMERS_ROUTING, Adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
@@ -73,7 +73,13 @@ def with_jaxpar_fields(model: ConfigDict, config_model: ConfigDict) -> ConfigDic
     if config_model.get("model_type") != model.model_type:
         return model
     adapter = _adapter(model.model_type)
-    trip = resolve_derived({"model": adapter.to_model_config(adapter.to_hf_config(config_model)).to_dict()})["model"]
+    # Routing options transformers cannot express (loss-free balancing) would make to_hf_config
+    # refuse; the round trip runs with transformers' values, so they count as jaxpar's own fields.
+    expressible = ConfigDict(config_model.to_dict())
+    for key, value in TRANSFORMERS_ROUTING.items():
+        if key in expressible:
+            expressible[key] = value
+    trip = resolve_derived({"model": adapter.to_model_config(adapter.to_hf_config(expressible)).to_dict()})["model"]
     mine = resolve_derived({"model": config_model.to_dict()})["model"]
     merged = ConfigDict(model.to_dict())
     for key in sorted(mine.keys() & trip.keys()):
