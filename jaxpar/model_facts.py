@@ -49,6 +49,8 @@ class MoEFacts:
     top_k: int
     capacity_factor: float  # 0: dropless
     expert_ffn: int  # hidden size of one expert's MLP
+    layer_share: float = 1.0  # the fraction of layers that route (dense layers among MoE layers: < 1)
+    shared_ffn: int = 0  # hidden size of the shared expert every token runs (0: none)
 
     def capacity(self, seq_len: int) -> int:
         return expert_capacity(seq_len, self.top_k, self.experts, self.capacity_factor)
@@ -76,14 +78,17 @@ class ModelFacts:
     moe: MoEFacts | None  # None: dense
     params_total: int
     params_active: int  # matmul parameters one token touches (no embedding lookup; experts k/E; a tied table once, as the head)
-    # Forward matmul FLOPs per token of one decoder layer, by part (the family's formulas).
+    # Forward matmul FLOPs per token of one decoder layer, by part (the family's formulas). With
+    # dense layers among MoE layers, `flops_mlp` is the mean over all layers and the routed parts
+    # are those of one routing layer, weighted by `MoEFacts.layer_share`.
     flops_q_o: float  # query and output projections (split over tensor with the heads)
     flops_k_v: float  # key and value projections (split over tensor only when the KV heads are)
     flops_attention_per_key: float  # QKᵀ and PV for one (query, key) pair, all heads
-    flops_mlp: float  # the dense MLP (0 for a purely routed layer)
+    flops_mlp: float  # the dense MLP, or a MoE layer's shared expert and its gate (0 for a purely routed layer)
     flops_expert_row: float  # one routed row through one expert (0 dense)
-    flops_router: float  # the router's projection (0 dense)
+    flops_router: float  # the router's projection in a routing layer (0 dense)
     flops_head: float  # the LM head per token
+    qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3): no matmul FLOPs, more saved activations
 
     @property
     def is_moe(self) -> bool:
@@ -94,10 +99,11 @@ class ModelFacts:
     def layer_flops(self, seq_len: int) -> float:
         """Forward matmul FLOPs per token of one layer, attending to all `seq_len` keys (what XLA's
         attention computes), with the routed experts at their computed rows."""
-        experts = self.flops_expert_row * self.moe.routed_rows(seq_len) if self.moe else 0.0
+        share = self.moe.layer_share if self.moe else 0.0
+        experts = self.flops_expert_row * self.moe.routed_rows(seq_len) * share if self.moe else 0.0
         return float(
             self.flops_q_o + self.flops_k_v + self.flops_attention_per_key * seq_len + self.flops_mlp
-            + self.flops_router + experts
+            + self.flops_router * share + experts
         )
 
     def vocab_flops(self) -> float:

@@ -37,6 +37,7 @@ def run(config, batches, num_devices: int):
             result[key + "s"].append(float(metrics[key]))
         if "expert_fraction" in metrics:
             result.setdefault("expert_fractions", []).append(np.asarray(metrics["expert_fraction"]))
+    result["final_params"] = jax.device_get(state.params)
     return {k: np.array(v) if isinstance(v, list) else v for k, v in result.items()}
 
 

@@ -49,6 +49,9 @@ from jaxpar.analysis.memory import estimate_memory, param_counts, saved_per_toke
 from jaxpar.config import base_config
 from jaxpar.models.llama import model_config as llama_model_config
 from jaxpar.models.mixtral import model_config as mixtral_model_config
+from jaxpar.models.qwen2_moe import model_config as qwen2_moe_model_config
+from jaxpar.models.qwen3 import model_config as qwen3_model_config
+from jaxpar.models.qwen3_moe import model_config as qwen3_moe_model_config
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.plan import ParallelPlan
 from jaxpar.train.loss import mean_cross_entropy
@@ -77,6 +80,30 @@ def mixtral(batch: int):
     return c
 
 
+def qwen3(batch: int):
+    c = llama(batch)
+    c.model = qwen3_model_config(**MODEL)
+    return c
+
+
+def qwen3_moe(batch: int, **model):
+    """16 fine-grained experts of 96, top-4 (4 per expert rank at expert = 4)."""
+    c = llama(batch)
+    c.model = qwen3_moe_model_config(
+        **{**MODEL, "intermediate_size": 384}, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96, **model
+    )
+    return c
+
+
+def qwen2_moe(batch: int):
+    """8 experts of 96, top-2, a shared expert of 192 with its gate, q/k/v biases."""
+    c = llama(batch)
+    c.model = qwen2_moe_model_config(
+        **MODEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, shared_expert_intermediate_size=192
+    )
+    return c
+
+
 def accumulated(config, grad_accum: int):
     config.train.grad_accum = grad_accum
     return config
@@ -100,11 +127,13 @@ def test_state_bytes_match_the_programs_shardings(zero_stage):
 _RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\] output of")  # e.g. "f32[4,2,64,256] output of scan"
 
 
-@pytest.mark.parametrize("remat", ["none", "save_dots", "full"])
-def test_saved_activations_match_jax_residuals(remat):
+@pytest.mark.parametrize(
+    "family, remat", [("llama", "none"), ("llama", "save_dots"), ("llama", "full"), ("qwen3", "none")]
+)
+def test_saved_activations_match_jax_residuals(family, remat):
     """The per-layer stash the model counts equals what JAX saves for the layer scan's backward
-    (one device, fp32): the residuals stacked over the 4 layers."""
-    config = llama(3)
+    (one device, fp32): the residuals stacked over the 4 layers. Qwen3: QK-norm's residuals."""
+    config = llama(3) if family == "llama" else qwen3(3)
     config.parallel.remat = remat
     # 3 x 64 tokens: per-layer values that are not per token (norm weights, 256) do not divide.
     layers, batch, seq = MODEL["num_hidden_layers"], 3, 64
@@ -139,6 +168,12 @@ CASES = {
     "tensor4": (llama(8), {"data": 2, "tensor": 4}, {}),
     "tensor4_remat_full": (llama(8), {"data": 2, "tensor": 4}, {"remat": "full"}),
     "expert4_mixtral": (mixtral(16), {"data": 2, "expert": 4}, {}),
+    # The new families: QK-norm under tensor; fine-grained experts (4 per expert rank); a shared
+    # expert and q/k/v biases under expert x tensor; dense layers among MoE layers.
+    "tensor4_qwen3": (qwen3(8), {"data": 2, "tensor": 4}, {}),
+    "expert4_qwen3_moe": (qwen3_moe(16), {"data": 2, "expert": 4}, {}),
+    "expert2_tensor2_qwen2_moe": (qwen2_moe(16), {"data": 2, "expert": 2, "tensor": 2}, {}),
+    "expert2_qwen3_moe_dense_layers": (qwen3_moe(16, mlp_only_layers=[1, 2]), {"data": 4, "expert": 2}, {}),
     # ZeRO-1 with experts and accumulation: each microbatch's embedding cotangent replicated.
     "expert4_mixtral_zero1_accum2": (accumulated(mixtral(16), 2), {"data": 2, "expert": 4}, {"zero_stage": 1}),
     "pipeline4_1f1b": (llama(32, num_hidden_layers=8), {"data": 2, "pipeline": 4}, {"num_microbatches": 4}),

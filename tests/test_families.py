@@ -21,14 +21,26 @@ PACKAGE = ROOT / "jaxpar"
 FAMILY_FOLDERS = {PACKAGE / "models" / name for name in FAMILIES}
 
 
+# Beyond the tiny configs: the features that change the counts (dense layers among MoE layers,
+# the loss-free router bias, a capacity, no q/k/v biases).
+VARIANTS = {
+    "qwen3_moe": dict(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2, router_bias_update_rate=1e-3),
+    "qwen2_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], qkv_bias=False, capacity_factor=1.0),
+}
+
+
 def _configs():
-    for name, make in (("llama", tiny.llama), ("mixtral", tiny.mixtral)):
+    makes = (("llama", tiny.llama), ("mixtral", tiny.mixtral), ("qwen3", tiny.qwen3), ("qwen3_moe", tiny.qwen3_moe),
+             ("qwen2_moe", tiny.qwen2_moe))
+    for name, make in makes:
         model = make().model
         yield f"{name}-untied", model
         tied = model.copy_and_resolve_references()
         tied.tie_word_embeddings = True
         tied.head_dim = 32  # heads x head_dim = 4 x hidden
         yield f"{name}-tied-hd32", tied
+        if name in VARIANTS:
+            yield f"{name}-variant", make(**VARIANTS[name]).model
 
 
 CONFIGS = dict(_configs())
@@ -36,22 +48,26 @@ CONFIGS = dict(_configs())
 
 def _leaves(model):
     for path, leaf in jax.tree_util.tree_leaves_with_path(models.param_shapes(model)):
-        yield [getattr(k, "key", str(k)) for k in path], math.prod(leaf.shape)
+        yield [getattr(k, "key", str(k)) for k in path], math.prod(leaf.shape), leaf.ndim
+
+
+def test_every_family_is_covered():
+    assert {name.split("-")[0] for name in CONFIGS} == set(FAMILIES)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_facts_count_the_parameters_the_module_builds(name):
     model = CONFIGS[name]
     f = facts(model)
-    assert f.params_total == sum(size for _, size in _leaves(model))
+    assert f.params_total == sum(size for _, size, _ in _leaves(model))
     # Active matmul parameters as the peer counts them: everything but the embedding lookup,
-    # experts at k/E, a tied table once (it is the head's matmul).
+    # routed experts at k/E, a tied table once (it is the head's matmul).
     active = 0
-    for keys, size in _leaves(model):
+    for keys, size, _ in _leaves(model):
         if keys[0] == "embed":
             active += size if model.tie_word_embeddings else 0
         elif "experts" in keys:
-            active += size * model.num_experts_per_tok // model.num_local_experts
+            active += size * f.moe.top_k // f.moe.experts
         else:
             active += size
     assert f.params_active == active
@@ -66,9 +82,14 @@ def test_model_flops_follow_the_peer_convention(name):
     tokens = batch * seq
     attention = 6 * model.num_hidden_layers * tokens * seq * model.num_attention_heads * f.head_dim
     assert f.model_flops_per_step(batch, seq) == pytest.approx(6 * f.params_active * tokens + attention)
-    # The hardware FLOPs of a layer's matmuls: twice its active matmul parameters per token (no
-    # norms), plus attention over every key.
-    per_layer = (f.params_active - f.hidden - (f.vocab * f.hidden)) / model.num_hidden_layers - 2 * f.hidden
+    # The hardware FLOPs of a layer's matmuls: twice its active matmul weights per token (the
+    # stacked weights of rank >= 3: no norm scales, q/k/v biases or router bias), plus attention over
+    # every key; a mean over the layers when dense layers sit among MoE layers.
+    matmul = 0
+    for keys, size, ndim in _leaves(model):
+        if keys[0] in ("layers", "dense_layers") and ndim >= 3 and not keys[-1].endswith("bias"):
+            matmul += size * f.moe.top_k // f.moe.experts if "experts" in keys else size
+    per_layer = matmul / model.num_hidden_layers
     assert f.layer_flops(seq) == pytest.approx(2 * per_layer + 4 * model.num_attention_heads * f.head_dim * seq)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpar.models.mixtral import model_config as mixtral_model_config
+from jaxpar.models.mixtral.schema import moe_spec
 from jaxpar.kernels.grouped_matmul import grouped_matmul
 from jaxpar.models.moe import MoEBlock
 from jaxpar.models.options import RunOptions
@@ -103,7 +104,7 @@ def test_router_renormalises_top_k():
 
     cfg = mixtral_model_config(hidden_size=D, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K)
     with nnx.use_eager_sharding(False):
-        block = MoEBlock(cfg, rngs=nnx.Rngs(params=0))
+        block = MoEBlock(cfg, rngs=nnx.Rngs(params=0), spec_of=moe_spec)
     x, *_ = random_inputs()
     out, aux = block(x, RunOptions())
     assert out.shape == x.shape

@@ -8,6 +8,9 @@ from jaxpar.axes import MESH_AXES
 from jaxpar.config import base_config
 from jaxpar.models.llama import model_config as llama_model_config
 from jaxpar.models.mixtral import model_config as mixtral_model_config
+from jaxpar.models.qwen2_moe import model_config as qwen2_moe_model_config
+from jaxpar.models.qwen3 import model_config as qwen3_model_config
+from jaxpar.models.qwen3_moe import model_config as qwen3_moe_model_config
 
 # 8 query heads over 2 KV heads (fewer than tensor = 4 or 8: replicated), vocab 250 (padded to 256).
 LLAMA = dict(
@@ -17,6 +20,17 @@ LLAMA = dict(
 MIXTRAL = dict(
     LLAMA, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.05,
     router_z_loss_coef=0.01,
+)
+# The Qwen families on Llama's sizes (head_dim 16 is already independent of 64 / 8 heads).
+QWEN3 = dict(LLAMA)
+# Fine-grained: 16 experts of 32, top-4 (4 per expert rank at expert = 4), probabilities not renormalised.
+QWEN3_MOE = dict(
+    LLAMA, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=False,
+    router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
+)
+QWEN2_MOE = dict(
+    LLAMA, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    norm_topk_prob=False, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
 )
 TRAIN = dict(global_batch_size=16, seq_len=16, steps=3, learning_rate=1e-2, warmup_steps=0)
 
@@ -36,6 +50,21 @@ def llama(train: dict | None = None, **model):
 def mixtral(train: dict | None = None, **model):
     """A 2-layer Mixtral with 8 experts, top-2, nonzero load-balancing and z-loss coefficients."""
     return _config(mixtral_model_config(**{**MIXTRAL, **model}), train)
+
+
+def qwen3(train: dict | None = None, **model):
+    """A 2-layer Qwen3 (QK-norm, head_dim independent of hidden / heads)."""
+    return _config(qwen3_model_config(**{**QWEN3, **model}), train)
+
+
+def qwen3_moe(train: dict | None = None, **model):
+    """A 2-layer Qwen3-MoE with 16 experts, top-4, unnormalised top-k weights."""
+    return _config(qwen3_moe_model_config(**{**QWEN3_MOE, **model}), train)
+
+
+def qwen2_moe(train: dict | None = None, **model):
+    """A 2-layer Qwen2-MoE: 8 experts, top-2, a shared expert, q/k/v biases."""
+    return _config(qwen2_moe_model_config(**{**QWEN2_MOE, **model}), train)
 
 
 def with_overrides(config, mesh: dict, **sections):

@@ -90,7 +90,15 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     # backward's gate and up input gradients, and the recomputed forward unless remat is none
     # (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts every tile, taken or not.
     tiled = layout.is_moe and layout.target == "cpu"
+    # Layers that route, layers with a dense MLP, and (Qwen2-MoE) routing layers whose shared
+    # expert is a row-parallel MLP too: its output reduced in every forward pass, its input
+    # gradient like the dense MLP's (measured: Qwen2-MoE-shaped expert 2 x tensor 2, exact).
+    share = layout.facts.moe.layer_share if layout.is_moe else 0.0
+    routed, dense = L * share, L * (1 - share)
+    shared_mlp = routed if layout.is_moe and layout.facts.moe.shared_ffn else 0.0
+    mlp_grads = dense + shared_mlp
     fwd = ((1 if tiled else 2) * forward_passes + (1 if layout.remat == "full" else 0)) * L
+    fwd += forward_passes * (shared_mlp + (dense if tiled else 0))
     # In a pipeline stage (two forward passes) remat full's extra attention recompute reuses the
     # sequence the stage's recompute gathered: one SP gather fewer per layer (measured, pipeline
     # 2 x tensor 4, remat full: 2 + 4 gathers and 2 + 1 + 5 reductions per layer and microbatch).
@@ -101,22 +109,26 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
         # Forward passes (a pipeline stage's B re-runs F's, remat re-runs them once more) plus
         # the backward's two (measured: 4 with remat full, 5 in a pipeline stage).
         passes = forward_passes + (0 if layout.remat == "none" else 1) + 2
-        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, L * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
+        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, routed * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
     if layout.sequence_parallel:
         scatter = _scatter(layout)
-        bwd_scatters = low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces
+        # (Every layer's MLP-sized scatters, MoE or not, as measured; a shared expert's on top is
+        # priced by analogy with the all-reduce case, not measured under SP.)
+        bwd_scatters = (low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces) * L
+        bwd_scatters += low.mlp_input_grad_all_reduces * shared_mlp
         return out + [
             Planned(ALL_GATHER, axes, act, fwd_gathers, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
             Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
             Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
-            Planned(scatter, axes, act, bwd_scatters * L, f"{tag}: SP scatters input gradients (bwd)"),
+            Planned(scatter, axes, act, bwd_scatters, f"{tag}: SP scatters input gradients (bwd)"),
         ]
     out += [
         Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"),
         Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"),
     ]
-    if not layout.is_moe:
-        out.append(Planned(ALL_REDUCE, axes, act, L * low.mlp_input_grad_all_reduces, f"{tag}: MLP input gradient (bwd)"))
+    if not layout.is_moe or mlp_grads:
+        count = L if not layout.is_moe else mlp_grads
+        out.append(Planned(ALL_REDUCE, axes, act, count * low.mlp_input_grad_all_reduces, f"{tag}: MLP input gradient (bwd)"))
     return out
 
 
@@ -289,7 +301,8 @@ def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Pla
 def expert_collectives(layout: Layout) -> list[Planned]:
     if not layout.is_moe or layout.e == 1:
         return []
-    axes, L = (EXPERT,), layout.layers_per_device
+    # Routing layers only (dense layers among MoE layers exchange nothing).
+    axes, L = (EXPERT,), layout.layers_per_device * layout.facts.moe.layer_share
     buffer = layout.tokens * moe_rows_per_token(layout) * layout.hidden * layout.activation_bytes
     fwd_passes = 1 if layout.remat == "none" else 2  # the exchange is not a dot: save_dots recomputes it
     if layout.p > 1:

@@ -109,8 +109,9 @@ def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
     mlp = f.flops_mlp / t
     if layout.is_moe:
         # The router is not split (every device routes all its tokens); the experts' hidden dim is.
+        # With dense layers among the MoE layers, a mean over the layers (`MoEFacts.layer_share`).
         rows = moe_matmul_rows_per_token(layout) if layout.target == "cpu" else f.moe.routed_rows(layout.seq)
-        mlp += f.flops_router + rows * f.flops_expert_row / t
+        mlp += (f.flops_router + rows * f.flops_expert_row / t) * f.moe.layer_share
     return {"projections": projections, "attention": core, "mlp": mlp, "head": f.flops_head / t}
 
 

@@ -130,6 +130,10 @@ def _shard_elements(shape, names, table, mesh, drop=()) -> int:
     return total
 
 
+# The params' stacked layer trees (`jaxpar.models.decoder`).
+LAYER_STACKS = ("layers", "dense_layers")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
     """Parameter elements per device under the three layouts the step uses."""
@@ -171,14 +175,20 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
     opt_table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
     mesh = dict(plan.mesh_shape)
     as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
-    for keys, shape, names in _model_leaves(model_json):
+    leaves = _model_leaves(model_json)
+    # Layer stacks (`layers`, and `dense_layers` for dense layers among MoE layers): per layer
+    # counts are means over all layers, each stack weighted by its share of them.
+    stacks = {keys[0]: shape[0] for keys, shape, _ in leaves if keys[0] in LAYER_STACKS}
+    for keys, shape, names in leaves:
         total += math.prod(shape)
         here = _shard_elements(shape, names, params_table, mesh)
         as_params += here
         as_opt += _shard_elements(shape, names, opt_table, mesh)
-        if keys[0] == "layers":
+        if keys[0] in LAYER_STACKS:
             # Per layer: drop the stacked dim (split over pipeline when p > 1) and the data split.
             one = _shard_elements(shape[1:], names[1:], params_table, mesh, drop=(DATA,))
+            if len(stacks) > 1:
+                one = one * stacks[keys[0]] / sum(stacks.values())
             layer += one
             experts += one if "experts" in keys else 0
         else:
@@ -187,13 +197,14 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
             shared_gathered += whole
             embedding += whole if keys[0] == "embed" else 0
             head += whole if keys[0] == "lm_head" else 0
+    layer, experts = round(layer), round(experts)
     return ParamCounts(as_params, as_opt, layer, shared, shared_gathered, total, embedding, head, experts)
 
 
 # ---- activations ------------------------------------------------------------------------------------
 
 
-def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
+def saved_per_token_layer(layout: Layout, remat: str | None = None, routing: bool = False) -> float:
     """Bytes one decoder layer saves for the backward, per token, on one device (see module doc).
 
     Splits: heads / ffn over tensor; KV heads over tensor when divisible (else replicated);
@@ -205,7 +216,7 @@ def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
     D, H, hd, S = layout.hidden, layout.heads, layout.head_dim, layout.seq
     kv = layout.kv_heads * hd / tk
     q = H * hd / t
-    mlp = _mlp_saved_per_token(layout, remat)
+    mlp = _mlp_saved_per_token(layout, remat, routing)
     if remat == "full":
         return cb * D / ts
     if remat == "save_dots":
@@ -215,22 +226,37 @@ def saved_per_token_layer(layout: Layout, remat: str | None = None) -> float:
     # none, per JAX's residual list: 4 hidden-sized values in the compute dtype plus 2 in fp32
     # (RMSNorm works in fp32), q (grouped), k, v, roped q and k, scores and probabilities (one of
     # them fp32), softmax statistics. Flash attention keeps no scores (its statistics instead).
+    # QK-norm (Qwen3) keeps q and k before and after their per-head norm, and two fp32
+    # statistics per head (JAX's residual list, Qwen3-shaped: +11% over Llama's).
+    qk_norm = cb * 2 * (q + kv) + 4 * 2 * (H / t + layout.kv_heads / tk) if layout.facts.qk_norm else 0.0
     if layout.c > 1 or layout.attention_kernel:
         # Context parallelism's kernels and jaxpar's CPU attention (custom VJPs) save their inputs
         # q, k, v, their output and the fp32 log-sum-exp per head; no scores, no softmax statistics.
-        return cb * (4 * D / ts + 2 * q + 2 * kv + q) + 4 * (2 * D / ts + H / t + 4 / ts) + mlp
+        return cb * (4 * D / ts + 2 * q + 2 * kv + q) + 4 * (2 * D / ts + H / t + 4 / ts) + mlp + qk_norm
     scores = 0 if layout.flash_attention else H * S / t
     compute = 4 * D / ts + 2 * q + 2 * kv + scores
     fp32 = 2 * D / ts + scores + 2 * H / t + 4 / ts
-    return cb * compute + 4 * fp32 + mlp
+    return cb * compute + 4 * fp32 + mlp + qk_norm
 
 
-def _mlp_saved_per_token(layout: Layout, remat: str) -> float:
+def _mlp_saved_per_token(layout: Layout, remat: str, routing: bool = False) -> float:
+    if layout.is_moe:
+        # Per MoE layer the routed experts and the shared expert (a dense MLP); with dense layers
+        # among the MoE layers, a mean over the layers (`routing`: a routing layer's).
+        moe = layout.facts.moe
+        share = 1.0 if routing else moe.layer_share
+        routed = (_moe_saved_per_token(layout, remat) + _dense_mlp_saved(layout, remat, moe.shared_ffn)) * share
+        return routed + (_dense_mlp_saved(layout, remat, layout.ffn) * (1 - share) if layout.ffn else 0.0)
+    return _dense_mlp_saved(layout, remat, layout.ffn)
+
+
+def _dense_mlp_saved(layout: Layout, remat: str, ffn: int) -> float:
+    """A SwiGLU MLP of `ffn` hidden units (0: none)."""
+    if not ffn:
+        return 0.0
     cb, t = layout.activation_bytes, layout.t
     ts = t if layout.sequence_parallel else 1
-    F = layout.ffn / t
-    if layout.is_moe:
-        return _moe_saved_per_token(layout, remat)
+    F = ffn / t
     if remat == "none":
         return cb * 6 * F  # gate, up, their activations, the product, and its cotangent's input
     if remat == "save_dots":
@@ -380,7 +406,8 @@ def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk
     """max(one layer's backward, its attention scores, the loss) for `micro_tokens` tokens at
     once (see module doc)."""
     t = layout.t
-    layer_residuals = micro_tokens * saved_per_token_layer(layout, "none")
+    # The largest layer's backward: a routing one when dense layers sit among MoE layers.
+    layer_residuals = micro_tokens * saved_per_token_layer(layout, "none", routing=layout.is_moe)
     factor = MOE_WORKING_FACTOR if layout.is_moe else WORKING_FACTOR[layout.remat]
     score_factor = SCORE_WORKING_FACTOR[layout.remat]
     if chunk_layers == 1:

@@ -28,7 +28,7 @@ from jaxpar.config import resolve_derived
 from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
-from jaxpar.models.hf_adapter import Adapter
+from jaxpar.models.hf_adapter import TRANSFORMERS_ROUTING, Adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
@@ -73,7 +73,13 @@ def with_jaxpar_fields(model: ConfigDict, config_model: ConfigDict) -> ConfigDic
     if config_model.get("model_type") != model.model_type:
         return model
     adapter = _adapter(model.model_type)
-    trip = resolve_derived({"model": adapter.to_model_config(adapter.to_hf_config(config_model)).to_dict()})["model"]
+    # Routing options transformers cannot express (loss-free balancing) would make to_hf_config
+    # refuse; the round trip runs with transformers' values, so they count as jaxpar's own fields.
+    expressible = ConfigDict(config_model.to_dict())
+    for key, value in TRANSFORMERS_ROUTING.items():
+        if key in expressible:
+            expressible[key] = value
+    trip = resolve_derived({"model": adapter.to_model_config(adapter.to_hf_config(expressible)).to_dict()})["model"]
     mine = resolve_derived({"model": config_model.to_dict()})["model"]
     merged = ConfigDict(model.to_dict())
     for key in sorted(mine.keys() & trip.keys()):
@@ -89,7 +95,8 @@ def load(path) -> tuple[ConfigDict, dict]:
     adapter = FAMILIES[cfg.model_type].hf
     with hf_core.Checkpoint(directory) as get:
         params = hf_core.outer_from_hf(get, cfg)
-        params["layers"] = hf_core.layers_from_hf(get, cfg, adapter.layer_table)
+        for stack in adapter.layer_stacks(cfg):
+            params[stack.key] = hf_core.layers_from_hf(get, cfg, stack.table, stack.indices)
         # A tied checkpoint may still carry a copy of the embedding as lm_head; transformers drops it.
         extra = get.unread(ignored={"lm_head.weight"} if cfg.tie_word_embeddings else ())
     if extra:
@@ -109,19 +116,22 @@ def _tensor_groups(params, cfg, adapter):
     """[(names and shapes, producer)] in file order: the outer tensors, then one group per layer;
     `producer()` computes that group's HF tensors (on device for jax params) only when called."""
     outer = lambda p: hf_core.outer_to_hf(p, cfg)  # noqa: E731
-    groups = [(outer, lambda: outer(params))]
-    table, layers = adapter.layer_table, params["layers"]
-    for i in range(cfg.num_hidden_layers):
-        prefix = hf_core.LAYER_PREFIX.format(i)
-
-        def one_layer(layer, prefix=prefix):
-            return {name: w for path, entry in table.items() for name, w in entry.write(_at(layer, path), prefix, cfg).items()}
-
-        groups.append((one_layer, lambda i=i, f=one_layer: f(jax.tree.map(lambda x: x[i], layers))))
+    groups = [(outer, None, lambda: outer(params))]
     abstract = jax.eval_shape(lambda p: p, params)
-    first_layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract["layers"])
-    shapes = [jax.eval_shape(groups[0][0], abstract)] + [jax.eval_shape(f, first_layer) for f, _ in groups[1:]]
-    return [(s, producer) for s, (_, producer) in zip(shapes, groups)]
+    by_layer = {}
+    for stack in adapter.layer_stacks(cfg):
+        table, layers = stack.table, params[stack.key]
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), abstract[stack.key])
+        for j, i in enumerate(stack.indices):
+            prefix = hf_core.LAYER_PREFIX.format(i)
+
+            def one_layer(layer, prefix=prefix, table=table):
+                return {name: w for path, entry in table.items() for name, w in entry.write(_at(layer, path), prefix, cfg).items()}
+
+            by_layer[i] = (one_layer, one, lambda j=j, f=one_layer, layers=layers: f(jax.tree.map(lambda x: x[j], layers)))
+    groups += [by_layer[i] for i in sorted(by_layer)]  # HF layer order
+    shapes = [jax.eval_shape(groups[0][0], abstract)] + [jax.eval_shape(f, one) for f, one, _ in groups[1:]]
+    return [(s, producer) for s, (_, _, producer) in zip(shapes, groups)]
 
 
 def _at(tree, path):
@@ -159,6 +169,7 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
     directory, cfg = os.fspath(path), model_config
     adapter = _adapter(cfg.model_type)
     _check_shapes(params, cfg)
+    hf_config = dict(architectures=[adapter.hf_class], model_type=cfg.model_type, **adapter.to_hf_config(cfg))
     if os.path.isfile(directory):
         raise FileExistsError(f"{directory} is a file; save into a directory")
     if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
@@ -191,6 +202,5 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(file_of.items()))}
         with open(os.path.join(directory, hf_core.INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2)
-    hf_config = dict(architectures=[adapter.hf_class], model_type=cfg.model_type, **adapter.to_hf_config(cfg))
     with open(os.path.join(directory, hf_core.CONFIG_FILE), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)

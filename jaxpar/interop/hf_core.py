@@ -148,23 +148,13 @@ def outer_to_hf(params, cfg) -> dict:
     return tensors
 
 
-def layers_from_hf(get, cfg, table: dict) -> dict:
+def layers_from_hf(get, cfg, table: dict, indices) -> dict:
+    """One layer stack: `table`'s entries of the HF layers `indices`, stacked in that order."""
     layers = {}
     for path, entry in table.items():
-        stacked = np.stack([entry.read(get, LAYER_PREFIX.format(i), cfg) for i in range(cfg.num_hidden_layers)])
+        stacked = np.stack([entry.read(get, LAYER_PREFIX.format(i), cfg) for i in indices])
         node = layers
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = stacked
     return layers
-
-
-def layers_to_hf(layers, cfg, table: dict) -> dict:
-    tensors = {}
-    for path, entry in table.items():
-        leaf = layers
-        for key in path:
-            leaf = leaf[key]
-        for i in range(cfg.num_hidden_layers):
-            tensors.update(entry.write(leaf[i], LAYER_PREFIX.format(i), cfg))
-    return tensors

@@ -61,7 +61,7 @@ def load_params_onto(directory: str, model_config, shardings, dtype: str = "floa
     """Params of the transformers checkpoint in `directory` as global jax.Arrays on `shardings`
     (a params-shaped tree of shardings); this process reads only its devices' blocks."""
     cfg, out_dtype = model_config, DTYPES[dtype]
-    table = FAMILIES[cfg.model_type].hf.layer_table
+    stacks = {stack.key: stack for stack in FAMILIES[cfg.model_type].hf.layer_stacks(cfg)}
     shapes = param_shapes(cfg)
     leaves = {}
     with hf_core.Checkpoint(os.fspath(directory)) as get:
@@ -71,11 +71,13 @@ def load_params_onto(directory: str, model_config, shardings, dtype: str = "floa
             @functools.lru_cache(maxsize=None)  # replicated blocks are asked for once per device
             def block(key, path=path, shape=shape):
                 index = tuple(slice(a, b) for a, b in key)
-                if path[0] != "layers":
+                if path[0] not in stacks:
                     return _outer_slice(path, get, cfg, index, shape)
                 l0, l1 = span(index[0], shape[0])
-                entry = table[path[1:]]
-                parts = [entry.read_block(get, hf_core.LAYER_PREFIX.format(i), cfg, index[1:], shape[1:]) for i in range(l0, l1)]
+                stack = stacks[path[0]]
+                entry = stack.table[path[1:]]
+                prefixes = [hf_core.LAYER_PREFIX.format(i) for i in stack.indices[l0:l1]]
+                parts = [entry.read_block(get, prefix, cfg, index[1:], shape[1:]) for prefix in prefixes]
                 return np.stack(parts)
 
             def callback(index, shape=shape, block=block):
@@ -105,10 +107,11 @@ def _expected_tensors(cfg) -> tuple[dict[str, tuple], list[list[dict]]]:
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), shapes)
     outer = {k: v.shape for k, v in jax.eval_shape(lambda p: hf_core.outer_to_hf(p, cfg), abstract).items()}
     layers = []
-    for i in range(cfg.num_hidden_layers):
-        prefix = hf_core.LAYER_PREFIX.format(i)
-        for path, entry in adapter.layer_table.items():
-            layers.append(entry.on_disk(prefix, cfg, tuple(_at(shapes["layers"], path).shape[1:])))
+    for stack in adapter.layer_stacks(cfg):
+        for i in stack.indices:
+            prefix = hf_core.LAYER_PREFIX.format(i)
+            for path, entry in stack.table.items():
+                layers.append(entry.on_disk(prefix, cfg, tuple(_at(shapes[stack.key], path).shape[1:])))
     return outer, layers
 
 

@@ -90,7 +90,13 @@ def _weight_grad(x, dy, sizes, tile, num_groups):
     dy = jnp.pad(dy, ((0, padded - dy.shape[0]), (0, 0)))
 
     def step(dw, rows, first, group):
-        piece = jnp.matmul(rows.T, jax.lax.dynamic_slice_in_dim(dy, first, tile), preferred_element_type=jnp.float32)
+        # rowsᵀ materialised first (behind a barrier, so that XLA does not fold the transpose
+        # back into the dot): the canonical [K, tile]·[tile, N] dot takes XLA:CPU's fast path, the
+        # transposed one Eigen's (fine-grained experts, 64 of [512, 128], 16384 rows: the weight
+        # gradient dots were Eigen dot_generals, 2.1 of the 8.5 s the experts took per step in the
+        # profile of `scripts/bench_moe.py`; after, YNNPACK fusions).
+        rows_t = jax.lax.optimization_barrier(rows.T)
+        piece = jnp.matmul(rows_t, jax.lax.dynamic_slice_in_dim(dy, first, tile), preferred_element_type=jnp.float32)
         current = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(dw, current + piece, group, 0)
 

@@ -4,7 +4,9 @@ Parameters travel as plain nested dicts of arrays (`params`); `logical_axes(cfg)
 tree with a tuple of logical names per leaf. `apply` merges params into the module inside the
 traced function, so `jax.jit` / `jax.shard_map` only ever see plain arrays. Which module a
 `config.model` builds, and its auxiliary losses, come from its family record
-(`jaxpar.models.families`).
+(`jaxpar.models.families`). Leaves that are model state rather than trained parameters (e.g. the
+loss-free router bias) are named by `jaxpar.models.state`; `take_observations` / `update_state`
+are the train step's two calls for them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from flax import nnx
 from ml_collections import FrozenConfigDict
 
 from jaxpar.model_facts import padded_vocab_size
+from jaxpar.models import state as model_state
 from jaxpar.models.families import facts, family
 from jaxpar.models.options import RunOptions
 
@@ -69,8 +72,20 @@ def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positio
     """(logits, aux) for int tokens [B, S]: fp32 logits [B, S, padded vocab] with padded columns
     masked, and the model's auxiliary per-layer outputs (see `aux_losses`). `positions` [B, S]
     default to 0 .. S-1."""
-    params = jax.tree.map(lambda p: p.astype(opts.compute_dtype), params)
+    # Model state keeps its stored dtype (its observations are exact; `jaxpar.models.state`).
+    mask = model_state.state_mask(params, _abstract(frozen(model_config))[1])
+    params = jax.tree.map(lambda p, kept: p if kept else p.astype(opts.compute_dtype), params, mask)
     return merge(model_config, params)(tokens, opts, positions)
+
+
+def take_observations(model_config, grads):
+    """(grads with the model-state leaves zeroed, their observations): see `jaxpar.models.state`."""
+    return model_state.take_observations(grads, _abstract(frozen(model_config))[1])
+
+
+def update_state(model_config, params, previous, observations):
+    """`params` with each model-state leaf set by its own rule from `previous` and its observation."""
+    return model_state.update_state(params, previous, observations, _abstract(frozen(model_config))[1])
 
 
 def aux_losses(model_config, aux) -> tuple[jnp.ndarray, dict]:
@@ -99,4 +114,6 @@ __all__ = [
     "merge",
     "padded_vocab_size",
     "param_shapes",
+    "take_observations",
+    "update_state",
 ]

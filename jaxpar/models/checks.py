@@ -6,6 +6,7 @@ parallelism's divisibilities live in its `jaxpar.parallel` module."""
 
 from __future__ import annotations
 
+from jaxpar.axes import PIPELINE
 from jaxpar.model_facts import head_dim_of
 from jaxpar.models.schema import ROPE_TYPES
 from jaxpar.ranges import at_least, one_of, positive
@@ -53,3 +54,17 @@ def decoder_checks(model, mesh: dict) -> list[str]:
     elif head_dim_of(model) % 2:
         errors.append(f"head dim {head_dim_of(model)} must be even for RoPE; change model.head_dim")
     return errors
+
+
+def dense_layer_checks(dense: tuple[int, ...], num_layers: int, mesh: dict, keys: str) -> list[str]:
+    """A MoE family's dense layers among its MoE layers (`Decoder.dense_layer_indices`, set by
+    `keys`): at least one MoE layer must remain, and the pipeline engine stages one layer stack
+    only (`jaxpar.models.decoder`)."""
+    if len(dense) >= num_layers:
+        return [f"{keys} leave no MoE layer among model.num_hidden_layers={num_layers}; use a dense family"]
+    if dense and mesh[PIPELINE] > 1:
+        return [
+            f"{keys} put dense layers among the MoE layers, which mesh.{PIPELINE}={mesh[PIPELINE]} does not "
+            f"support (the pipeline stages one layer stack); set mesh.{PIPELINE}=1 or make every layer MoE"
+        ]
+    return []

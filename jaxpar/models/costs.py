@@ -26,19 +26,28 @@ def swiglu_params(hidden: int, ffn: int) -> int:
     return 3 * hidden * ffn
 
 
+def qk_norm_params(model) -> int:
+    """Per-head RMSNorm scales of q and k (Qwen3's QK-norm): two [head_dim]."""
+    return 2 * head_dim_of(model)
+
+
 def decoder_facts(
     model, *, layer_params: int, active_layer_params: int, flops_mlp: float, moe: MoEFacts | None = None,
     flops_expert_row: float = 0.0, flops_router: float = 0.0, ffn: int | None = None,
+    stack_params: tuple[int, int] | None = None, qk_norm: bool = False,
 ) -> ModelFacts:
     """Facts of a decoder stack whose layers hold `layer_params` parameters (`active_layer_params`
-    of them touched per token) around the shared embedding, final norm and LM head."""
+    of them touched per token) around the shared embedding, final norm and LM head. Layers of two
+    kinds (dense among MoE): `stack_params` = (total, active) over all layers instead, and the
+    per-layer FLOPs are means over the layers (`MoEFacts.layers` says how many route)."""
     d, h, kv, hd = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, head_dim_of(model)
     layers, vocab = model.num_hidden_layers, padded_vocab_size(model.vocab_size)
+    in_layers, active_in_layers = stack_params or (layers * layer_params, layers * active_layer_params)
     table = vocab * d
     head = 0 if model.tie_word_embeddings else table
-    total = layers * layer_params + table + d + head
+    total = in_layers + table + d + head
     # The embedding lookup is no matmul; a tied table is the head's matmul.
-    active = layers * active_layer_params + d + table
+    active = active_in_layers + d + table
     return ModelFacts(
         family=model.model_type,
         layers=layers,
@@ -60,4 +69,5 @@ def decoder_facts(
         flops_expert_row=float(flops_expert_row),
         flops_router=float(flops_router),
         flops_head=2.0 * d * vocab,
+        qk_norm=qk_norm,
     )

@@ -10,11 +10,21 @@ The blocks are created once with `nnx.vmap` (one stacked parameter per weight, l
 axis `layers`) and run with `jax.lax.scan` over their plain state: split once, merge the layer's
 slice inside the scan body. ZeRO-3 gathers each layer's parameters there, one layer at a time
 (`jaxpar.parallel.zero.gather_layer`).
+
+Dense layers among MoE layers (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`): a family
+names them with `dense_layer_indices(cfg)`; their blocks (MLP hook `make_dense_mlp`) are a second
+stack, `dense_layers`, and `run_layers` scans each run of consecutive layers of one kind over a
+static slice of its stack. Two stacks, not one stack with both MLPs per layer (the unused one's
+weights in every layer: Qwen3-MoE's dense MLP is as large as all its active experts) nor a
+per-layer `cond` (both branches' weights stacked alike, the same waste). The pipeline engine
+stages the `layers` stack only, so a model with dense layers among its MoE layers is refused with
+`mesh.pipeline` > 1 (`jaxpar.models.checks.dense_layer_checks`).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.models.layers import (
@@ -62,10 +72,11 @@ class DecoderBlock(nnx.Module):
         return constrain(opts.rules, x + mlp_out, RESIDUAL), kv_cache
 
 
-def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp):
-    """`num_hidden_layers` blocks with independent init, stacked on a leading `layers` axis."""
+def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp, count: int | None = None):
+    """`count` (default `num_hidden_layers`) blocks with independent init, stacked on a leading
+    `layers` axis."""
 
-    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.split_rngs(splits=cfg.num_hidden_layers if count is None else count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def build(layer_rngs):
         return DecoderBlock(cfg, rngs=layer_rngs, make_attention=make_attention, make_mlp=make_mlp)
@@ -73,11 +84,14 @@ def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp):
     return build(rngs)
 
 
-def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn, xs=None):
-    """Runs `layer_fn(block, x) -> (x, layer_aux)` over the stacked blocks with `lax.scan` (and
-    remat, if asked); returns x and the per-layer aux outputs stacked on a leading axis. With `xs`
-    (arrays stacked over layers, e.g. a KV cache) it is `layer_fn(block, x, layer's slice of xs)`."""
+def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn, xs=None, span: tuple[int, int] | None = None):
+    """Runs `layer_fn(block, x) -> (x, layer_aux)` over the stacked blocks (those in `span`, a
+    static [start, stop), when given) with `lax.scan` (and remat, if asked); returns x and the
+    per-layer aux outputs stacked on a leading axis. With `xs` (arrays stacked over the blocks run,
+    e.g. a KV cache) it is `layer_fn(block, x, that block's slice of xs)`."""
     graphdef, state = nnx.split(blocks)
+    if span is not None:
+        state = jax.tree.map(lambda a: a[span[0] : span[1]], state)
     # Each leaf's logical names without the leading `layers`: the names of one layer's slice.
     layer_names = jax.tree.map(
         lambda spec: tuple(spec)[1:], nnx.get_partition_spec(state),
@@ -101,15 +115,42 @@ def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn, xs=None):
     return jax.lax.scan(body, x, state)
 
 
+def layer_runs(num_layers: int, dense: tuple[int, ...]) -> list[tuple[bool, int, int]]:
+    """Runs of consecutive layers of one kind, in order: (dense, start, stop) with start / stop
+    indices into that kind's stack."""
+    runs, counts = [], [0, 0]  # layers seen so far per kind: [main, dense]
+    for i in range(num_layers):
+        kind = i in dense
+        if runs and runs[-1][0] == kind:
+            runs[-1][2] += 1
+        else:
+            runs.append([kind, counts[kind], counts[kind] + 1])
+        counts[kind] += 1
+    return [tuple(r) for r in runs]
+
+
 class Decoder(nnx.Module):
     # The family's hooks (see the module docstring).
     make_attention = Attention
     make_mlp = MLP
+    make_dense_mlp = MLP  # the MLP of the layers `dense_layer_indices` names
+
+    @staticmethod
+    def dense_layer_indices(cfg) -> tuple[int, ...]:
+        """Layers that use `make_dense_mlp` instead of `make_mlp` (none by default)."""
+        del cfg
+        return ()
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embedding(cfg, rngs=rngs)
-        self.layers = stacked_blocks(cfg, rngs, type(self).make_attention, type(self).make_mlp)
+        kind = type(self)
+        dense = kind.dense_layer_indices(cfg)
+        main = cfg.num_hidden_layers - len(dense)
+        self.layers = stacked_blocks(cfg, rngs, kind.make_attention, kind.make_mlp, count=main)
+        self.dense_layers = (
+            stacked_blocks(cfg, rngs, kind.make_attention, kind.make_dense_mlp, count=len(dense)) if dense else None
+        )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
 
@@ -123,9 +164,19 @@ class Decoder(nnx.Module):
         return constrain(opts.rules, x, RESIDUAL)
 
     def run_layers(self, x, positions, opts: RunOptions):
-        """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own)."""
+        """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own), and
+        `self.dense_layers` in their places; aux is stacked over the `layers` stack's blocks."""
         inv_freq = rope_inverse_frequencies(self.cfg)
-        return scan_blocks(self.layers, x, opts, lambda block, h: block(h, positions, inv_freq, opts))
+        run = lambda block, h: block(h, positions, inv_freq, opts)  # noqa: E731
+        if self.dense_layers is None:
+            return scan_blocks(self.layers, x, opts, run)
+        dense = type(self).dense_layer_indices(self.cfg)
+        main_aux = []
+        for is_dense, start, stop in layer_runs(self.cfg.num_hidden_layers, dense):
+            x, aux = scan_blocks(self.dense_layers if is_dense else self.layers, x, opts, run, span=(start, stop))
+            if not is_dense:
+                main_aux.append(aux)
+        return x, jax.tree.map(lambda *parts: jnp.concatenate(parts), *main_aux)
 
     def logits_from_hidden(self, x, opts: RunOptions):
         """Final norm + LM head on the last block's output."""
@@ -154,5 +205,18 @@ class Decoder(nnx.Module):
         def layer(block, h, kv_cache):
             return block.cached(h, positions, inv_freq, kv_cache, write_at, mask, opts)
 
-        x, cache = scan_blocks(self.layers, self.embed_tokens(tokens, opts), opts, layer, xs=cache)
+        x = self.embed_tokens(tokens, opts)
+        if self.dense_layers is None:
+            x, cache = scan_blocks(self.layers, x, opts, layer, xs=cache)
+            return self.logits_from_hidden(x[:, -1:], opts), cache
+        # Dense layers among the main ones: the cache is in model layer order, each run of one
+        # kind takes its consecutive slice of it.
+        parts, first = [], 0
+        for is_dense, start, stop in layer_runs(self.cfg.num_hidden_layers, type(self).dense_layer_indices(self.cfg)):
+            run_cache = jax.tree.map(lambda a: a[first : first + stop - start], cache)
+            blocks = self.dense_layers if is_dense else self.layers
+            x, run_cache = scan_blocks(blocks, x, opts, layer, xs=run_cache, span=(start, stop))
+            parts.append(run_cache)
+            first += stop - start
+        cache = jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
         return self.logits_from_hidden(x[:, -1:], opts), cache

@@ -18,6 +18,11 @@ reads and writes one layer's HF tensors. Every entry has the same four methods:
 `get` is a checkpoint reader (`jaxpar.interop.hf_core.Checkpoint`): `get(name)`, `get.get_slice(name)`,
 `get.has(name)`, `get.where(name)`. The file reading, the tensors outside the decoder layers and the
 public `load` / `save` are in `jaxpar.interop`.
+
+A model with two layer stacks (dense layers among MoE layers, `jaxpar.models.decoder`) names them
+with `Adapter.stacks`: per stack its params key, the HF layer indices it holds, and its table.
+Routed experts are `ExpertStack` entries (per-expert tensors, or transformers 5's fused in-memory
+layout), shared by the MoE families.
 """
 
 from __future__ import annotations
@@ -140,6 +145,19 @@ def reject_unsupported(hf: dict, supported: dict) -> None:
             raise ValueError(f"config.json {key}={hf[key]!r} is not supported (only {value!r})")
 
 
+# jaxpar's MoE router options that change what a model computes, with the value transformers'
+# MoE families (softmax top-k, no selection bias) have.
+TRANSFORMERS_ROUTING = {"scoring_func": "softmax", "router_bias_update_rate": 0.0}
+
+
+def reject_inexpressible(cfg, required: dict = TRANSFORMERS_ROUTING) -> None:
+    """One-line error for a `config.model` option the transformers model cannot express (saving
+    would silently change the routing, e.g. loss-free balancing's bias)."""
+    for key, value in required.items():
+        if cfg.get(key, value) != value:
+            raise ValueError(f"model.{key}={cfg[key]!r} has no transformers equivalent (only {value!r}); cannot save")
+
+
 def rope_from_hf(hf: dict, default_theta: float) -> tuple[float, dict]:
     """(rope_theta, rope_scaling) from either layout: transformers 5's `rope_parameters`, or Llama
     3.x's top-level `rope_theta` + `rope_scaling` (which transformers prefers when both exist)."""
@@ -218,6 +236,100 @@ ATTENTION_AND_NORMS = {
 
 
 @dataclass(frozen=True)
+class FirstOf:
+    """One layer tensor stored under either of several names (written under the first)."""
+
+    names: tuple[str, ...]
+    layout: Layout = COPY
+
+    def _name(self, get, prefix: str) -> str:
+        return next((prefix + n for n in self.names if get.has(prefix + n)), prefix + self.names[0])
+
+    def read(self, get, prefix: str, cfg) -> np.ndarray:
+        return self.layout.to_jax(get(self._name(get, prefix)), cfg)
+
+    def write(self, w, prefix: str, cfg) -> dict:
+        return {prefix + self.names[0]: self.layout.to_hf(w, cfg)}
+
+    def read_block(self, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
+        return self.layout.block(get, self._name(get, prefix), cfg, index, shape)
+
+    def on_disk(self, prefix: str, cfg, shape: tuple) -> list[dict]:
+        return [{prefix + n: self.layout.to_hf_shape(shape, cfg)} for n in self.names]
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One projection ("gate" | "up" | "down") of all of a layer's experts <-> jaxpar's [E, in, out].
+
+    On disk either per expert (`per_expert`, with `{}` for the expert index: [out, in] each), or
+    fused as transformers 5 keeps them in memory: `fused_gate_up` [E, 2F, D] (gate rows first)
+    and `fused_down` [E, D, F]."""
+
+    part: str
+    per_expert: str  # e.g. "mlp.experts.{}.gate_proj.weight"
+    fused_gate_up: str = "mlp.experts.gate_up_proj"
+    fused_down: str = "mlp.experts.down_proj"
+
+    def _fused(self) -> str:
+        return self.fused_down if self.part == "down" else self.fused_gate_up
+
+    def read(self, get, prefix: str, cfg) -> np.ndarray:
+        if get.has(prefix + self.per_expert.format(0)):
+            names = [prefix + self.per_expert.format(e) for e in range(_num_experts(get, prefix, self.per_expert))]
+            return np.stack([get(n).T for n in names])
+        fused = get(prefix + self._fused())
+        if self.part == "down":
+            return fused.transpose(0, 2, 1)
+        f = fused.shape[1] // 2
+        half = fused[:, :f] if self.part == "gate" else fused[:, f:]
+        return half.transpose(0, 2, 1)
+
+    def write(self, w, prefix: str, cfg) -> dict:
+        return {prefix + self.per_expert.format(e): w[e].T for e in range(w.shape[0])}
+
+    def read_block(self, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
+        if not get.has(prefix + self.per_expert.format(0)):
+            return self.read(get, prefix, cfg)[index]  # fused: one layer's tensor, then the block
+        e0, e1 = span(index[0], shape[0])
+        names = [prefix + self.per_expert.format(e) for e in range(e0, e1)]
+        return np.stack([LINEAR.block(get, n, cfg, index[1:], shape[1:]) for n in names])
+
+    def on_disk(self, prefix: str, cfg, shape: tuple) -> list[dict]:
+        experts, d_in, d_out = shape
+        per_expert = {prefix + self.per_expert.format(e): (d_out, d_in) for e in range(experts)}
+        if self.part == "down":  # down [E, F, D]: fused [E, D, F]
+            return [per_expert, {prefix + self.fused_down: (experts, d_out, d_in)}]
+        return [per_expert, {prefix + self.fused_gate_up: (experts, 2 * d_out, d_in)}]
+
+
+def _num_experts(get, prefix: str, template: str) -> int:
+    count = 0
+    while get.has(prefix + template.format(count)):
+        count += 1
+    return count
+
+
+def expert_stacks(per_expert: str, names: dict, **fused) -> dict:
+    """The three `ExpertStack` entries of a layer's experts under `("mlp", "experts", part)`:
+    `names` maps gate / up / down to the per-expert projection name (Mixtral's w1 / w3 / w2)."""
+    return {
+        ("mlp", "experts", part): ExpertStack(part, per_expert.format("{}", names[part]), **fused)
+        for part in ("gate", "up", "down")
+    }
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One stacked layer tree of the params (`key`: "layers" or "dense_layers") and the HF layer
+    indices it holds, in stack order."""
+
+    key: str
+    indices: tuple[int, ...]
+    table: dict
+
+
+@dataclass(frozen=True)
 class Adapter:
     """What a family needs to read and write transformers checkpoints."""
 
@@ -225,3 +337,10 @@ class Adapter:
     to_model_config: Callable[[dict], ConfigDict]  # config.json dict -> config.model
     to_hf_config: Callable[[ConfigDict], dict]  # config.model -> config.json fields
     layer_table: dict  # jaxpar path under params["layers"] -> entry (see the module docstring)
+    # cfg -> the layer stacks (default: every layer in "layers", read with `layer_table`).
+    stacks: Callable[[ConfigDict], list[Stack]] | None = None
+
+    def layer_stacks(self, cfg) -> list[Stack]:
+        if self.stacks is not None:
+            return self.stacks(cfg)
+        return [Stack("layers", tuple(range(cfg.num_hidden_layers)), self.layer_table)]

@@ -82,17 +82,24 @@ class Attention(nnx.Module):
         self.v = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
         self.o = nnx.Param(normal_init(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
 
+    def project_qkv(self, x, opts: RunOptions):
+        """q [B, S, H, hd], k and v [B, S, Hkv, hd] of the normed input: the family hook. A
+        family's attention class extends it (biases, per-head norms) before RoPE."""
+        split = opts.plan.splits_sequence
+        q = checkpoint_name(project(x, self.q[...], splits_sequence=split), "q_proj")
+        k = checkpoint_name(project(x, self.k[...], splits_sequence=split), "k_proj")
+        v = checkpoint_name(project(x, self.v[...], splits_sequence=split), "v_proj")
+        return q, k, v
+
     def _rotated_qkv(self, x, positions, inv_freq, opts: RunOptions):
         """q [B, S, H, Dh] and k, v [B, S, K', Dh] (K' = KV heads, repeated for tensor when fewer
         than its ranks), each in its head layout, q and k rotated."""
-        rules, split = opts.rules, opts.plan.splits_sequence
+        rules = opts.rules
         # Each projection is constrained to its head layout at once: left free, under sequence
         # parallelism the partitioner gathered the weights, ran RoPE on sequence-split q/k and
         # then all-to-all'd them to split heads (found by comparing with jaxpar.analysis).
-        q = checkpoint_name(project(x, self.q[...], splits_sequence=split), "q_proj")
+        q, k, v = self.project_qkv(x, opts)
         q = constrain(rules, q, ("batch", "seq", "act_heads", "head_dim"))
-        k = checkpoint_name(project(x, self.k[...], splits_sequence=split), "k_proj")
-        v = checkpoint_name(project(x, self.v[...], splits_sequence=split), "v_proj")
         k, v = repeat_kv(k, v, opts.plan.tensor, rules)
         kv_names = ("batch", "seq", "act_kv_heads", "head_dim")
         k, v = constrain(rules, k, kv_names), constrain(rules, v, kv_names)
@@ -137,8 +144,10 @@ def causal_attention(q, k, v, implementation: str):
 class MLP(nnx.Module):
     """SwiGLU: gate/up column-parallel, down row-parallel over `tensor`."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, f, std = cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
+    def __init__(self, cfg, *, rngs: nnx.Rngs, ffn: int | None = None):
+        """`ffn`: the hidden size (default `cfg.intermediate_size`; a shared expert's is its own)."""
+        d, std = cfg.hidden_size, cfg.initializer_range
+        f = cfg.intermediate_size if ffn is None else ffn
         self.gate = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
         self.up = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
         self.down = nnx.Param(normal_init(rngs, (f, d), std), out_sharding=("mlp", "embed"))

@@ -1,97 +1,227 @@
-"""The sparse mixture-of-experts MLP (Mixtral's `block_sparse_moe`) and its auxiliary losses.
+"""The sparse mixture-of-experts MLP every MoE family uses, its router options and auxiliary losses.
 
-Routing follows transformers' Mixtral: router logits = x @ router, softmax over experts, top-k,
-the k weights renormalised to sum to 1. The expert computation and its expert-parallel dispatch
-live in `jaxpar.parallel.expert`.
+A family describes its MoE layer with a `MoESpec` built from its `config.model` (the transformers
+names differ: Mixtral's `num_local_experts` / `intermediate_size`, Qwen's `num_experts` /
+`moe_intermediate_size`), and names `moe_block(spec_of)` as its MLP hook and
+`aux_losses_for(spec_of)` as its record's aux losses. Routing follows transformers: router
+logits = x @ router, scores = softmax (or sigmoid) of the logits, top-k, the k weights optionally
+renormalised to sum to 1 (`norm_topk_prob`; Mixtral always). A shared expert (Qwen2-MoE) is a
+SwiGLU MLP every token runs, scaled by sigmoid(x @ shared_expert_gate) and added. The expert
+computation and its expert-parallel dispatch live in `jaxpar.parallel.expert`.
 
-Each layer reports whole-batch router statistics (`MoEBlock.__call__`'s aux); `aux_losses`
-turns the stack over layers into the load-balancing loss exactly as transformers'
-`load_balancing_loss_func` computes it from the concatenated router logits of all layers, plus
-the router z-loss. Both are functions of whole-batch sums, so they do not depend on the mesh.
-With `train.grad_accum` > 1 they are computed per microbatch (and the step averages them),
-as in Megatron and in transformers' Trainer. The step therefore never uses its per-data-replica
-accumulation for MoE models: a microbatch is the same rows on every mesh.
+Loss-free load balancing (DeepSeek-V3; any MoE family, `router_bias_update_rate` > 0): a per-expert
+bias per layer is added to the scores for the top-k choice only (the combine weights are the
+unbiased scores), and after each step moves by the rate toward balance: up for experts below the
+layer's mean load, down above (`RouterBias.update`). The bias is model state
+(`jaxpar.models.state`): its gradient slot carries the layer's observed load (whole-batch
+assignment counts), so it is the same on every mesh.
+
+Each layer reports whole-batch router statistics (`MoEBlock.__call__`'s aux); `aux_losses` turns
+the stack over layers into the load-balancing loss exactly as transformers'
+`load_balancing_loss_func` computes it from the concatenated router logits of all MoE layers
+(softmax of the logits, whatever the scoring), plus the router z-loss. Both are functions of
+whole-batch sums, so they do not depend on the mesh. With `train.grad_accum` > 1 they are computed
+per microbatch (and the step averages them), as in Megatron and in transformers' Trainer. The step
+therefore never uses its per-data-replica accumulation for MoE models: a microbatch is the same
+rows on every mesh.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.models.layers import normal_init
-from jaxpar.models.options import RunOptions
 from jaxpar.model_facts import expert_capacity
+from jaxpar.models.layers import MLP, normal_init
+from jaxpar.models.options import RunOptions
+from jaxpar.models.state import ObservedState, probe
 from jaxpar.parallel.expert import dropped_assignments, moe_ffn
+from jaxpar.ranges import at_least, one_of
+
+SCORING_FUNCS = ("softmax", "sigmoid")
+# Loads within this fraction of the layer's mean count as balanced: the observed loads are sums
+# of whole-batch counts times a positive constant whose rounding depends on the mesh, and a tie
+# must not move the bias one way on one mesh and the other way on another.
+BALANCED = 1e-5
+
+
+def option_keys() -> dict:
+    """jaxpar's own MoE keys (no transformers config has them), with their defaults; every MoE
+    family's schema adds them."""
+    return dict(
+        router_z_loss_coef=0.0,
+        # 0: dropless. > 0: each expert takes at most ceil(seq_len * k / E * factor) tokens of each
+        # sequence; the rest are dropped (their routed output is zero).
+        capacity_factor=0.0,
+        # Router scores: "softmax" (transformers' MoE families) or "sigmoid" (DeepSeek-V3).
+        scoring_func="softmax",
+        # Loss-free load balancing: > 0 adds the per-expert router bias, moved by this much per step.
+        router_bias_update_rate=0.0,
+    )
+
+
+def ranges(model, experts_key: str) -> list[str]:
+    """The MoE keys' ranges: the family's expert count (`model.<experts_key>`), top-k, the options."""
+    experts, top_k = model[experts_key], model.num_experts_per_tok
+    errors = at_least(f"model.{experts_key}", experts, 1)
+    if not 1 <= top_k <= max(experts, 1):
+        errors.append(f"model.num_experts_per_tok={top_k} must be between 1 and model.{experts_key}={experts}")
+    return errors + option_ranges(model)
+
+
+def option_ranges(model) -> list[str]:
+    errors = []
+    for key in ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+        errors += at_least(f"model.{key}", model[key], 0)
+    return errors + one_of("model.scoring_func", model.scoring_func, SCORING_FUNCS)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One MoE layer, in transformers-independent terms."""
+
+    experts: int
+    top_k: int
+    expert_ffn: int  # hidden size of one routed expert
+    normalize_top_k: bool  # renormalise the k weights to sum to 1
+    shared_ffn: int = 0  # the shared expert's hidden size (0: none)
+    capacity_factor: float = 0.0
+    scoring: str = "softmax"
+    bias_update_rate: float = 0.0  # loss-free balancing (0: no bias)
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+
+def spec_from(model, *, experts: int, expert_ffn: int, normalize_top_k: bool, shared_ffn: int = 0) -> MoESpec:
+    """A family's `MoESpec`: its own sizes, the keys every MoE family names alike
+    (`num_experts_per_tok`, `router_aux_loss_coef`) and `option_keys`."""
+    return MoESpec(
+        experts=experts,
+        top_k=model.num_experts_per_tok,
+        expert_ffn=expert_ffn,
+        normalize_top_k=normalize_top_k,
+        shared_ffn=shared_ffn,
+        capacity_factor=float(model.capacity_factor),
+        scoring=model.scoring_func,
+        bias_update_rate=float(model.router_bias_update_rate),
+        aux_loss_coef=float(model.router_aux_loss_coef),
+        z_loss_coef=float(model.router_z_loss_coef),
+    )
+
+
+class RouterBias(ObservedState):
+    """Loss-free balancing's per-expert selection bias of one layer (stacked: [L, E])."""
+
+    @staticmethod
+    def update(previous, observation, *, update_rate: float, **metadata):
+        """previous + rate · sign(mean load − load), per layer (ties within `BALANCED`: no move)."""
+        del metadata
+        load = observation.astype(jnp.float32)
+        mean = jnp.mean(load, axis=-1, keepdims=True)
+        gap = mean - load
+        step = jnp.where(jnp.abs(gap) <= BALANCED * mean, 0.0, jnp.sign(gap))
+        return previous + update_rate * step
 
 
 class Experts(nnx.Module):
-    """`num_local_experts` SwiGLU MLPs stacked on a leading `experts` axis (split over the expert
-    mesh axis); their hidden dim is split over `tensor`, as in the dense MLP."""
+    """E SwiGLU MLPs stacked on a leading `experts` axis (split over the expert mesh axis); their
+    hidden dim is split over `tensor`, as in the dense MLP."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        e, d, f, std = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range
+    def __init__(self, cfg, spec: MoESpec, *, rngs: nnx.Rngs):
+        e, d, f, std = spec.experts, cfg.hidden_size, spec.expert_ffn, cfg.initializer_range
         self.gate = nnx.Param(normal_init(rngs, (e, d, f), std), out_sharding=("experts", "embed", "mlp"))
         self.up = nnx.Param(normal_init(rngs, (e, d, f), std), out_sharding=("experts", "embed", "mlp"))
         self.down = nnx.Param(normal_init(rngs, (e, f, d), std), out_sharding=("experts", "mlp", "embed"))
 
 
 class MoEBlock(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
-        self.capacity_factor = cfg.capacity_factor
+    def __init__(self, cfg, *, rngs: nnx.Rngs, spec_of: Callable):
+        self.spec = spec = spec_of(cfg)
         # Every device routes all of its tokens, so the router's expert dim is not split (None).
         self.router = nnx.Param(
-            normal_init(rngs, (cfg.hidden_size, self.num_experts), cfg.initializer_range), out_sharding=("embed", None)
+            normal_init(rngs, (cfg.hidden_size, spec.experts), cfg.initializer_range), out_sharding=("embed", None)
         )
-        self.experts = Experts(cfg, rngs=rngs)
+        self.experts = Experts(cfg, spec, rngs=rngs)
+        if spec.bias_update_rate > 0:
+            self.router_bias = RouterBias(
+                jnp.zeros((spec.experts,), jnp.float32), out_sharding=(None,), update_rate=spec.bias_update_rate
+            )
+        if spec.shared_ffn:
+            self.shared_expert = MLP(cfg, rngs=rngs, ffn=spec.shared_ffn)
+            self.shared_expert_gate = nnx.Param(
+                normal_init(rngs, (cfg.hidden_size, 1), cfg.initializer_range), out_sharding=("embed", None)
+            )
 
     def __call__(self, x, opts: RunOptions):
         """(out [B, S, D], aux): aux holds this layer's whole-batch router statistics."""
+        spec = self.spec
         with jax.named_scope("moe_router"):
             logits = jnp.einsum("bsd,de->bse", x, self.router[...], preferred_element_type=jnp.float32)
             logits = checkpoint_name(logits, "router_logits")
             probs = jax.nn.softmax(logits, axis=-1)
-            top_probs, ids = top_k_by_argmax(probs, self.top_k)
-            weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-        capacity = expert_capacity(x.shape[1], self.top_k, self.num_experts, self.capacity_factor)
+            scores = probs if spec.scoring == "softmax" else jax.nn.sigmoid(logits)
+            bias = self.router_bias[...].astype(jnp.float32) if spec.bias_update_rate > 0 else None
+            select = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+            top_scores, ids, chosen = top_k_by_argmax(select, spec.top_k, values=scores)
+            weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True) if spec.normalize_top_k else top_scores
+        capacity = expert_capacity(x.shape[1], spec.top_k, spec.experts, spec.capacity_factor)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
         out = moe_ffn(
-            x, ids, weights.astype(x.dtype), experts, num_experts=self.num_experts, capacity=capacity, rules=opts.rules
+            x, ids, weights.astype(x.dtype), experts, num_experts=spec.experts, capacity=capacity, rules=opts.rules
         )
-        return out, router_statistics(logits, probs, ids, self.num_experts, capacity)
+        if spec.shared_ffn:  # profiled under the dense MLP's scope, "mlp"
+            shared, _ = self.shared_expert(x, opts)
+            gate = jnp.einsum("bsd,do->bso", x, self.shared_expert_gate[...], preferred_element_type=jnp.float32)
+            out = out + (jax.nn.sigmoid(gate) * shared.astype(jnp.float32)).astype(x.dtype)
+        stats = router_statistics(logits, probs, chosen, capacity)
+        if bias is not None:
+            stats["load_probe"] = probe(self.router_bias[...], stats["assignments"])
+        return out, stats
 
 
-def router_statistics(logits, probs, ids, num_experts: int, capacity: int) -> dict:
-    """Sums over the whole batch (the partitioner all-reduces them over data / expert)."""
-    assigned = jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=(0, 1, 2)))
+def moe_block(spec_of: Callable):
+    """The MLP hook of a MoE family whose `MoESpec` is `spec_of(cfg)`."""
+    return functools.partial(MoEBlock, spec_of=spec_of)
+
+
+def router_statistics(logits, probs, chosen, capacity: int) -> dict:
+    """Sums over the whole batch (the partitioner all-reduces them over data / expert); `chosen`
+    [B, S, E] marks each token's k experts."""
+    chosen = jax.lax.stop_gradient(chosen.astype(jnp.float32))
     return {
-        "assignments": assigned,  # [E]: (token, expert) pairs routed to each expert
+        "assignments": jnp.sum(chosen, axis=(0, 1)),  # [E]: (token, expert) pairs routed to each expert
         "router_prob_sum": jnp.sum(probs, axis=(0, 1)),  # [E]
         "router_z_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-        "dropped": dropped_assignments(ids, num_experts, capacity),
+        "dropped": dropped_assignments(chosen, capacity),
     }
 
 
-def aux_losses(cfg, aux) -> tuple[jnp.ndarray, dict]:
+def aux_losses(spec: MoESpec, aux) -> tuple[jnp.ndarray, dict]:
     """(coefficient-weighted aux + z loss, metrics) from `router_statistics` stacked over layers.
 
     aux_loss = E · Σ_e f_e · P_e over all layers' tokens together, with f_e the fraction of rows
     (token-layers) whose top-k contains e and P_e the mean router probability of e — transformers'
     `load_balancing_loss_func`. z_loss = mean over layers and tokens of logsumexp(logits)².
     Metrics: `expert_fraction` [E] (share of all assignments per expert, sums to 1) and
-    `dropped_fraction` (share of assignments dropped by the capacity; 0 when dropless).
+    `dropped_fraction` (share of assignments dropped by the capacity; 0 when dropless). With
+    loss-free balancing the router bias's load probe (exactly zero) is added too.
     """
     assigned = jnp.sum(aux["assignments"], axis=0)  # [E], summed over layers
     total_assignments = jnp.sum(assigned)
-    token_layers = total_assignments / cfg.num_experts_per_tok
+    token_layers = total_assignments / spec.top_k
     tokens_per_expert = assigned / token_layers
     prob_per_expert = jnp.sum(aux["router_prob_sum"], axis=0) / token_layers
-    aux_loss = cfg.num_local_experts * jnp.sum(tokens_per_expert * prob_per_expert)
+    aux_loss = spec.experts * jnp.sum(tokens_per_expert * prob_per_expert)
     z_loss = jnp.sum(aux["router_z_sum"]) / token_layers
-    extra = cfg.router_aux_loss_coef * aux_loss + cfg.router_z_loss_coef * z_loss
+    extra = spec.aux_loss_coef * aux_loss + spec.z_loss_coef * z_loss
+    if "load_probe" in aux:
+        extra = extra + jnp.sum(aux["load_probe"])
     metrics = {
         "aux_loss": aux_loss,
         "z_loss": z_loss,
@@ -101,20 +231,29 @@ def aux_losses(cfg, aux) -> tuple[jnp.ndarray, dict]:
     return extra, metrics
 
 
-def top_k_by_argmax(probs, k: int):
-    """`jax.lax.top_k` over the last axis as k rounds of argmax (same ties: the lowest index).
+def aux_losses_for(spec_of: Callable):
+    """A MoE family's `Family.aux_losses`: (cfg, aux) -> `aux_losses(spec_of(cfg), aux)`."""
+    return lambda cfg, aux: aux_losses(spec_of(cfg), aux)
+
+
+def top_k_by_argmax(select, k: int, values=None):
+    """(values at the top k of `select`, their indices, a [..., E] mask of them), as
+    `jax.lax.top_k` over the last axis but by k rounds of argmax (same ties: the lowest index).
     XLA's TopK is a sort custom call its partitioner does not split by batch: with tokens split
     over `data` it all-gathered the router probabilities of every device, forward and in the
     recompute (seen in the tiny Mixtral's data=2 profile); argmax and masking are partitioned
-    like any reduction. k is small (experts per token), so k passes over [B, S, E] are cheap."""
+    like any reduction. k passes over [B, S, E]: for Qwen3-MoE's 128 experts, top-8, 8 · 128
+    compares per token against its 2 · D · 128 router FLOPs."""
+    values = select if values is None else values
     picked, ids = [], []
-    remaining = probs
-    column = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    remaining = select
+    column = jax.lax.broadcasted_iota(jnp.int32, select.shape, select.ndim - 1)
+    chosen = jnp.zeros(select.shape, jnp.bool_)
     for _ in range(k):
         best = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
         hit = column == best[..., None]
-        picked.append(jnp.sum(jnp.where(hit, probs, 0.0), axis=-1))
+        picked.append(jnp.sum(jnp.where(hit, values, 0.0), axis=-1))
         ids.append(best)
+        chosen = chosen | hit
         remaining = jnp.where(hit, -jnp.inf, remaining)
-    return jnp.stack(picked, axis=-1), jnp.stack(ids, axis=-1)
-
+    return jnp.stack(picked, axis=-1), jnp.stack(ids, axis=-1), chosen

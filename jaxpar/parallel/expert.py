@@ -55,22 +55,20 @@ from jaxpar.kernels.grouped_matmul import grouped_matmul
 from jaxpar.manual import manual_axes
 
 
-def checks(model, mesh: dict) -> list[str]:
-    """Experts must split evenly over the expert axis."""
-    experts, ep = model.num_local_experts, mesh[EXPERT]
+def checks(experts: int, mesh: dict, key: str) -> list[str]:
+    """Experts (`key`: the config key naming their count) must split evenly over the expert axis."""
+    ep = mesh[EXPERT]
     if experts % ep:
-        return [
-            f"model.num_local_experts={experts} is not divisible by mesh.{EXPERT}={ep}; "
-            f"change model.num_local_experts or mesh.{EXPERT}"
-        ]
+        return [f"{key}={experts} is not divisible by mesh.{EXPERT}={ep}; change {key} or mesh.{EXPERT}"]
     return []
 
 
-def dropped_assignments(ids, num_experts: int, capacity: int):
-    """How many (token, expert) assignments overflow their expert's capacity, over the batch."""
+def dropped_assignments(chosen, capacity: int):
+    """How many (token, expert) assignments overflow their expert's capacity, over the batch;
+    `chosen` [B, S, E] marks each token's experts."""
     if capacity == 0:
         return jnp.zeros((), jnp.float32)
-    per_row = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=(1, 2))  # [B, E]
+    per_row = jnp.sum(chosen, axis=1)  # [B, E]
     return jnp.sum(jnp.maximum(per_row - capacity, 0)).astype(jnp.float32)
 
 
@@ -140,6 +138,12 @@ def _exclusive_cumsum(a, axis=-1):
     return jnp.cumsum(a, axis=axis) - a
 
 
+def _counts(ids, num_experts: int):
+    """Assignments per expert of a flat id vector: a scatter-add, linear in the assignments (a
+    one-hot sum is assignments × experts: 16 MB per layer at 4096 tokens, top-8, 128 experts)."""
+    return jnp.zeros((num_experts,), jnp.int32).at[ids].add(1)
+
+
 def _pack(sorted_rows, starts, counts, slots: int):
     """[G, slots, D] blocks from rows [N, D]: block g holds rows starts[g] .. starts[g] + counts[g] - 1
     (at most `slots` of them), zeros after."""
@@ -165,7 +169,7 @@ def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
         flat = ids.reshape(rows, seq * k)
         order = jnp.argsort(flat, axis=-1, stable=True)  # per row, by expert, then token
         expert = jnp.take_along_axis(flat, order, axis=-1)
-        counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=1)  # [R, E]
+        counts = jax.vmap(functools.partial(_counts, num_experts=num_experts))(flat)  # [R, E]
         starts = _exclusive_cumsum(counts)
         sorted_rows = jnp.take_along_axis(x, (order // k)[..., None], axis=1)  # [R, S·k, D]
         buffers = jax.vmap(functools.partial(_pack, slots=capacity))(sorted_rows, starts, counts)
@@ -195,7 +199,7 @@ def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
     with jax.named_scope("moe_dispatch"):
         flat = ids.reshape(-1)  # [N = R·S·k], assignment order
         order = jnp.argsort(flat, stable=True)
-        counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=0)  # [E]
+        counts = _counts(flat, num_experts)  # [E]
         sorted_rows = x.reshape(rows * seq, d)[order // k]
     ffn = functools.partial(_expert_swiglu, gate=gate, up=up, down=down, impl=matmul_impl)
     if exchange is None:
@@ -225,10 +229,13 @@ def _received_swiglu(received, counts, ffn):
     """Runs the local experts on blocks [source, slots, D], each sorted by local expert and
     zero-padded: regroups all rows by expert (padding last), computes, puts them back."""
     sources, slots, d = received.shape
-    starts = _exclusive_cumsum(counts)  # [source, local expert]
-    slot = jnp.arange(slots)
-    expert = jnp.sum(slot[None, :, None] >= starts[:, None, :], axis=-1) - 1  # [source, slots]
-    expert = jnp.where(slot[None] < counts.sum(-1, keepdims=True), expert, counts.shape[-1])  # padding last
+    local_experts = counts.shape[-1]
+    # Each slot's local expert (padding: local_experts, so it sorts last), as a repeat of the
+    # expert ids by their counts: linear in the slots (comparing every slot with every expert's
+    # start is slots × experts).
+    ids = jnp.arange(local_experts + 1, dtype=jnp.int32)
+    padded = jnp.concatenate([counts, slots - counts.sum(-1, keepdims=True)], axis=-1)  # [source, E/ep + 1]
+    expert = jax.vmap(lambda c: jnp.repeat(ids, c, total_repeat_length=slots))(padded)  # [source, slots]
     order = jnp.argsort(expert.reshape(-1), stable=True)
     out = ffn(received.reshape(sources * slots, d)[order], counts.sum(0))
     return out[jnp.argsort(order)].reshape(sources, slots, d)

@@ -72,11 +72,15 @@ def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shar
         loss, grads, model_metrics = loss_and_grads(
             state.params, batch, model_config=model_config, opts=opts, scale=state.loss_scale.scale
         )
+        # Model state (e.g. the loss-free router bias) is not trained: its gradient slot carries
+        # what the forward observed, taken out before clipping (`jaxpar.models.state`).
+        grads, observations = models.take_observations(model_config, grads)
         grads = constrain_grads(grads, opt_param_shardings, opts.plan.zero)
         with jax.named_scope("optimizer_update"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            params = models.update_state(model_config, params, state.params, observations)
             # One global verdict, inside the step (no extra host sync): a non-finite step leaves params
             # and optimizer state as they were and is counted; the loop's policy decides what next
             # (jaxpar.train.nonfinite). fp16 checks every gradient (overflow); otherwise the loss and

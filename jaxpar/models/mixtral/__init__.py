@@ -2,19 +2,20 @@
 with a sparse mixture-of-experts block (`jaxpar.models.moe`) as each layer's MLP hook.
 
 `Mixtral.__call__` (the decoder's) returns (logits, aux) with aux the per-layer router statistics
-stacked over layers; the record names `moe.aux_losses` as what turns them into the load-balancing
-and z losses the train step adds. The folder: `schema`, `checks`, `hf`, `costs`; `FAMILY` is the record.
+stacked over layers; the record names `moe.aux_losses_for(moe_spec)` as what turns them into the
+load-balancing and z losses the train step adds. The folder: `schema` (with `moe_spec`, the MoE layer
+in `jaxpar.models.moe`'s terms), `checks`, `hf`, `costs`; `FAMILY` is the record.
 """
 
 from jaxpar.models import moe
 from jaxpar.models.decoder import Decoder
 from jaxpar.models.family import Family
 from jaxpar.models.mixtral import checks, costs, hf
-from jaxpar.models.mixtral.schema import model_config
+from jaxpar.models.mixtral.schema import model_config, moe_spec
 
 
 class Mixtral(Decoder):
-    make_mlp = moe.MoEBlock
+    make_mlp = moe.moe_block(moe_spec)
 
 
 FAMILY = Family(
@@ -25,7 +26,7 @@ FAMILY = Family(
     checks=checks.checks,
     hf=hf.ADAPTER,
     facts=costs.facts,
-    aux_losses=moe.aux_losses,
+    aux_losses=moe.aux_losses_for(moe_spec),
 )
 
 __all__ = ["FAMILY", "Mixtral", "model_config"]

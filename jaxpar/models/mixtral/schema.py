@@ -1,6 +1,7 @@
 """Mixtral's `config.model` keys and defaults: the decoder keys (Mixtral 8x7B's values) plus
-MixtralConfig's MoE keys, `capacity_factor` and `router_z_loss_coef` (see `jaxpar.models.moe`)."""
+MixtralConfig's MoE keys and jaxpar's own MoE options (`jaxpar.models.moe.option_keys`)."""
 
+from jaxpar.models import moe
 from jaxpar.models.schema import decoder_config
 
 
@@ -19,11 +20,15 @@ def model_config(**overrides):
             num_local_experts=8,
             num_experts_per_tok=2,
             router_aux_loss_coef=0.02,  # Mixtral 8x7B's value (MixtralConfig's default is 0.001)
-            router_z_loss_coef=0.0,
-            # 0: dropless. > 0: each expert takes at most ceil(seq_len * k / E * factor) tokens
-            # of each sequence; the rest are dropped (their MoE output is zero).
-            capacity_factor=0.0,
+            **moe.option_keys(),
         )
     )
     model.update(overrides)
     return model
+
+
+def moe_spec(model) -> moe.MoESpec:
+    """Every layer routes to `num_local_experts` experts of `intermediate_size`, top-k renormalised."""
+    return moe.spec_from(
+        model, experts=model.num_local_experts, expert_ffn=model.intermediate_size, normalize_top_k=True
+    )
