@@ -7,7 +7,9 @@
   the new shardings, the run continues within 1e-4 of the reference; on one device the newest
   checkpoint is damaged first, so the run names it, falls back to the previous one and redoes a step;
 - an incompatible model or data config, or the same data config over a corpus that changed, is
-  refused in one line naming the keys; `overwrite=True` replaces the earlier run instead.
+  refused in one line naming the keys; `overwrite=True` replaces the earlier run instead;
+- another optimizer, or other values of its own hyperparameters, are refused in one line naming
+  both; another learning rate, schedule or length resumes (with a note).
 The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
 iterator's.
 The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
@@ -25,6 +27,7 @@ import pytest
 
 from jaxpar.preflight import ConfigError
 from jaxpar.train.loop import train
+from jaxpar.train import workdir as workdirs
 from jaxpar.train.observe import TIMING_FIELDS
 from tests import tiny
 
@@ -150,6 +153,24 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     assert "saved reading a corpus of 20000 tokens but the corpus now has 30000" in line, line
     after = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     assert after == before
+
+
+def test_another_optimizer_is_refused_in_one_line_but_the_learning_rate_may_change(runs, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    for overrides, expected in (
+        ({"optimizer": "lion"}, "was saved with train.optimizer='adamw' but this run uses train.optimizer='lion'"),
+        ({"adam_b1": 0.8}, "other adamw hyperparameters: train.adam_b1 (saved 0.9, now 0.8)"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            train(config(**overrides), str(workdir), progress=False)
+        (line,) = str(error.value).splitlines()
+        assert expected in line and "the learning rate, schedule and its length may change" in line and "--overwrite" in line
+    # Learning rate, schedule and length: resumed, with a note.
+    plan, problems = workdirs.inspect(config(steps=8, learning_rate=5e-3, lr_schedule="wsd"), str(workdir), overwrite=False)
+    assert problems == [] and plan.resume_step == 3
+    (note,) = plan.notes
+    assert "train.learning_rate (saved 0.01, now 0.005)" in note and "train.lr_schedule (saved 'cosine', now 'wsd')" in note
 
 
 @pytest.mark.timeout(300)
