@@ -118,3 +118,16 @@ def gathered_bytes(shape, names, spec: P, mesh_sizes: dict, itemsize: int = 4) -
     whole = math.prod(shape[d] // split(d) if d not in matrix.dims else shape[d] for d in range(len(shape)))
     group = math.prod(split(d) for d in matrix.dims)
     return whole * itemsize * (group - 1) // group
+
+
+def newton_schulz_flops(shape, names, spec: P, mesh_sizes: dict, ns_steps: int) -> int:
+    """FLOPs one device spends per step orthogonalising this leaf's whole matrices (every device
+    of the group runs the same iteration on the same gathered matrices): per matrix and
+    iteration, X·Xᵀ and B·X (2·m²·n each) and A·A (2·m³), m ≤ n the matrix's two sides."""
+    matrix = matrix_dims(names)
+    if matrix is None:
+        return 0
+    entries = _entries(spec, len(shape))
+    local = math.prod(shape[d] // math.prod(mesh_sizes[a] for a in _axes(entries[d])) for d in range(matrix.batch))
+    m, n = sorted(matrix.fans(shape))
+    return local * ns_steps * (4 * m * m * n + 2 * m**3)

@@ -57,7 +57,13 @@ class Matrix:
         fan_in, fan_out = self.dims.fans(x.shape)
         # optax.contrib.muon's scale_by_shape: Moonlight's consistent RMS, or Keller Jordan's width rule.
         scale = (max(fan_in, fan_out) ** 0.5) * consistent_rms if consistent_rms else max(1.0, fan_out / fan_in) ** 0.5
-        y = fn(x) * scale
+        y = fn(x)
+        if self.whole is not None:
+            # Pinned whole on both sides: otherwise the state layout below propagates back into the
+            # iteration, which the partitioner then splits with a gather per matmul (measured: 119
+            # all-gathers, 10x the bytes of this one).
+            y = jax.lax.with_sharding_constraint(y, self.whole)
+        y = y * scale
         return y if self.state is None else jax.lax.with_sharding_constraint(y, self.state)
 
 
