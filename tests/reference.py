@@ -11,9 +11,13 @@ import numpy as np
 from jaxpar.train.setup import build
 from tests.tiny import with_overrides
 
-# Parameters after the last step, relative to each leaf's largest element: set from the worst measured
-# over the degeneracy suites (see the report in the README's reversibility note).
-PARAM_RTOL = PARAM_L2_RTOL = 1.0
+# Parameters after the last step (3 AdamW steps at lr 1e-2), about twice the worst measured over the
+# degeneracy, MoE, pipeline and context suites: 2.6e-3 of a leaf's largest element, 6.8e-5 in norm.
+# The elementwise bound is loose because Adam divides each gradient element by its own RMS: where a
+# step-1 gradient is ~1e-8 (1e-6 of the leaf's largest), the 1e-7-relative fp32 differences of
+# another layout's reduction order change that element's update by a good part of the learning rate.
+# A lost last update on one data shard of one leaf is 3.2e-2 and 3.7e-2 (tests/test_degeneracy.py).
+PARAM_RTOL, PARAM_L2_RTOL = 5e-3, 1.5e-4
 
 # Per-step metrics compared at every step, besides the loss.
 COMPARED = ("grad_norm", "learning_rate", "loss_scale")

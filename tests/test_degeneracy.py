@@ -2,11 +2,13 @@
 
 Each case runs 3 fp32 steps of the production train step on 8 emulated CPU devices and is
 compared with the same config on one device: identical initial params, step-1 loss and gradients
-within 1e-5 relative, every step's loss and gradient norm within 1e-4, the same learning rates.
+within 1e-5 relative, every step's loss and gradient norm within 1e-4, the same learning rates,
+and the parameters after the last step (`tests/reference.py` says how close, and why).
 The tiny model has 2 KV heads (fewer than tensor = 4 or 8: replicated) and vocab 250 (padded to
 256). bf16 compute is compared with the one-device bf16 run over 5 steps.
 """
 
+import copy
 import math
 
 import jax
@@ -56,6 +58,18 @@ def test_reference_actually_trains(shared_cache):
     reference = single_device(shared_cache, tiny.llama(), STEPS)
     assert reference["losses"][-1] < reference["losses"][0] - 0.05
     assert np.all(reference["grad_norms"] > 0)
+
+
+def test_the_parameter_comparison_sees_a_lost_last_update(shared_cache):
+    # Positive control for the comparison of parameters after the last step, which no loss sees:
+    # one data shard of one leaf (a quarter of mlp.down's embed columns) missing its last update.
+    reference = single_device(shared_cache, tiny.llama(), STEPS)
+    before_last = single_device(shared_cache, tiny.llama(), STEPS - 1)["final_params"]
+    lost = copy.deepcopy(reference)
+    down = lost["final_params"]["layers"]["mlp"]["down"]
+    down[..., -16:] = before_last["layers"]["mlp"]["down"][..., -16:]
+    with pytest.raises(AssertionError, match="parameters after the last step differ"):
+        assert_matches_reference(lost, reference)
 
 
 BF16_STEPS = 5
