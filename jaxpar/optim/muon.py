@@ -3,11 +3,11 @@
 The arithmetic is optax's (`optax.contrib.muon` 0.2.8: the same bias-corrected (Nesterov)
 momentum, its `orthogonalize_via_newton_schulz` with the standard quintic coefficients and
 Frobenius pre-scaling, its shape scaling). What jaxpar adds is where it runs: the leading
-`layers` / `experts` dims are vmapped over rather than flattened (flattening merges a sharded
-experts dim into the layers dim, which the partitioner would have to gather), and the momentum is
-gathered to whole matrices before the iteration and cut back to the optimizer-state layout after
-it (`jaxpar.optim.matrices`), instead of letting the partitioner run each of the iteration's
-matmuls on sharded operands (an all-reduce per matmul). `tests/test_oracle.py` compares five steps
+`layers` / `experts` dims are vmapped over rather than flattened (flattening would merge an
+expert-sharded dim into the layers dim, a layout change the partitioner can only make by
+gathering), and the momentum is gathered to whole matrices once before the iteration and cut back
+to the optimizer-state layout after it (`jaxpar.optim.matrices`), instead of leaving the
+iteration's matmuls to the partitioner (measured: a gather at every matmul, 10x the bytes). `tests/test_oracle.py` compares five steps
 with `optax.contrib.muon` applied per matrix by hand; `tests/test_optimizer_degeneracy.py` every
 layout with one device.
 """
