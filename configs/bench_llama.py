@@ -1,11 +1,12 @@
 """The shared bench config: the same model and batch as ../shared/peers/hf_torch_bench.py."""
 
-from jaxpar.config import base_config, llama_model_config
+from jaxpar.config import base_config
+from jaxpar.models import llama
 
 
 def get_config():
     c = base_config()
-    c.model = llama_model_config(
+    c.model = llama.model_config(
         vocab_size=8192,
         hidden_size=512,
         intermediate_size=1408,

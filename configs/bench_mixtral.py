@@ -1,12 +1,13 @@
 """The shared bench config for Mixtral: the same model and batch as
 ../shared/peers/hf_torch_bench.py --model mixtral (bench Llama shape, 8 experts, top-2)."""
 
-from jaxpar.config import base_config, mixtral_model_config
+from jaxpar.config import base_config
+from jaxpar.models import mixtral
 
 
 def get_config():
     c = base_config()
-    c.model = mixtral_model_config(
+    c.model = mixtral.model_config(
         vocab_size=8192,
         hidden_size=512,
         intermediate_size=1408,

@@ -15,12 +15,13 @@ count). More devices extend `data`; keep train.global_batch_size / mesh.data a m
 parallel.num_microbatches.
 """
 
-from jaxpar.config import base_config, llama_model_config
+from jaxpar.config import base_config
+from jaxpar.models import llama
 
 
 def get_config():
     c = base_config()
-    c.model = llama_model_config(
+    c.model = llama.model_config(
         vocab_size=128256,
         hidden_size=8192,
         intermediate_size=28672,

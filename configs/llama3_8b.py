@@ -9,12 +9,13 @@ AdamW: 16 B per parameter + a bf16 copy, 144 GB of state over 8 devices. More de
 `data` (keep train.global_batch_size / mesh.data divisible by train.grad_accum).
 """
 
-from jaxpar.config import base_config, llama_model_config
+from jaxpar.config import base_config
+from jaxpar.models import llama
 
 
 def get_config():
     c = base_config()
-    c.model = llama_model_config(
+    c.model = llama.model_config(
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,

@@ -1,11 +1,12 @@
 """A tiny Llama that visibly learns the built-in corpus in about a minute on 2 CPU cores."""
 
-from jaxpar.config import base_config, llama_model_config
+from jaxpar.config import base_config
+from jaxpar.models import llama
 
 
 def get_config():
     c = base_config()
-    c.model = llama_model_config(
+    c.model = llama.model_config(
         vocab_size=256,  # byte-level tokenizer
         hidden_size=128,
         intermediate_size=344,

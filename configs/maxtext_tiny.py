@@ -5,12 +5,13 @@ LM head, sequence 256, global batch 8 (MaxText's per_device_batch_size=1 on 8 de
 `scripts/bench_mesh.py` sets the mesh to match MaxText's (fsdp8, dp8, tp2dp4, pp2dp4).
 """
 
-from jaxpar.config import base_config, llama_model_config
+from jaxpar.config import base_config
+from jaxpar.models import llama
 
 
 def get_config():
     c = base_config()
-    c.model = llama_model_config(
+    c.model = llama.model_config(
         vocab_size=256,
         hidden_size=256,
         intermediate_size=688,

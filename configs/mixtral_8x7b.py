@@ -11,12 +11,13 @@ the sweep still under-prices MoE x tensor x SP exchanges by 11-15%, which is the
 layout. Try the winner with --plan=a100-80g.
 """
 
-from jaxpar.config import base_config, mixtral_model_config
+from jaxpar.config import base_config
+from jaxpar.models import mixtral
 
 
 def get_config():
     c = base_config()
-    c.model = mixtral_model_config(
+    c.model = mixtral.model_config(
         vocab_size=32000,
         hidden_size=4096,
         intermediate_size=14336,

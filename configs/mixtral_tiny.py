@@ -1,12 +1,13 @@
 """A tiny Mixtral (4 experts, top-2) that visibly learns the built-in corpus in about a minute on
 2 CPU cores."""
 
-from jaxpar.config import base_config, mixtral_model_config
+from jaxpar.config import base_config
+from jaxpar.models import mixtral
 
 
 def get_config():
     c = base_config()
-    c.model = mixtral_model_config(
+    c.model = mixtral.model_config(
         vocab_size=256,  # byte-level tokenizer
         hidden_size=128,
         intermediate_size=192,

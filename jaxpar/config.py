@@ -1,90 +1,43 @@
 """The config schema: every key jaxpar understands, with its default.
 
-Config files (`configs/*.py`) start from `base_config()` and override fields. Preflight
-(`jaxpar.preflight`) rejects any key that is not in this schema, so a typo never passes silently.
-`config.model` uses the field names of transformers' `LlamaConfig` / `MixtralConfig`.
+Config files (`configs/*.py`) start from `base_config()` and override fields; `config.model` comes
+from the family's schema (`jaxpar.models.<family>.model_config`, e.g. `jaxpar.models.llama`), with
+the field names of the family's transformers config. Preflight (`jaxpar.train.preflight`) rejects
+any key that is not in this schema, so a typo never passes silently.
 """
 
-import jax.numpy as jnp
 from ml_collections import ConfigDict, FieldReference
-from ml_collections.config_dict import placeholder
 
 from jaxpar.axes import DATA, MESH_AXES
-
-# `train.param_dtype` / `train.compute_dtype` names and what they mean.
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# `model.rope_scaling.rope_type` values (transformers' names).
-ROPE_TYPES = ("default", "llama3")
-# Stored vocab rows/columns are padded to a multiple of this (zeros, masked in the loss). It is a
-# constant, not a function of the mesh, so parameter shapes and initial values never depend on it.
-VOCAB_PAD_MULTIPLE = 128
+from jaxpar.models.llama.schema import model_config as llama_model_config
 
 
-def padded_vocab_size(vocab_size: int) -> int:
-    return -(-vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
-
-def head_dim_of(model) -> int:
-    """`model.head_dim`, or hidden_size / num_attention_heads when it is None (transformers' rule)."""
-    return model.head_dim if model.head_dim is not None else model.hidden_size // model.num_attention_heads
-
-
-def llama_model_config(**overrides) -> ConfigDict:
-    """A Llama `config.model` section, LlamaConfig field names plus `model_type`."""
-    model = ConfigDict(
-        dict(
-            model_type="llama",
-            vocab_size=32000,
-            hidden_size=4096,
-            intermediate_size=11008,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            # None: hidden_size // num_attention_heads.
-            head_dim=placeholder(int),
-            rms_norm_eps=1e-6,
-            rope_theta=10000.0,
-            # rope_type "default" or "llama3"; the other fields are used by llama3 only.
-            rope_scaling=dict(
-                rope_type="default",
-                factor=8.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-            initializer_range=0.02,
+def resolve_derived(config: dict) -> dict:
+    """A config as a plain nested dict (e.g. saved JSON) with every derived default made explicit
+    and every key its other keys leave unused dropped, so two configs that describe the same run
+    compare equal: `model.head_dim` None -> hidden_size // num_attention_heads; the llama3 fields
+    of `model.rope_scaling` under rope_type "default"; `data.token_dtype` unless data.source is
+    "tokens", `data.path` unless "text" or "tokens", `data.max_corpus_bytes` unless "stdlib"."""
+    config = ConfigDict(config)  # a deep copy, and sections by attribute
+    model = config.get("model")
+    if isinstance(model, ConfigDict):
+        if model.get("head_dim") is None and {"hidden_size", "num_attention_heads"} <= set(model.keys()):
+            model.head_dim = model.hidden_size // model.num_attention_heads
+        scaling = model.get("rope_scaling")
+        if isinstance(scaling, ConfigDict) and scaling.get("rope_type", "default") == "default":
+            model.rope_scaling = ConfigDict({"rope_type": "default"})
+    try:
+        data = config.data  # by attribute: the section's name is also a mesh axis name (jaxpar.axes)
+    except AttributeError:
+        data = None
+    if isinstance(data, ConfigDict) and "source" in data:
+        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes")}.get(
+            data.source, ("token_dtype", "path")
         )
-    )
-    model.update(overrides)
-    return model
-
-
-def mixtral_model_config(**overrides) -> ConfigDict:
-    """A Mixtral `config.model` section: the Llama fields (Mixtral 8x7B's values) plus MixtralConfig's
-    MoE fields, `capacity_factor` and `router_z_loss_coef` (see `jaxpar.models.moe`)."""
-    model = llama_model_config(
-        model_type="mixtral",
-        intermediate_size=14336,
-        num_key_value_heads=8,
-        rms_norm_eps=1e-5,
-        rope_theta=1e6,
-        max_position_embeddings=32768,
-    )
-    model.update(
-        dict(
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            router_aux_loss_coef=0.02,  # Mixtral 8x7B's value (MixtralConfig's default is 0.001)
-            router_z_loss_coef=0.0,
-            # 0: dropless. > 0: each expert takes at most ceil(seq_len * k / E * factor) tokens
-            # of each sequence; the rest are dropped (their MoE output is zero).
-            capacity_factor=0.0,
-        )
-    )
-    model.update(overrides)
-    return model
+        for key in unused:
+            if key in data:
+                del data[key]
+    return config.to_dict()
 
 
 def base_config() -> ConfigDict:
@@ -100,7 +53,7 @@ def base_config() -> ConfigDict:
             zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
             sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
             # auto | none | full | save_dots. auto: the fastest measured for the backend
-            # (`jaxpar.models.options.AUTO_REMAT`: full on CPU, none elsewhere).
+            # (`jaxpar.parallel.plan.AUTO_REMAT`: full on CPU, none elsewhere).
             remat="auto",
             attention_impl="auto",  # auto | xla | cudnn | jaxpar_xla (auto: cudnn on GPU for 16-bit, jaxpar_xla on CPU, else xla)
             # Pipeline (used when mesh.pipeline > 1): gpipe | 1f1b | interleaved_1f1b | zb_h1.

@@ -15,7 +15,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from absl import app, flags
 
@@ -67,61 +66,44 @@ def roofline(flops: float, tokens: int, ours: float, peer: float | None, target:
     return line
 
 
-def profile_steps(program, state, batch, folder: str):
+def profile_steps(run, folder: str):
     """Two annotated steps under jax.profiler plus the step's HLO text, then the breakdown."""
     import jax
 
-    from jaxpar.train import breakdown
+    from jaxpar.analysis import profile
+    from jaxpar.train.observe import STEP_ANNOTATION, save_step_hlo
 
     jax.profiler.start_trace(folder)
     for number in (1, 2):
-        with jax.profiler.StepTraceAnnotation(breakdown.STEP_ANNOTATION, step_num=number):
-            state, metrics = program.step(state, batch)
-            jax.block_until_ready(metrics)
+        with jax.profiler.StepTraceAnnotation(STEP_ANNOTATION, step_num=number):
+            run.step()
     jax.profiler.stop_trace()
-    os.makedirs(os.path.join(folder, breakdown.HLO_DIR), exist_ok=True)
-    with open(os.path.join(folder, breakdown.HLO_DIR, "train_step.txt"), "w") as f:
-        f.write(program.step.lower(state, batch).compile().as_text())
-    print(breakdown.format_report(breakdown.load(folder)))
-    return state
+    save_step_hlo(folder, run.executable)
+    print(profile.format_report(profile.load(folder)))
 
 
 def main(argv):
     del argv
     import jax
-    import numpy as np
 
-    from jaxpar import preflight
-    from jaxpar.flops import train_flops_per_step
-    from jaxpar.train.setup import build
+    from jaxpar.models import facts
+    from jaxpar.train import harness
 
     config = load_config(_MODEL.value)
     if _REMAT.value:
         config.parallel.remat = _REMAT.value
     devices = jax.devices()[:1]
-    preflight.check(config, len(devices))
-    program = build(config, devices)
+    run = harness.prepare(config, devices)
     batch_size, seq = config.train.global_batch_size, config.train.seq_len
-    rng = np.random.default_rng(0)
-    batch = jax.device_put(
-        rng.integers(0, config.model.vocab_size, (batch_size, seq + 1)).astype(np.int32), program.batch_sharding
-    )
-    state = program.init()
-    start = time.perf_counter()
-    state, metrics = program.step(state, batch)
-    jax.block_until_ready(metrics)
+    compile_s = run.compile()
+    metrics, first_s = run.step()
     print(
         f"model={_MODEL.value} remat={config.parallel.remat} device={devices[0].device_kind} "
-        f"compile+first step {time.perf_counter() - start:.1f}s"
+        f"compile+first step {compile_s + first_s:.1f}s"
     )
     ours, peers = [], []
     for repeat in range(_REPEATS.value):
-        times = []
-        for _ in range(_STEPS.value):
-            start = time.perf_counter()
-            state, metrics = program.step(state, batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
+        metrics, times = run.steps(_STEPS.value)
         ours.append(statistics.median(times))
         line = f"[{repeat + 1}] jaxpar tokens/s {batch_size * seq / ours[-1]:.0f}"
         if _PEER.value:
@@ -130,7 +112,7 @@ def main(argv):
             line += f" | peer (HF transformers + PyTorch): {peer_line}"
         print(line, flush=True)
     if _PROFILE.value:
-        state = profile_steps(program, state, batch, _PROFILE.value)
+        profile_steps(run, _PROFILE.value)
     step_s = statistics.median(ours)
     tokens = [batch_size * seq / t for t in ours]
     print(f"jaxpar: loss_last={float(metrics['loss']):.3f} tokens/s median {statistics.median(tokens):.0f} "
@@ -139,7 +121,7 @@ def main(argv):
         print(f"peer: tokens/s median {statistics.median(peers):.0f} (min {min(peers):.0f}, max {max(peers):.0f}); "
               f"jaxpar / peer = {statistics.median(tokens) / statistics.median(peers):.2f}x "
               f"(per repeat: {', '.join(f'{a / b:.2f}' for a, b in zip(tokens, peers))})")
-    flops = train_flops_per_step(config.model, batch_size, seq)
+    flops = facts(config.model).model_flops_per_step(batch_size, seq)
     if devices[0].platform == "cpu":
         print(roofline(flops, batch_size * seq, statistics.median(tokens), statistics.median(peers) if peers else None))
     print(f"step_s={step_s:.4f} tokens_per_sec={batch_size * seq / step_s:.0f} gflops_per_sec={flops / step_s / 1e9:.1f}")

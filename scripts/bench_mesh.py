@@ -26,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 from absl import app, flags
 
@@ -95,8 +94,7 @@ def worker(spec: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxpar import preflight
-    from jaxpar.train.setup import build
+    from jaxpar.train import harness
 
     compile_s = [0.0]
 
@@ -107,22 +105,16 @@ def worker(spec: dict) -> dict:
     config = build_config(spec["mesh"], spec["remat"], spec["overrides"])
     config.train.steps = spec["steps"]
     devices = jax.devices()[: int(np.prod([config.mesh[axis] for axis in config.mesh]))]
-    preflight.check(config, len(devices))
-    program = build(config, devices)
+    run = harness.prepare(config, devices)
     train = config.train
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, config.model.vocab_size, (train.global_batch_size, train.seq_len + 1)).astype(np.int32)
-    batch = jax.device_put(tokens, program.batch_sharding)
-    state = jax.block_until_ready(program.init())
     jax.monitoring.register_event_duration_secs_listener(on_duration)
+    run.compile()  # the train step's compile events, after init's
+    first_compile = compile_s[0]
     times, losses = [], []
     for _ in range(spec["steps"]):
-        start = time.perf_counter()
-        state, metrics = program.step(state, batch)
-        losses.append(float(metrics["loss"]))  # waits for the step
-        times.append(time.perf_counter() - start)
-        if len(times) == 1:
-            first_compile = compile_s[0]
+        metrics, seconds = run.step()
+        losses.append(float(metrics["loss"]))
+        times.append(seconds)
     step_s = statistics.median(times[WARMUP:])
     return {
         "compile_train_step_s": round(first_compile, 2),

@@ -4,11 +4,12 @@ attention FLOP. Prints a table and writes a PNG.
 
     python scripts/context_report.py [--seq_lens=4096,16384] [--contexts=1,2,4,8] [--out=context_report.png]
 
-Everything is read from compiled programs (nothing runs): `memory_analysis()` for temp bytes, and
-the HLO text for collectives — each op's per-device bytes sent (ring-algorithm counts: all-gather
-and all-to-all R·(n-1)/n of the result R, all-reduce 2R·(n-1)/n, reduce-scatter R·(n-1),
-collective-permute R) times the trip counts of the while loops around it. Ops in conditional
-branches are counted as if taken (an upper bound; the ring's permutes are never in a branch).
+Everything is read from compiled programs (`jaxpar.analysis.compiled.compile_step`; nothing runs):
+`memory_analysis()` for temp bytes, and the HLO's collectives (`jaxpar.analysis.hlo`) — each op's
+per-device bytes sent (`comm.wire_bytes`, ring-algorithm counts: all-gather and all-to-all
+R·(n-1)/n of the result R, all-reduce 2R·(n-1)/n, reduce-scatter R·(n-1), collective-permute R)
+times the trip counts of the while loops around it. Ops in conditional branches are counted as
+if taken (an upper bound; the ring's permutes are never in a branch).
 "attention" collectives are those of the attention's shard_map; the rest are the gradient and loss
 reductions over `context` (parameters are replicated over it, as over data replicas).
 
@@ -19,8 +20,6 @@ twice the forward, per layer; per device divided by c. c = 1 runs XLA's one-devi
 """
 
 import collections
-import re
-import time
 
 from absl import app, flags
 
@@ -34,12 +33,9 @@ _HEADS = flags.DEFINE_integer("heads", 8, "Query heads.")
 _KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "Key/value heads (GQA).")
 _OUT = flags.DEFINE_string("out", "context_report.png", "PNG path ('' for none).")
 
-COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
-DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
-
-
 def make_config(seq_len: int, c: int, impl: str):
-    from jaxpar.config import base_config, llama_model_config
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config as llama_model_config
 
     config = base_config()
     config.model = llama_model_config(
@@ -53,95 +49,16 @@ def make_config(seq_len: int, c: int, impl: str):
     return config
 
 
-def compile_step(config, devices):
-    import jax
-    import jax.numpy as jnp
+def collective_bytes(step) -> dict:
+    """Per-device bytes sent per step by the compiled step's collectives, keyed "attention"
+    (inside the attention's shard_map) / "other"."""
+    from jaxpar.analysis.comm import wire_bytes
 
-    from jaxpar import preflight
-    from jaxpar.train.setup import build
-
-    preflight.check(config, len(devices))
-    program = build(config, devices)
-    state = jax.eval_shape(program.init)
-    batch = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len + 1), jnp.int32)
-    start = time.perf_counter()
-    compiled = program.step.lower(state, batch).compile()
-    return compiled, time.perf_counter() - start
-
-
-def _result_bytes(result_type: str, asynchronous: bool) -> int:
-    arrays = re.findall(r"([a-z]+\d*)\[([\d,]*)\]", re.sub(r"/\*index=\d+\*/", "", result_type))
-    if asynchronous:  # a -start op's result is (operand, result): count the result only
-        arrays = arrays[-1:]
-    total = 0
-    for dtype, dims in arrays:
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
-def _group_size(line: str) -> int:
-    """Devices per replica group, from any of XLA's three spellings of replica_groups."""
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)  # mesh['a'=1,'b'=2] {'b'}
-    if mesh:
-        sizes = dict((name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        n = 1
-        for name in re.findall(r"'(\w+)'", mesh.group(2)):
-            n *= sizes[name]
-        return n
-    iota = re.search(r"replica_groups=\[([\d,]+)\]<=", line)
-    if iota:
-        return int(iota.group(1).split(",")[-1])
-    groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    return len(groups.group(1).split(",")) if groups else 1
-
-
-def _sent_bytes(op: str, result: int, n: int) -> float:
-    if op == "collective-permute":
-        return result
-    if n <= 1:
-        return 0.0
-    return {"all-gather": result * (n - 1) / n, "all-to-all": result * (n - 1) / n,
-            "all-reduce": 2 * result * (n - 1) / n, "reduce-scatter": result * (n - 1)}[op]
-
-
-def collective_bytes(hlo_text: str) -> dict:
-    """Per-device bytes sent per step by collectives, keyed "attention" / "other"."""
-    calls = collections.defaultdict(list)  # computation -> [(callee, times per call)]
-    ops = []  # (computation, kind, bytes per execution)
-    computation = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(ENTRY )?%([\w.\-]+) .*\{$", line)
-        if header:
-            computation = "ENTRY" if header.group(1) else header.group(2)
-            continue
-        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-        body = re.search(r"body=%([\w.\-]+)", line)
-        if body:
-            calls[computation].append((body.group(1), int(trips.group(1)) if trips else 1))
-        for kind, callee in re.findall(r"(calls|to_apply|true_computation|false_computation)=%([\w.\-]+)", line):
-            calls[computation].append((callee, 1))
-        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-            calls[computation].extend((callee, 1) for callee in re.findall(r"%([\w.\-]+)", group))
-        op = COLLECTIVE.search(line)
-        if op:
-            sent = _sent_bytes(op.group(2), _result_bytes(op.group(1), bool(op.group(3))), _group_size(line))
-            ops.append((computation, "attention" if "attention/shard_map" in line else "other", sent))
-    memo = {}
-
-    def executions(name):  # how often one step runs `name`
-        if name == "ENTRY":
-            return 1
-        if name not in memo:
-            memo[name] = sum(executions(caller) * n for caller, callees in calls.items() for callee, n in callees
-                             if callee == name)
-        return memo[name]
-
+    n = step.num_devices
     totals = collections.Counter()
-    for comp, kind, sent in ops:
-        totals[kind] += sent * executions(comp)
+    for c in step.collectives:
+        kind = "attention" if "attention/shard_map" in c.op_name else "other"
+        totals[kind] += wire_bytes(c.kind, c.size_bytes(n), c.group_size(n)) * c.executions
     return totals
 
 
@@ -154,13 +71,15 @@ def attention_flops_per_device(config, c: int) -> float:
 def measure(seq_len: int, c: int, impl: str):
     import jax
 
+    from jaxpar.analysis.compiled import compile_step
+
     config = make_config(seq_len, c, impl)
-    compiled, seconds = compile_step(config, jax.devices()[:c])
-    comm = collective_bytes(compiled.as_text())
+    step = compile_step(config, jax.devices()[:c], checked=True)
+    comm = collective_bytes(step)
     flops = attention_flops_per_device(config, c)
-    return dict(seq=seq_len, c=c, impl=impl if c > 1 else "one device", temp=compiled.memory_analysis().temp_size_in_bytes,
+    return dict(seq=seq_len, c=c, impl=impl if c > 1 else "one device", temp=step.memory.temp,
                 attn_bytes=comm["attention"], other_bytes=comm["other"], flops=flops,
-                ratio=comm["attention"] / flops, compile_s=seconds)
+                ratio=comm["attention"] / flops, compile_s=step.compile_seconds)
 
 
 HEADER = (f"{'seq':>6}{'c':>3}  {'impl':<11}{'temp MiB/dev':>13}{'attn comm MiB':>14}{'other comm MiB':>15}"

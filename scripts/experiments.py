@@ -40,7 +40,8 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 
 def llama2_7b():
-    from jaxpar.config import base_config, llama_model_config
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config as llama_model_config
 
     c = base_config()
     c.model = llama_model_config(
@@ -166,7 +167,7 @@ def section_pipeline() -> list[str]:
 
 def _context_available() -> tuple[bool, str]:
     from jaxpar.axes import CONTEXT, DATA
-    from jaxpar.preflight import ConfigError, check
+    from jaxpar.train.preflight import ConfigError, check
     from tests.tiny import llama, with_overrides
 
     config = with_overrides(llama({"seq_len": 64}, vocab_size=256), {DATA: 4, CONTEXT: 2})

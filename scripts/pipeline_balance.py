@@ -31,7 +31,8 @@ _STEPS = flags.DEFINE_integer("steps", 9, "Timed steps per row after two warm-up
 
 
 def make_config(split, vocab: str):
-    from jaxpar.config import base_config, llama_model_config
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config as llama_model_config
 
     c = base_config()
     c.model = llama_model_config(
@@ -47,23 +48,12 @@ def make_config(split, vocab: str):
 
 
 def prepare(config, devices):
-    """(step, state, batch) ready to time: the jitted train step compiled and run twice."""
-    import jax
-    import numpy as np
+    """The checked, built train step (`jaxpar.train.harness`), compiled and run twice."""
+    from jaxpar.train import harness
 
-    from jaxpar import preflight
-    from jaxpar.train.setup import build
-
-    preflight.check(config, len(devices))
-    program = build(config, devices)
-    state = program.init()
-    shape = (config.train.global_batch_size, config.train.seq_len + 1)
-    rng = np.random.default_rng(0)
-    batch = jax.device_put(rng.integers(0, config.model.vocab_size, shape, dtype=np.int32), program.batch_sharding)
-    for _ in range(2):
-        state, metrics = program.step(state, batch)
-    jax.block_until_ready(metrics)
-    return [program.step, state, batch]
+    run = harness.prepare(config, devices)
+    run.steps(2)
+    return run
 
 
 def _median_time(fn, *args, repeats: int = 5) -> float:
@@ -90,12 +80,13 @@ def measured_action_costs(config, p: int) -> dict:
     from jaxpar.parallel.pipeline.slots import BackBranch
     from jaxpar.parallel.pipeline.stage import Stage
     from jaxpar.parallel.tensor import mean_cross_entropy
+    from jaxpar.train.step import stage_model
 
     cfg = config.model
     params = models.init_params(cfg, 0)
     one_layer = jax.tree.map(lambda a: a[:1], params["layers"])
     shared = {k: v for k, v in params.items() if k != "layers"}
-    stage = Stage(cfg, RunOptions())
+    stage = Stage(stage_model(cfg), RunOptions())
     rows, seq = _ROWS.value, _SEQ.value
     x = jax.random.normal(jax.random.key(0), (rows, seq, cfg.hidden_size))
     positions = jnp.broadcast_to(jnp.arange(seq), (rows, seq))
@@ -117,17 +108,10 @@ def measured_action_costs(config, p: int) -> dict:
 def time_round_robin(prepared: list, steps: int) -> list[float]:
     """Median step time of each prepared step, timed in turns (A B C D A B C D ...) so that load
     from other processes drifting over the run hits every row alike."""
-    import jax
-
     times = [[] for _ in prepared]
     for _ in range(steps):
-        for i, entry in enumerate(prepared):
-            step, state, batch = entry
-            start = time.perf_counter()
-            state, metrics = step(state, batch)
-            jax.block_until_ready(metrics)
-            times[i].append(time.perf_counter() - start)
-            entry[1] = state
+        for i, run in enumerate(prepared):
+            times[i].append(run.step()[1])
     return [statistics.median(t) for t in times]
 
 
@@ -138,12 +122,13 @@ def main(argv):
     import jax
 
     jax.config.update("jax_num_cpu_devices", _STAGES.value)
+    from jaxpar.models import facts
     from jaxpar.parallel.pipeline import balance
     from jaxpar.parallel.pipeline.schedules import make_schedule
 
     p, m = _STAGES.value, _MICRO.value
     schedule = make_schedule(_SCHEDULE.value, p, m)
-    model = make_config((1,) * p, "spread").model
+    model = facts(make_config((1,) * p, "spread").model)
     equal = balance.auto_split(model, _SEQ.value, _SCHEDULE.value, p, m, placement="spread")
     ends_auto = balance.auto_split(model, _SEQ.value, _SCHEDULE.value, p, m, placement="ends")
     rows = [("ends", "equal", equal), ("ends", "auto", ends_auto), ("spread", "equal = auto", equal),
@@ -151,8 +136,8 @@ def main(argv):
     tokens = _ROWS.value * m * _SEQ.value
     print(f"Llama {_LAYERS.value} layers, hidden {_HIDDEN.value}, vocab {_VOCAB.value}, seq {_SEQ.value}; "
           f"{_SCHEDULE.value} p={p} m={m}, {_ROWS.value} rows per microbatch; {p} emulated CPU devices")
-    print(f"layer forward {balance.layer_flops(model, _SEQ.value) / 1e6:.1f} MFLOP/token, "
-          f"vocab work {balance.vocab_flops(model) / 1e6:.1f} MFLOP/token")
+    print(f"layer forward {model.layer_flops(_SEQ.value) / 1e6:.1f} MFLOP/token, "
+          f"vocab work {model.vocab_flops() / 1e6:.1f} MFLOP/token")
     timed = measured_action_costs(make_config(equal, "spread"), p)
     print("measured on one device, per microbatch: layer F {F:.1f} ms, layer B {B:.1f} ms, head + loss fwd+bwd "
           "{ends:.1f} ms (whole vocab), {spread:.1f} ms (1/p of it)".format(**{k: 1e3 * v for k, v in timed.items()}))

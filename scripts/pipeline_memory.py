@@ -42,7 +42,7 @@ def main(argv):
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", _DEVICES.value)
-    from jaxpar import preflight
+    from jaxpar.train import preflight
 
     base = _CONFIG.value
     base.mesh.pipeline = _PIPELINE.value

@@ -12,7 +12,6 @@ recomputing backward and idle ranks' zero sends), not the bubble a real accelera
 """
 
 import statistics
-import time
 
 from absl import app, flags
 
@@ -31,7 +30,8 @@ _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 256, "Vocab size.")
 
 
 def make_config(schedule: str | None, p: int, m: int, v: int):
-    from jaxpar.config import base_config, llama_model_config
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config as llama_model_config
 
     c = base_config()
     c.model = llama_model_config(
@@ -50,28 +50,14 @@ def make_config(schedule: str | None, p: int, m: int, v: int):
 
 
 def measure(config, devices):
-    import jax
-    import numpy as np
+    """(compiled temp bytes per device, median step seconds after one warm-up step)."""
+    from jaxpar.train import harness
 
-    from jaxpar import preflight
-    from jaxpar.train.setup import build
-
-    preflight.check(config, len(devices))
-    program = build(config, devices)
-    state = program.init()
-    shape = (config.train.global_batch_size, config.train.seq_len + 1)
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
-    batch = jax.device_put(tokens, program.batch_sharding)
-    compiled = program.step.lower(state, batch).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(_STEPS.value):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+    run = harness.prepare(config, devices)
+    run.compile()
+    temp = run.executable.memory_analysis().temp_size_in_bytes
+    run.step()
+    _, times = run.steps(_STEPS.value)
     return temp, statistics.median(times)
 
 
@@ -80,6 +66,7 @@ def main(argv):
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    from jaxpar.models import facts
     from jaxpar.parallel.pipeline.balance import split_report
     from jaxpar.parallel.pipeline.checks import peak_in_flight
     from jaxpar.parallel.pipeline.options import pipeline_options
@@ -119,8 +106,8 @@ def main(argv):
     print()
     for name, config in splits.items():
         plan = slot_plan_for(name, p, m, config.parallel.virtual_stages)
-        split = pipeline_options(config, dict(config.mesh)).stage_layers
-        print(f"{name}: " + "\n  ".join(split_report(config.model, config.train.seq_len, plan.schedule, split, _VOCAB_AT.value)))
+        split = pipeline_options(config, dict(config.mesh), facts(config.model)).stage_layers
+        print(f"{name}: " + "\n  ".join(split_report(facts(config.model), config.train.seq_len, plan.schedule, split, _VOCAB_AT.value)))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 Reads the latest `jax.profiler` trace under the folder (written with
 `--config.train.profile_steps=N`, or `scripts/bench.py --profile`) and the train step's HLO text
 saved beside it (`hlo/`), and prints per scope: device time per step, share of all op time,
-and how it splits into forward, backward and remat recompute (`jaxpar.train.breakdown`).
+and how it splits into forward, backward and remat recompute (`jaxpar.analysis.profile`).
 """
 
 import sys
@@ -19,18 +19,18 @@ _TOP = flags.DEFINE_integer("top", 0, "Also list this many costliest ops of each
 def main(argv):
     if len(argv) != 2:
         raise app.UsageError("usage: profile_report.py WORKDIR/profile")
-    from jaxpar.train import breakdown
+    from jaxpar.analysis import profile
 
     try:
-        trace = breakdown.load(argv[1])
+        trace = profile.load(argv[1])
     except FileNotFoundError as e:
         sys.exit(str(e))
-    print(breakdown.format_report(trace, _MODULE.value))
+    print(profile.format_report(trace, _MODULE.value))
     if _TOP.value:
-        scopes, _, _ = breakdown.breakdown(trace, _MODULE.value)
+        scopes, _, _ = profile.breakdown(trace, _MODULE.value)
         for row in scopes:
             print(f"\n{row.name}:")
-            for ns, op, op_name in breakdown.top_ops(trace, row.name, _TOP.value, _MODULE.value):
+            for ns, op, op_name in profile.top_ops(trace, row.name, _TOP.value, _MODULE.value):
                 print(f"  {ns / 1e6:8.2f} ms  {op:<40} {op_name[:110]}")
 
 

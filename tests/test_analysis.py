@@ -46,8 +46,11 @@ from jaxpar.analysis.fidelity import Fidelity, compare
 from jaxpar.analysis.hlo import ALL_REDUCE, DTYPE_BYTES
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import estimate_memory, param_counts, saved_per_token_layer
-from jaxpar.config import base_config, llama_model_config, mixtral_model_config
+from jaxpar.config import base_config
+from jaxpar.models.llama import model_config as llama_model_config
+from jaxpar.models.mixtral import model_config as mixtral_model_config
 from jaxpar.models.options import RunOptions
+from jaxpar.parallel.plan import ParallelPlan
 from jaxpar.train.loss import mean_cross_entropy
 from jaxpar.train.setup import build, bytes_per_device
 from tests.tiny import with_overrides
@@ -109,7 +112,7 @@ def test_saved_activations_match_jax_residuals(remat):
     tokens = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
 
     def loss(p, t):
-        logits, _ = models.apply(config.model, p, t[:, :-1], RunOptions(remat=remat))
+        logits, _ = models.apply(config.model, p, t[:, :-1], RunOptions(plan=ParallelPlan(remat=remat)))
         return mean_cross_entropy(logits, t[:, 1:])
 
     printed = io.StringIO()

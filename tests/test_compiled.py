@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import models
-from jaxpar.config import padded_vocab_size
+from jaxpar.model_facts import padded_vocab_size
 from jaxpar.train.setup import build, bytes_per_device
 from tests import tiny
 from tests.hlo import collectives

@@ -81,7 +81,7 @@ BF16_CASES = {
     "data2_tensor4_sp": ({"data": 2, "tensor": 4}, {"sequence_parallel": True}),
     "data4_tensor2_zero3": ({"data": 4, "tensor": 2}, {"zero_stage": 3}),
     # 16-bit psums over `pipeline` beside a partitioned `tensor` aborted XLA:CPU's compiler before
-    # `jaxpar.parallel.manual.psum_wide` (found by the 70B sweep).
+    # `jaxpar.manual.psum_wide` (found by the 70B sweep).
     "pipeline2_tensor4_sp_spread": ({"pipeline": 2, "tensor": 4, "data": 1}, {"sequence_parallel": True, "pipeline_vocab": "spread"}),
     # Per-rank accumulation under context parallelism, against one device accumulating the same
     # 2 microbatches (measured: losses 1.0e-3, gradient norms 8.7e-3).

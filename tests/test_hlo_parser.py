@@ -229,6 +229,31 @@ ENTRY %main (x: (s32[], f32[4,8], f32[8,16])) -> f32[] {
     assert not upper
 
 
+def test_instructions_by_name_with_opcode_and_op_name():
+    """Every instruction of every computation, a tuple-shaped result's opcode read past the
+    nested tuple, and the metadata's op_name (what the profile maps to scopes)."""
+    text = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%body (t: (s32[], (f32[4], f32[4]))) -> (s32[], (f32[4], f32[4])) {
+  %t = (s32[], (f32[4]{0}, f32[4]{0})) parameter(0)
+  ROOT %tuple.1 = (s32[], (f32[4]{0}, /*index=1*/f32[4]{0})) tuple(%t), metadata={op_name="jit(f)/while/body/attention/add"}
+}
+
+ENTRY %main.5 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %while.4 = (s32[], (f32[4]{0}, f32[4]{0})) while((s32[], (f32[4]{0}, f32[4]{0})) %t), condition=%c, body=%body, metadata={op_name="jit(f)/while"}
+  ROOT %ynn_fusion.2 = f32[4]{0} fusion(%p), kind=kCustom, calls=%f, metadata={op_name="jit(f)/transpose(jvp(mlp))/dot_general" stack_frame_id=3}
+}"""
+    found = hlo.instructions(text)
+    assert hlo.module_name(text) == "jit_f" and hlo.module_name("no module line") == ""
+    assert sorted(found) == ["p", "t", "tuple.1", "while.4", "ynn_fusion.2"]
+    assert (found["while.4"].opcode, found["while.4"].op_name) == ("while", "jit(f)/while")
+    assert (found["tuple.1"].opcode, found["tuple.1"].op_name) == ("tuple", "jit(f)/while/body/attention/add")
+    assert found["ynn_fusion.2"].opcode == "fusion"
+    assert found["ynn_fusion.2"].op_name == "jit(f)/transpose(jvp(mlp))/dot_general"
+    assert found["p"].op_name == ""
+
+
 def test_bad_text_is_refused():
     with pytest.raises(hlo.HloParseError):
         hlo.collectives("not hlo at all")
@@ -251,7 +276,8 @@ def test_psum_inside_a_scan_is_found_in_the_loop_on_its_axis():
         def step(carry, _):
             return jax.lax.psum(carry, "tensor") * 0.5 + carry, None
 
-        return jax.lax.scan(step, x, None, length=6)[0]
+        with jax.named_scope("mixer"):
+            return jax.lax.scan(step, x, None, length=6)[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "tensor"), out_specs=P("data", "tensor")))
     text = f.lower(jax.ShapeDtypeStruct((4, 32), jnp.float32)).compile().as_text()
@@ -261,6 +287,7 @@ def test_psum_inside_a_scan_is_found_in_the_loop_on_its_axis():
     assert c.loop_depth == 1 and c.trip_counts == (6,) and c.executions == 6 and not c.in_branch
     assert hlo.mesh_axes_of(c, mesh) == ("tensor",)
     assert c.size_bytes() == 2 * 8 * 4  # one device's [4/2, 32/4] block, fp32
+    assert "/mixer/" in c.op_name  # the traced scope path, from the instruction's metadata
 
 
 @pytest.mark.timeout(300)

@@ -16,22 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.train import breakdown, observe
+from jaxpar.analysis import hlo, profile
+from jaxpar.train import observe
 from tests import tiny
 
 
-def test_parse_hlo_reads_tuple_shapes_and_op_names():
+def test_op_names_read_from_hlo_map_to_scopes():
     text = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 ENTRY %main.5 (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
-  %while.4 = (s32[], f32[4]{0}) while((s32[], f32[4]{0}) %t), condition=%c, body=%b, metadata={op_name="jit(f)/while"}
   ROOT %ynn_fusion.2 = f32[4]{0} fusion(%p), kind=kCustom, calls=%f, metadata={op_name="jit(f)/transpose(jvp(mlp))/dot_general" stack_frame_id=3}
 }"""
-    ops = breakdown.parse_hlo(text)
-    assert breakdown.module_name(text) == "jit_f"
-    assert ops["while.4"] == breakdown.HloOp("while", "jit(f)/while")
-    assert ops["ynn_fusion.2"].opcode == "fusion" and ops["p"].op_name == ""
-    assert breakdown.scope_of(ops["ynn_fusion.2"].op_name) == ("mlp", "backward")
+    assert profile.scope_of(hlo.instructions(text)["ynn_fusion.2"].op_name) == ("mlp", "backward")
 
 
 @pytest.mark.parametrize(
@@ -47,13 +43,13 @@ ENTRY %main.5 (p: f32[4]) -> f32[4] {
     ],
 )
 def test_scope_of(op_name, expected):
-    assert breakdown.scope_of(op_name) == expected
+    assert profile.scope_of(op_name) == expected
 
 
 def test_shared_times_split_overlaps_evenly():
     # [0, 100) alone for 10, shared with [10, 30) for 20, alone until 40, shared with [40, 100)
     # for 60; [100, 105) after. The shares add up to the busy time (105), never more.
-    shares = breakdown._shared_times([(0, 100), (10, 30), (40, 100), (100, 105)])
+    shares = profile._shared_times([(0, 100), (10, 30), (40, 100), (100, 105)])
     assert shares == [10 + 10 + 10 + 30, 10, 30, 5]
     assert sum(shares) == 105
 
@@ -75,24 +71,22 @@ def test_profile_breakdown_follows_flops(tmp_path):
         return small
 
     f(x).block_until_ready()
-    profile = str(tmp_path / "profile")
-    jax.profiler.start_trace(profile)
+    folder = str(tmp_path / "profile")
+    jax.profiler.start_trace(folder)
     for step in range(3):
-        with jax.profiler.StepTraceAnnotation(breakdown.STEP_ANNOTATION, step_num=step):
+        with jax.profiler.StepTraceAnnotation(observe.STEP_ANNOTATION, step_num=step):
             f(x).block_until_ready()
     jax.profiler.stop_trace()
-    os.makedirs(os.path.join(profile, breakdown.HLO_DIR))
-    with open(os.path.join(profile, breakdown.HLO_DIR, "f.txt"), "w") as file:
-        file.write(f.lower(x).compile().as_text())
-    trace = breakdown.load(profile)
+    observe.save_step_hlo(folder, f.lower(x).compile())
+    trace = profile.load(folder)
     assert len(trace.step_ns) == 3
-    scopes, collectives, total = breakdown.breakdown(trace, module_filter="jit_f")
+    scopes, collectives, total = profile.breakdown(trace, module_filter="jit_f")
     by_name = {row.name: row.ns for row in scopes}
     assert not collectives
     assert abs(sum(by_name.values()) - total) < 1e-6 * total
     assert by_name["attention"] > 3 * by_name["mlp"] > 0
     assert by_name["attention"] + by_name["mlp"] > 0.8 * total
-    assert "attention" in breakdown.format_report(trace)
+    assert "attention" in profile.format_report(trace)
 
 
 def test_peak_flops_sources():
@@ -158,9 +152,9 @@ def test_training_run_writes_timing_tensorboard_and_profile(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["compile_s"] == history[0]["compile_s"]
 
-    trace = breakdown.load(str(tmp_path / "profile"))
+    trace = profile.load(str(tmp_path / "profile"))
     assert len(trace.step_ns) == 2 and trace.devices == 2
-    scopes, collectives, total = breakdown.breakdown(trace)
+    scopes, collectives, total = profile.breakdown(trace)
     names = {row.name for row in scopes}
     assert {"attention", "moe_router", "lm_head", "loss", "optimizer_update"} <= names
     assert collectives and collectives[0].name == "all-reduce"  # the data-parallel gradient reduction

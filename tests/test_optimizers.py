@@ -24,7 +24,7 @@ from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
 from jaxpar.optim.matrices import MatrixDims, gathered_bytes, matrix_dims, newton_schulz_flops, whole_matrix_spec
 from jaxpar.optim.muon import Matrix
 from jaxpar.optim.state import StateLayoutError
-from jaxpar.preflight import ConfigError, check
+from jaxpar.train.preflight import ConfigError, check
 from jaxpar.sharding import is_logical_names
 from jaxpar.train.setup import build, bytes_per_device
 from tests import tiny

@@ -73,7 +73,7 @@ def test_matches_single_device(name, shared_cache):
     config = tiny.with_overrides(pipeline_config(**model), mesh, parallel=parallel)
     devices = math.prod(mesh.values())
     assert pipeline_checks(config, resolve_mesh_shape(config.mesh, devices), has_aux_losses=False) == []
-    stages = pipeline_options(config, resolve_mesh_shape(config.mesh, devices)).stage_layers
+    stages = pipeline_options(config, resolve_mesh_shape(config.mesh, devices), models.facts(config.model)).stage_layers
     if "auto" in name or "_1_4_2" in name or "_3_5" in name:
         assert len(set(stages)) > 1, f"{name} should run an uneven split, got {stages}"
     reference = single_device(shared_cache, config, STEPS)
@@ -106,8 +106,8 @@ def test_preflight_rejects_bad_pipeline_configs(mesh, parallel, train, expected)
 
 def test_default_microbatches_is_pipeline_size():
     config = tiny.with_overrides(pipeline_config(), {"pipeline": 4, "data": 2})
-    assert pipeline_options(config, {"pipeline": 4}).microbatches == 4
-    assert pipeline_options(config, {"pipeline": 1}) is None
+    assert pipeline_options(config, {"pipeline": 4}, models.facts(config.model)).microbatches == 4
+    assert pipeline_options(config, {"pipeline": 1}, models.facts(config.model)) is None
 
 
 # --- vocab tables split over the pipeline ranks -----------------------------------------------

@@ -26,7 +26,7 @@ from jaxpar.analysis.layout import _exact_shape, pipeline_shape
 from jaxpar.analysis.planner import PlanError, apply_layout, best_layout, command_line_keys, report
 from jaxpar.analysis.search import USABLE_FRACTION, plan_layouts
 from jaxpar.axes import EXPERT, MESH_AXES, PIPELINE, TENSOR
-from jaxpar.preflight import ConfigError, check
+from jaxpar.train.preflight import ConfigError, check
 from tests import tiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 import pytest
 
 from jaxpar.mesh import MeshError, make_mesh, resolve_mesh_shape
-from jaxpar.preflight import ConfigError, check
+from jaxpar.train.preflight import ConfigError, check
 from tests import tiny
 
 

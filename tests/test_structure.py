@@ -5,9 +5,17 @@ looks for."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
+
+from jaxpar.parallel.context.plan import ContextPlan
+from jaxpar.parallel.pipeline.options import PipelineOptions
+from jaxpar.parallel.plan import ParallelPlan
+from jaxpar.parallel.tensor import TensorPlan
+from jaxpar.parallel.zero import ZeroPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxpar"
@@ -77,6 +85,42 @@ def test_jaxpar_import_graph_is_acyclic():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
+def package_of(module: str) -> str:
+    """The node of the package graph a module belongs to: `jaxpar.<package>` for a module inside a
+    package (`jaxpar.models.llama.hf` -> `jaxpar.models`), the module itself at the top level."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def package_graph(module_graph: dict) -> dict:
+    graph: dict = {}
+    for module, imported in module_graph.items():
+        node = package_of(module)
+        graph.setdefault(node, set()).update(package_of(m) for m in imported if package_of(m) != node)
+    return graph
+
+
+def test_package_graph_reader_finds_a_planted_cycle():
+    # Modules are acyclic, their packages are not: models.a -> parallel.b -> models.c.
+    modules_only = {
+        "jaxpar.models.a": {"jaxpar.parallel.b"},
+        "jaxpar.parallel.b": {"jaxpar.models.c"},
+        "jaxpar.models.c": set(),
+    }
+    assert find_cycle(modules_only) is None
+    assert find_cycle(package_graph(modules_only)) == ["jaxpar.models", "jaxpar.parallel", "jaxpar.models"]
+
+
+def test_jaxpar_package_graph_is_acyclic():
+    """Packages (`jaxpar.models`, `jaxpar.parallel`, `jaxpar.kernels`, `jaxpar.interop`,
+    `jaxpar.train`, ...) and top-level modules as nodes: imports flow one way between them too."""
+    known = modules()
+    graph = package_graph({name: imports_of(path.read_text(), set(known)) - {name} for name, path in known.items()})
+    assert {"jaxpar.models", "jaxpar.parallel", "jaxpar.kernels", "jaxpar.interop", "jaxpar.train"} <= set(graph)
+    assert sum(len(v) for v in graph.values()) > 20, "the reader found too few package imports to be trusted"
+    assert find_cycle(graph) is None, f"package import cycle: {' -> '.join(find_cycle(graph))}"
+
+
 def axis_literals(source: str) -> list:
     return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and n.value in AXIS_NAMES]
 
@@ -114,3 +158,66 @@ def test_each_parallelism_module_says_what_it_shards_and_which_test_proves_it():
         named = {word.strip("`.,;:()") for word in doc.split() if word.strip("`.,;:()").startswith("tests/")}
         tests = {name.split("::")[0] for name in named}
         assert tests and all((ROOT / t).is_file() for t in tests), (home, tests)
+
+
+# ---- the cost model prices the plan that runs ----
+
+# How the analysis names each part of the plan when it reads it (`layout.plan.zero.shard_params`).
+PLAN_OWNERS = {
+    ParallelPlan: ("plan",),
+    ZeroPlan: ("zero",),
+    TensorPlan: ("tensor",),
+    PipelineOptions: ("pipeline", "pipe"),
+    ContextPlan: ("context",),
+}
+# Plan fields the analysis need not read itself, each with the reason.
+NOT_READ_DIRECTLY = {
+    (PipelineOptions, "facts"): "input of the auto split; the analysis reads `stage_layers`",
+    (PipelineOptions, "seq_len"): "input of the auto split; the analysis reads `stage_layers`",
+    (PipelineOptions, "split"): "the requested split; the analysis reads `stage_layers`",
+    (PipelineOptions, "given_table"): "a table given by hand; the analysis reads `table`",
+    (PipelineOptions, "layers"): "input of `shard_layers`, which the rules table reads",
+    (PipelineOptions, "num_ranks"): "mesh.pipeline, read from `mesh_shape`",
+    (TensorPlan, "size"): "mesh.tensor, read from `mesh_shape`",
+    (ContextPlan, "size"): "mesh.context, read from `mesh_shape`",
+}
+# Where the cost model reads the plan: the analysis, and the rules table it shards parameters with.
+PRICING_SOURCES = sorted((PACKAGE / "analysis").glob("*.py")) + [PACKAGE / "sharding.py"]
+
+
+def attribute_reads(source: str, owners: tuple) -> set:
+    """Names read as `<owner>.<name>`, the owner a variable or attribute called one of `owners`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            owner = value.attr if isinstance(value, ast.Attribute) else value.id if isinstance(value, ast.Name) else None
+            if owner in owners:
+                found.add(node.attr)
+    return found
+
+
+def unread_fields(cls, owners: tuple, sources: list[str]) -> set:
+    read = set().union(*(attribute_reads(s, owners) for s in sources))
+    return {f.name for f in dataclasses.fields(cls) if f.name not in read and (cls, f.name) not in NOT_READ_DIRECTLY}
+
+
+def test_unread_plan_field_finder_sees_a_field_nobody_reads():
+    @dataclasses.dataclass(frozen=True)
+    class Planned:
+        priced: int = 0
+        forgotten: int = 0
+
+    assert unread_fields(Planned, ("plan",), ["cost = layout.plan.priced * 2"]) == {"forgotten"}
+    assert unread_fields(Planned, ("plan",), ["cost = layout.forgotten + plan.priced"]) == {"forgotten"}
+
+
+def test_every_plan_decision_is_read_by_the_cost_model():
+    """A decision added to `ParallelPlan` (or one of its parts) must be priced: read by
+    jaxpar/analysis (or the rules table it applies), not re-derived from the config there."""
+    hints = typing.get_type_hints(ParallelPlan)
+    parts = {arg for hint in hints.values() for arg in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(arg)}
+    assert parts <= set(PLAN_OWNERS), f"a plan part without an owner name here: {parts - set(PLAN_OWNERS)}"
+    sources = [p.read_text() for p in PRICING_SOURCES]
+    unread = {cls.__name__: unread_fields(cls, owners, sources) for cls, owners in PLAN_OWNERS.items()}
+    assert not {k: v for k, v in unread.items() if v}

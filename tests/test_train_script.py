@@ -8,10 +8,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def imported(stderr: str) -> set[str]:
+    """The modules a `python -X importtime` run imported (its stderr lines `import time: ... | name`)."""
+    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
+
+
 def test_train_script_on_emulated_devices(tmp_path):
     workdir = tmp_path / "run"
     cmd = [
-        sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+        sys.executable, "-X", "importtime", os.path.join(ROOT, "scripts", "train.py"),
         f"--config={os.path.join(ROOT, 'configs', 'llama_tiny.py')}", f"--workdir={workdir}",
         "--cpu_devices=4", "--config.mesh.data=2", "--config.mesh.tensor=2",
         "--config.train.steps=4", "--config.train.seq_len=32", "--config.data.max_corpus_bytes=200000",
@@ -28,6 +33,10 @@ def test_train_script_on_emulated_devices(tmp_path):
         "1/4", "2/4", "3/4", "4/4"
     ]
     assert "jax 0." in done.stdout and "mesh axes across processes: none" in done.stdout
+    # Without --plan, the planner and the cost model behind it are never imported (the --plan
+    # test below is the positive control: there the reader sees jaxpar.analysis.planner).
+    modules = imported(done.stderr)
+    assert "jaxpar.train.loop" in modules and not {m for m in modules if m.startswith("jaxpar.analysis")}
     config = json.loads((workdir / "config.json").read_text())
     assert config["train"]["steps"] == 4 and config["mesh"]["tensor"] == 2
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -64,8 +73,9 @@ def test_train_script_takes_the_planners_layout(tmp_path):
     ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = ROOT
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([sys.executable, "-X", "importtime", *cmd[1:]], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "jaxpar.analysis.planner" in imported(done.stderr)
     config = load_config(os.path.join(ROOT, "configs", "llama_tiny.py"))
     config.mesh.tensor = 2
     config.data.max_corpus_bytes = 100000

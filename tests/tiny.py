@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 
 from jaxpar.axes import MESH_AXES
-from jaxpar.config import base_config, llama_model_config, mixtral_model_config
+from jaxpar.config import base_config
+from jaxpar.models.llama import model_config as llama_model_config
+from jaxpar.models.mixtral import model_config as mixtral_model_config
 
 # 8 query heads over 2 KV heads (fewer than tensor = 4 or 8: replicated), vocab 250 (padded to 256).
 LLAMA = dict(

@@ -4,7 +4,8 @@
 - `hlo_flops`: matmul FLOPs of compiled HLO with loop trip counts applied.
 - `compiled`: AOT-compile jaxpar's train step on abstract inputs; memory, FLOPs, collectives.
 - `hardware`: accelerator profiles (A100, H100, H200, TPU v5p) and link assignment per mesh axis.
-- `layout`: a config resolved into model dims, mesh and parallel knobs.
+- `layout`: what is priced: the `ParallelPlan` the run would execute (`make_plan`) and the
+  family's `ModelFacts`; nothing here re-derives a decision the plan makes.
 - `memory`, `comm`, `cost_model`: per-device memory, collectives per axis, FLOPs, step time.
 - `fidelity`: the model next to the compiled program.
 - `candidates`: the layouts of a config on N devices (mesh x ZeRO x remat x SP x microbatches),
@@ -13,6 +14,8 @@
   `planner.best_layout` is what `scripts/train.py --plan` calls, `planner.report` what
   `scripts/plan.py` prints.
 - `sweep`, `plots`: compile every layout and set the model beside it (`scripts/sweep.py`).
+- `profile`: a `jax.profiler` trace of the train step read back per named scope, joined to the
+  step's HLO through `hlo` (`scripts/profile_report.py`).
 
 Nothing is imported here, so `import jaxpar.analysis.hlo` stays free of jaxpar's model code.
 """

@@ -1,7 +1,7 @@
 """The layouts of a config on N devices: meshes, ZeRO stage, remat, sequence parallelism, microbatches.
 
 `candidates(config, num_devices, space)` yields every `Candidate` — a set of config keys — whose
-mesh has N devices; `admitted(config, num_devices, ...)` keeps those `jaxpar.preflight.check`
+mesh has N devices; `admitted(config, num_devices, ...)` keeps those `jaxpar.train.preflight.check`
 accepts and counts the refusals by reason. Both the compiled sweep (`jaxpar.analysis.sweep`) and
 the planner (`jaxpar.analysis.planner`) walk this one enumeration.
 
@@ -25,7 +25,9 @@ import re
 from collections.abc import Iterable, Iterator
 
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
-from jaxpar.preflight import ConfigError, check
+from jaxpar.models.families import facts
+from jaxpar.parallel.pipeline.schedules import schedule_kind
+from jaxpar.train.preflight import ConfigError, check
 
 SCHEDULE_KEY = "parallel.pipeline_schedule"
 MICROBATCH_KEY = "parallel.num_microbatches"
@@ -171,7 +173,7 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
     rows = train.global_batch_size // (d * e) if train.global_batch_size % (d * e) == 0 else 0
     split = max(1, rows // space.microbatch_rows) if space.microbatch_rows and rows else 0
     if p > 1 and split:
-        v = par.virtual_stages if par.pipeline_schedule == "interleaved_1f1b" else 1
+        v = par.virtual_stages if schedule_kind(par.pipeline_schedule).accepts(par.virtual_stages) else 1
         layouts = [{SCHEDULE_KEY: par.pipeline_schedule, MICROBATCH_KEY: max(split, p), "parallel.virtual_stages": v, ACCUM_KEY: 1}]
     elif split:
         layouts = [{ACCUM_KEY: split}]
@@ -182,9 +184,10 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
                 counts = _pipeline_counts(p, rows, train.seq_len, space.microbatch_options)
             else:
                 counts = [par.num_microbatches or p]
+            kind = schedule_kind(schedule)
             v = par.virtual_stages if schedule == par.pipeline_schedule else 1
-            if schedule == "interleaved_1f1b" and space.schedules:
-                v = 2
+            if space.schedules:  # the planner's choice: 2 where a schedule takes any v, else the v it takes
+                v = 2 if kind.virtual_stages is None else max(kind.virtual_stages)
             for m in counts:
                 layouts.append({SCHEDULE_KEY: schedule, MICROBATCH_KEY: m, "parallel.virtual_stages": v, ACCUM_KEY: 1})
     elif space.microbatch_options:
@@ -205,7 +208,7 @@ def candidates(config, num_devices: int, space: Space | None = None, fixed: Iter
     the config's value: layouts that would change them are left out (mesh sizes of -1 match any)."""
     space = space or Space()
     fixed = set(fixed)
-    moe = config.model.model_type == "mixtral"
+    moe = facts(config.model).is_moe
     for mesh in meshes(num_devices, moe=moe):
         for knobs in _knobs(config, mesh, space):
             values = {f"mesh.{name}": size for name, size in mesh.items()}

@@ -185,13 +185,13 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         # sum): one all-reduce per MoE layer and microbatch.
         axes = _expert_grad_axes(layout)
         # ZeRO-3 slices its data shard out of the sum: a reduce-scatter where it is over data alone.
-        kind = _scatter(layout) if layout.zero_stage >= 3 and axes == (DATA,) else ALL_REDUCE
+        kind = _scatter(layout) if layout.zero.shard_params and axes == (DATA,) else ALL_REDUCE
         if axes:
             out.append(Planned(kind, axes, expert_grads, k, "DP: expert weight gradients (dispatch transpose)"))
         grads -= expert_grads
     if not batch:
         return out
-    if layout.zero_stage == 0:
+    if not layout.zero.shard_optimizer_state:
         out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
         return out
     # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
@@ -200,7 +200,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
     by_all_to_all = k == 1 and layout.microbatches == 1 and layout.t == 1 and layout.c == 1
     embed_bytes = 4 * counts.embedding if by_all_to_all else 0
-    if layout.zero_stage == 1:
+    if layout.zero.gathers_updated_params:
         # After the pipeline engine the per-replica gradients are summed over all the batch axes
         # at once (measured, Mixtral 8x7B data 2 x pipeline 2 x expert 2).
         if layout.is_moe and layout.e > 1 and layout.p == 1:
@@ -322,7 +322,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     out = [Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step")]
     # ZeRO-3 leaves the batch axes to the partitioner: the engine's loss scalars are summed over
     # its manual axes and tensor (measured, Llama 3 70B data 2 x pipeline 2 x tensor 2 / context 2).
-    everyone = present_axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero_stage >= 3 else present_axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
+    everyone = present_axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero.shard_params else present_axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
     out.append(Planned(ALL_REDUCE, everyone, 4, 1, "PP: the loss over pipeline and replicas"))
     if layout.vocab_spread:
         out += _spread_vocab(layout, counts, steps, mb_tokens, mb_full, mb_act)
@@ -368,7 +368,7 @@ def _spread_vocab(layout: Layout, counts: ParamCounts, steps: float, mb_tokens: 
             Planned(ALL_REDUCE, (TENSOR,), mb_tokens * layout.hidden * 4, m, "PP vocab+TP: head input gradient (fp32)"),
             Planned(ALL_REDUCE, (TENSOR,), per_token, 4 * m, "PP vocab+TP: loss vectors"),
         ]
-        if layout.sequence_parallel and layout.zero_stage >= 3 and layout.d > 1:
+        if layout.sequence_parallel and layout.zero.shard_params and layout.d > 1:
             # The partitioner re-lays the SP-split [mb, S/t, D] values between the rows' data
             # split and the ZeRO-3 table's by a permute over data x tensor each step: stage 0's
             # input gradient for the table's scatter-add, and, where that is cheaper than moving

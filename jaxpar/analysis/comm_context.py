@@ -17,7 +17,7 @@ def context_reduced_with_data(layout: Layout) -> bool:
     after the loop spans both (measured: data 2 x pipeline 2 x context 2, ZeRO 0 and 1; data 4 x
     context 2 x accumulation 2, ZeRO 0 and 1)."""
     return layout.c > 1 and (
-        (layout.p > 1 and layout.zero_stage < 3) or layout.gradient is GradientStrategy.PER_RANK
+        (layout.p > 1 and not layout.zero.shard_params) or layout.gradient is GradientStrategy.PER_RANK
     )
 
 
@@ -46,7 +46,7 @@ def context_collectives(layout: Layout) -> list[Planned]:
     if layout.c == 1:
         return []
     c, L, cb, axes = layout.c, layout.layers_per_device, layout.activation_bytes, (CONTEXT,)
-    hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
+    hkv = layout.local_kv_heads
     hq = layout.heads // layout.t
     positions = layout.tokens * layout.head_dim  # B x S/c x head_dim elements per head
     impl = layout.context_impl
@@ -62,7 +62,7 @@ def context_collectives(layout: Layout) -> list[Planned]:
     per_rank = layout.gradient is GradientStrategy.PER_RANK and layout.t > 1 and impl != "ring"
     if layout.p > 1 or per_rank:
         hkv, hq = layout.kv_heads, layout.heads
-        if layout.p > 1 and layout.zero_stage >= 3:
+        if layout.p > 1 and layout.zero.shard_params:
             positions *= layout.d
     kv = positions * c * hkv  # one layer's whole-sequence K (or V), elements
     # Remat full re-runs the forward: the all-to-alls (outside the kernel's custom VJP) again; the
@@ -127,11 +127,11 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
         return []
     m = layout.microbatches
     experts = 4 * counts.experts * layout.layers_per_device if dispatch_manual_over_context(layout) else 0
-    if layout.zero_stage >= 3 and layout.p > 1:
+    if layout.zero.shard_params and layout.p > 1:
         # The engine, manual over context, accumulates per context rank: one all-reduce of the
         # data shards after it (measured, Llama 3 70B data 2 x pipeline 2 x context 2).
         return [Planned(ALL_REDUCE, (CONTEXT,), 4 * counts.as_params, 1, "CP: gradient shards over context (ZeRO-3, after the engine)")]
-    if layout.zero_stage >= 3:
+    if layout.zero.shard_params:
         whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered) - experts
         out = []
         if layout.is_moe and layout.e > 1:
@@ -142,7 +142,7 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
         return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)")]
     # Dense models below ZeRO-3 with accumulation returned above: m > 1 here is MoE, which reduces
     # per microbatch by design (`_reductions_per_step`).
-    if layout.zero_stage == 1:
+    if layout.zero.gathers_updated_params:
         if layout.is_moe and layout.e > 1:
             return []  # summed with the expert axis
         grads = 4 * counts.as_optimizer - experts / layout.d

@@ -138,12 +138,15 @@ def abstract_inputs(program, config):
     return state, batch
 
 
-def compile_step(config, devices=None, *, keep_text: bool = False) -> CompiledStep:
-    """AOT-compiles jaxpar's train step for `config` on `devices` (default: all)."""
-    from jaxpar.train.setup import build  # late: keeps `import jaxpar.analysis` light
+def compile_step(config, devices=None, *, keep_text: bool = False, checked: bool = False) -> CompiledStep:
+    """AOT-compiles jaxpar's train step for `config` on `devices` (default: all). `checked`: run
+    `jaxpar.train.preflight.check` first (`ConfigError`, one line per problem), as scripts taking user
+    input do; the sweep's candidates were screened by preflight already."""
+    from jaxpar.train.harness import checked_build  # late: keeps `import jaxpar.analysis` light
+    from jaxpar.train.setup import build
 
     start = time.perf_counter()
-    program = build(config, devices)
+    program = (checked_build if checked else build)(config, devices)
     state, batch = abstract_inputs(program, config)
     compiled = program.step.lower(state, batch).compile()
     seconds = time.perf_counter() - start

@@ -11,9 +11,10 @@
   step     = compute + bubble + comm (no overlap of communication with compute assumed; an
              upper bound; `overlapped_seconds` is the other extreme).
 
-FLOPs are what XLA computes (checked against every dot of compiled HLO, `hlo_flops`): matmuls of
-the projections, MLP / experts and LM head, attention over all S keys on the XLA path (cuDNN's
-causal kernel skips half: on GPU with a 16-bit compute dtype and attention_impl auto/cudnn), the
+FLOPs are the model's FLOPs per part (`jaxpar.model_facts.ModelFacts`, from its family) split as
+the plan shards them, and what XLA computes (checked against every dot of compiled HLO,
+`hlo_flops`): matmuls of the projections, MLP / experts and LM head, attention over all S keys
+on the XLA path (cuDNN's causal kernel skips half: the plan's attention kernel is cudnn), the
 backward at twice the forward, and recomputation: remat full re-runs each layer's forward
 (less the MLP's down projection, whose output the backward never needs),
 save_dots re-runs attention's batched dots, and a pipeline stage's backward always re-runs its
@@ -26,17 +27,12 @@ backward recomputes the scores.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-
-from ml_collections import ConfigDict
 
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.comm import Planned, planned_collectives
 from jaxpar.analysis.context_work import attention_fraction
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
-from jaxpar.flops import train_flops_per_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +61,7 @@ class Estimate:
     memory: MemoryEstimate
     collectives: list[Planned]
     flops_per_device: float  # matmul FLOPs one device runs per step (the busiest one)
-    model_flops: float  # 6·N·T + causal attention for the whole step (jaxpar.flops), for MFU
+    model_flops: float  # 6·N·T + causal attention for the whole step (`ModelFacts.model_flops_per_step`), for MFU
     time: StepTime | None
     hardware: hw.Hardware | None
 
@@ -98,23 +94,24 @@ def _attention_factor(layout: Layout, skip_masked: bool = True) -> float:
     if layout.c > 1:
         if not skip_masked:
             return 1.0
-        return attention_fraction(layout.context_impl, layout.seq, layout.c, layout.context_block, layout.context_load_balance)
+        context = layout.plan.context
+        return attention_fraction(context.impl, layout.seq, layout.c, context.block, context.load_balance)
     return 0.5 if layout.flash_attention else 1.0
 
 
 def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
-    """Matmul FLOPs of one token's forward on one device, by part (layers per layer)."""
-    t = layout.t
+    """Matmul FLOPs of one token's forward on one device, by part (layers per layer): the model's
+    FLOPs per part (`ModelFacts`) split as the plan shards them."""
+    f, t = layout.facts, layout.t
     tk = t if layout.kv_sharded else 1
-    D, H, K, hd, S = layout.hidden, layout.heads, layout.kv_heads, layout.head_dim, layout.seq
-    projections = 2 * D * H * hd / t * 2 + 2 * 2 * D * K * hd / tk
-    core = 4 * S * H * hd / t * _attention_factor(layout, skip_masked)
+    projections = f.flops_q_o / t + f.flops_k_v / tk
+    core = f.flops_attention_per_key * layout.seq / t * _attention_factor(layout, skip_masked)
+    mlp = f.flops_mlp / t
     if layout.is_moe:
-        rows = moe_matmul_rows_per_token(layout) if layout.target == "cpu" else layout.top_k
-        mlp = 2 * D * layout.experts + rows * 6 * D * layout.ffn / t
-    else:
-        mlp = 6 * D * layout.ffn / t
-    return {"projections": projections, "attention": core, "mlp": mlp, "head": 2 * D * layout.vocab / t}
+        # The router is not split (every device routes all its tokens); the experts' hidden dim is.
+        rows = moe_matmul_rows_per_token(layout) if layout.target == "cpu" else f.moe.routed_rows(layout.seq)
+        mlp += f.flops_router + rows * f.flops_expert_row / t
+    return {"projections": projections, "attention": core, "mlp": mlp, "head": f.flops_head / t}
 
 
 def flops_per_device(layout: Layout, skip_masked: bool = True) -> float:
@@ -159,12 +156,6 @@ def step_time(layout: Layout, flops: float, collectives: list[Planned], hardware
     return StepTime(compute, compute * fraction / (1 - fraction), comm, fraction)
 
 
-@functools.lru_cache(maxsize=256)
-def _model_flops(model_json: str, batch: int, seq: int) -> float:
-    """`train_flops_per_step`, cached: the planner prices thousands of layouts of one model."""
-    return train_flops_per_step(ConfigDict(json.loads(model_json)), batch, seq)
-
-
 def estimate(
     config,
     hardware: hw.Hardware | str | None = None,
@@ -185,6 +176,6 @@ def estimate(
     counts = param_counts(layout)
     collectives = planned_collectives(layout, counts)
     flops = flops_per_device(layout)
-    model = _model_flops(config.model.to_json(), layout.global_batch, layout.seq)
+    model = layout.facts.model_flops_per_step(layout.global_batch, layout.seq)
     time = step_time(layout, flops, collectives, hardware, efficiency) if hardware is not None else None
     return Estimate(layout, estimate_memory(layout), collectives, flops, model, time, hardware)

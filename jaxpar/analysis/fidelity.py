@@ -22,8 +22,7 @@ from jaxpar.analysis.compiled import CompiledStep, compile_step
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.axes import PIPELINE
 from jaxpar.parallel.pipeline.layout import stage_layout
-from jaxpar.parallel.pipeline.options import pipeline_options
-from jaxpar.parallel.pipeline.slots import LAST, slot_plan_for
+from jaxpar.parallel.pipeline.slots import LAST
 
 
 def _branch_tables(layout) -> dict:
@@ -31,14 +30,14 @@ def _branch_tables(layout) -> dict:
     forward switch (idle, one branch per stage length, and with "ends" the same again followed by
     the head), the backward switch (idle, then per slot-plan branch one per stage length) and the
     head cond ("spread", or MoE statistics: every rank alike, `steps["has_head"]`)."""
-    opts = pipeline_options(layout.config, layout.mesh)
-    plan = slot_plan_for(opts.schedule, layout.p, opts.microbatches, opts.virtual_stages)
-    stages = stage_layout(opts.stage_layers, layout.p, opts.virtual_stages)
+    pipe = layout.plan.pipeline
+    plan = pipe.slot_plan
+    stages = stage_layout(pipe.stage_layers, layout.p, pipe.virtual_stages, pipe.table.stages)
     n, tab = len(stages.lengths), plan.tables
     ranks = np.arange(layout.p)[None, :]
     fwd_len = stages.tables["length"][ranks, tab["fwd_stage"]]
     back_len = stages.tables["length"][ranks, tab["back_stage"]]
-    ends = opts.vocab != "spread"
+    ends = pipe.vocab != "spread"
     with_head = (tab["fwd_kind"] == LAST) * n if ends else 0
     fwd = np.where(tab["fwd_branch"] == 0, 0, 1 + with_head + fwd_len)
     back = np.where(tab["back_branch"] == 0, 0, 1 + (tab["back_branch"] - 1) * n + back_len)

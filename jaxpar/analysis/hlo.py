@@ -4,7 +4,8 @@ For every all-reduce, all-gather, reduce-scatter, all-to-all and collective-perm
 the `-start` half of an async pair) it gives: result and operand tensors (dtype, shape, bytes), the
 replica groups expanded to device ids, or the source→target pairs, the computation it sits in, the
 while loops around it and how often it runs per step, and whether it sits in a branch of a
-`conditional`.
+`conditional`. Every instruction also carries the `op_name` of its metadata (the
+`jax.named_scope` path it was traced under), which `jaxpar.analysis.profile` maps to model scopes.
 
 Replica groups come in three spellings, all expanded here:
   explicit   `{{0,1},{2,3}}`                 (`{}`: one group of every device)
@@ -84,6 +85,7 @@ class Collective:
     trip_counts_known: bool
     # The conditionals around it, outermost first: ((conditional instruction, branch index), ...).
     branch: tuple = ()
+    op_name: str = ""  # the instruction's metadata op_name (`Instruction.op_name`)
 
     @property
     def loop_depth(self) -> int:
@@ -120,6 +122,7 @@ class Instruction:
     opcode: str
     operand_names: tuple[str, ...]
     attributes: str
+    op_name: str = ""  # metadata={op_name="..."}: the traced source scope path; "" if none
 
 
 @dataclass
@@ -134,6 +137,8 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _INDEX_COMMENT = re.compile(r"/\*index=\d+\*/")
 _TENSOR = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.M)
 
 
 def _balanced(text: str, start: int) -> int:
@@ -164,7 +169,9 @@ def _split_instruction(name: str, rest: str) -> Instruction:
     opcode = rest[:paren].strip()
     close = _balanced(rest, paren)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[paren:close]))
-    return Instruction(name, type_text, opcode, operands, rest[close:])
+    attributes = rest[close:]
+    op_name = _OP_NAME.search(attributes)
+    return Instruction(name, type_text, opcode, operands, attributes, op_name.group(1) if op_name else "")
 
 
 def parse_computations(text: str) -> dict[str, Computation]:
@@ -189,6 +196,17 @@ def parse_computations(text: str) -> dict[str, Computation]:
     if not computations:
         raise HloParseError("no HLO computations found (expected `compiled.as_text()` output)")
     return computations
+
+
+def instructions(text: str) -> dict[str, Instruction]:
+    """Every instruction of the module by name (names are unique within a module)."""
+    return {inst.name: inst for comp in parse_computations(text).values() for inst in comp.instructions}
+
+
+def module_name(text: str) -> str:
+    """The module's name from its `HloModule` line ("" if there is none)."""
+    match = _MODULE.search(text)
+    return match.group(1) if match else ""
 
 
 def parse_tensors(type_text: str) -> tuple[Tensor, ...]:
@@ -372,6 +390,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                     executions=ctx.executions,
                     trip_counts_known=ctx.known,
                     branch=ctx.branch,
+                    op_name=inst.op_name,
                 )
             )
     return found

@@ -1,4 +1,13 @@
-"""A jaxpar config resolved into the numbers the cost model needs: model dims, mesh, parallel knobs."""
+"""What the cost model prices: the plan the run would execute, the model's facts, the batch.
+
+`Layout.from_config(config, num_devices | mesh, target)` resolves the mesh, asks the family for the
+model's facts (`jaxpar.model_facts.ModelFacts`) and builds the `ParallelPlan` with
+`jaxpar.parallel.plan.make_plan` — the same call `jaxpar.train.setup.build` makes — for the backend
+`target` compiles for. Every parallel decision the analysis prices (ZeRO, gradient strategy,
+microbatches, KV replication, pipeline and context options, remat, the attention kernel) is read
+from that plan, never re-derived; every model size from the facts. The properties below are
+shorthands for those reads.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +16,15 @@ import functools
 import math
 
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
+from jaxpar.dtypes import DTYPE_BYTES
 from jaxpar.mesh import resolve_mesh_shape
-from jaxpar.config import head_dim_of, padded_vocab_size
-from jaxpar.models.options import resolve_remat
-from jaxpar.parallel.data import GradientStrategy, gradient_strategy
-from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
+from jaxpar.model_facts import ModelFacts
+from jaxpar.models.families import facts as model_facts
+from jaxpar.parallel.data import GradientStrategy
+from jaxpar.parallel.pipeline.schedules import ScheduleKind, bubble_fraction, schedule_kind
 from jaxpar.parallel.pipeline.slots import slot_plan_for
-
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from jaxpar.parallel.plan import ParallelPlan, make_plan
+from jaxpar.parallel.zero import ZeroPlan
 
 # What the program is compiled for. "gpu" / "tpu": the lowering jaxpar uses there (ragged_dot
 # experts, native 16-bit activations, reduce-scatter for partitioner-made reductions). "cpu": the
@@ -30,38 +39,14 @@ class LayoutError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    config: object  # the ConfigDict it came from (models.param_shapes needs config.model)
-    mesh: dict  # axis name -> size, resolved
-    # model
-    model_type: str
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int  # padded, as stored
-    experts: int  # 0 for dense
-    top_k: int
-    capacity_factor: float
-    # batch
+    config: object  # the ConfigDict it came from (param trees are read from config.model)
+    plan: ParallelPlan  # what the run executes (`make_plan` for `target`)
+    facts: ModelFacts  # the model, from its family
     global_batch: int
     seq: int
-    grad_accum: int
-    # parallel
-    zero_stage: int
-    remat: str
-    sequence_parallel: bool
-    schedule: str
-    microbatches: int  # pipeline microbatches (p > 1), else grad_accum
-    virtual_stages: int
     compute_bytes: int
     param_bytes: int
     target: str = "gpu"
-    pipeline_vocab: str = "spread"  # p > 1: embedding / head split over pipeline ("spread") or on the end stages ("ends")
-    context_impl: str = "all_gather"  # c > 1: parallel.context_impl
-    context_load_balance: bool = True
-    context_block: int = 512  # parallel.context_block_size
 
     @classmethod
     def from_config(
@@ -78,45 +63,27 @@ class Layout:
                 num_devices = math.prod(sizes.values())
             mesh = resolve_mesh_shape(config.mesh, num_devices)
         mesh = {name: int(mesh.get(name, 1)) for name in MESH_AXES}
-        model, train, parallel = config.model, config.train, config.parallel
+        train = config.train
         for key in ("compute_dtype", "param_dtype"):
-            if train[key] not in _DTYPE_BYTES:
-                raise LayoutError(f"train.{key}={train[key]!r} is not one of {tuple(_DTYPE_BYTES)}")
-        moe = model.model_type == "mixtral"
-        p = mesh[PIPELINE]
+            if train[key] not in DTYPE_BYTES:
+                raise LayoutError(f"train.{key}={train[key]!r} is not one of {tuple(DTYPE_BYTES)}")
+        facts = model_facts(config.model)
         return cls(
             config=config,
-            mesh=mesh,
-            model_type=model.model_type,
-            layers=model.num_hidden_layers,
-            hidden=model.hidden_size,
-            ffn=model.intermediate_size,
-            heads=model.num_attention_heads,
-            kv_heads=model.num_key_value_heads,
-            head_dim=head_dim_of(model),
-            vocab=padded_vocab_size(model.vocab_size),
-            experts=model.num_local_experts if moe else 0,
-            top_k=model.num_experts_per_tok if moe else 0,
-            capacity_factor=float(model.capacity_factor) if moe else 0.0,
+            plan=make_plan(config, mesh, facts, backend=target),
+            facts=facts,
             global_batch=train.global_batch_size,
             seq=train.seq_len,
-            grad_accum=train.grad_accum,
-            zero_stage=parallel.zero_stage,
-            remat=resolve_remat(parallel.remat),  # "auto": what this backend's run would use
-            sequence_parallel=bool(parallel.sequence_parallel),
-            schedule=parallel.pipeline_schedule,
-            microbatches=(parallel.num_microbatches or p) if p > 1 else train.grad_accum,
-            virtual_stages=parallel.virtual_stages if p > 1 else 1,
-            compute_bytes=_DTYPE_BYTES[train.compute_dtype],
-            param_bytes=_DTYPE_BYTES[train.param_dtype],
+            compute_bytes=DTYPE_BYTES[train.compute_dtype],
+            param_bytes=DTYPE_BYTES[train.param_dtype],
             target=target,
-            pipeline_vocab=parallel.pipeline_vocab,
-            context_impl=parallel.context_impl,
-            context_load_balance=bool(parallel.context_load_balance),
-            context_block=int(parallel.context_block_size),
         )
 
     # --- mesh shorthands ---
+    @functools.cached_property
+    def mesh(self) -> dict:
+        return dict(self.plan.mesh_shape)
+
     @property
     def d(self) -> int:
         return self.mesh[DATA]
@@ -141,10 +108,110 @@ class Layout:
     def num_devices(self) -> int:
         return math.prod(self.mesh.values())
 
+    # --- model shorthands (the facts) ---
+    @property
+    def layers(self) -> int:
+        return self.facts.layers
+
+    @property
+    def hidden(self) -> int:
+        return self.facts.hidden
+
+    @property
+    def heads(self) -> int:
+        return self.facts.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.facts.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.facts.head_dim
+
+    @property
+    def vocab(self) -> int:
+        """Padded, as stored."""
+        return self.facts.vocab
+
+    @property
+    def ffn(self) -> int:
+        """The dense MLP's hidden size (0 for a routed layer)."""
+        return self.facts.ffn
+
+    @property
+    def is_moe(self) -> bool:
+        return self.facts.is_moe
+
+    @property
+    def experts(self) -> int:
+        return self.facts.moe.experts if self.is_moe else 0
+
+    @property
+    def top_k(self) -> int:
+        return self.facts.moe.top_k if self.is_moe else 0
+
+    @property
+    def capacity_factor(self) -> float:
+        return self.facts.moe.capacity_factor if self.is_moe else 0.0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.facts.moe.expert_ffn if self.is_moe else 0
+
+    # --- plan shorthands (decisions, read) ---
+    @property
+    def zero(self) -> ZeroPlan:
+        return self.plan.zero
+
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """Mesh axes (size > 1) the batch rows are split over: data and expert."""
-        return tuple(a for a in (DATA, EXPERT) if self.mesh[a] > 1)
+        """Mesh axes (size > 1) the batch rows are split over."""
+        return tuple(a for a in self.plan.batch_axes if self.mesh[a] > 1)
+
+    @property
+    def grad_accum(self) -> int:
+        return self.plan.grad_accum
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches (p > 1), else gradient accumulation steps."""
+        return self.plan.microbatches
+
+    @property
+    def gradient(self) -> GradientStrategy:
+        return self.plan.gradient
+
+    @property
+    def remat(self) -> str:
+        return self.plan.remat
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.plan.tensor.sequence_parallel
+
+    @property
+    def kv_sharded(self) -> bool:
+        return self.plan.tensor.kv_heads_sharded
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads of one tensor rank's attention: its share of them, or the one repeated head it
+        needs when they are fewer than tensor (`TensorPlan.kv_repeat`)."""
+        return self.kv_heads * self.plan.tensor.kv_repeat // self.t
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.plan.pipeline.virtual_stages if self.plan.pipeline is not None else 1
+
+    @property
+    def vocab_spread(self) -> bool:
+        """The embedding and LM head split by vocab over pipeline x tensor (`pipeline/vocab.py`)."""
+        return self.plan.pipeline is not None and self.plan.pipeline.vocab == "spread"
+
+    @property
+    def context_impl(self) -> str | None:
+        return self.plan.context.impl if self.plan.context is not None else None
 
     @property
     def replicas(self) -> int:
@@ -162,31 +229,9 @@ class Layout:
         return self.rows * self.seq // self.c
 
     @property
-    def vocab_spread(self) -> bool:
-        """The embedding and LM head split by vocab over pipeline x tensor (`pipeline/vocab.py`)."""
-        return self.p > 1 and self.pipeline_vocab == "spread"
-
-    @property
     def vocab_shards(self) -> int:
         """Devices one vocab table is split over: tensor, and pipeline with "spread"."""
         return self.t * (self.p if self.vocab_spread else 1)
-
-    @property
-    def kv_sharded(self) -> bool:
-        return self.kv_heads % self.t == 0
-
-    @property
-    def is_moe(self) -> bool:
-        return self.experts > 0
-
-    @property
-    def gradient(self) -> GradientStrategy:
-        """The train step's gradient path, by the plan's own rule (`parallel.data.gradient_strategy`;
-        MoE models carry auxiliary losses)."""
-        return gradient_strategy(
-            pipelined=self.p > 1, grad_accum=self.grad_accum, data_size=self.d, context_size=self.c,
-            zero_shards_params=self.zero_stage >= 3, has_aux_losses=self.is_moe,
-        )
 
     @property
     def layers_per_device(self) -> int:
@@ -202,18 +247,17 @@ class Layout:
 
     @property
     def flash_attention(self) -> bool:
-        """cuDNN's fused attention (GPU, 16-bit compute, attention_impl auto / cudnn): no [S, S]
-        scores are materialised or saved, and the causal kernel skips the masked half."""
-        impl = self.config.parallel.attention_impl
-        return self.target == "gpu" and self.compute_bytes == 2 and impl in ("auto", "cudnn") and self.c == 1
+        """The plan's kernel is cuDNN's fused attention: no [S, S] scores are materialised or saved,
+        and the causal kernel skips the masked half (with context parallelism the context kernels
+        run instead)."""
+        return self.plan.attention == "cudnn" and self.plan.context is None
 
     @property
     def attention_kernel(self) -> bool:
-        """jaxpar's CPU attention (`kernels/attention.py`, attention_impl auto / jaxpar_xla on CPU,
-        no context split): it materialises [S, S] scores but saves only q, k, v, the output and
-        the log-sum-exp, and recomputes the probabilities in its backward."""
-        impl = self.config.parallel.attention_impl
-        return self.target == "cpu" and impl in ("auto", "jaxpar_xla") and self.c == 1
+        """The plan's kernel is jaxpar's XLA attention (`kernels/attention.py`, no context split): it
+        materialises [S, S] scores but saves only q, k, v, the output and the log-sum-exp, and
+        recomputes the probabilities in its backward."""
+        return self.plan.attention == "jaxpar_xla" and self.plan.context is None
 
     @property
     def saves_scores(self) -> bool:
@@ -230,7 +274,8 @@ class Layout:
     @property
     def pipeline_shape(self) -> "PipelineShape":
         """Time steps, bubble and buffer slots of the pipeline schedule (p > 1)."""
-        return pipeline_shape(self.schedule, self.p, self.microbatches, self.virtual_stages)
+        pipe = self.plan.pipeline
+        return pipeline_shape(pipe.schedule, self.p, pipe.microbatches, pipe.virtual_stages)
 
     @property
     def bubble_fraction(self) -> float:
@@ -238,16 +283,16 @@ class Layout:
 
     def describe(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
-        extra = [f"zero{self.zero_stage}" if self.zero_stage else "", "sp" if self.sequence_parallel else ""]
+        extra = [f"zero{self.zero.stage}" if self.zero.stage else "", "sp" if self.sequence_parallel else ""]
         if self.c > 1:
             extra.append(f"cp={self.context_impl}")
         extra.append(f"remat={self.remat}")
         if self.p > 1:
-            extra.append(f"{self.schedule} m={self.microbatches}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+            pipe = self.plan.pipeline
+            extra.append(f"{pipe.schedule.name} m={pipe.microbatches}" + (f" v={pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""))
         elif self.grad_accum > 1:
             extra.append(f"accum={self.grad_accum}")
         return " ".join([mesh] + [x for x in extra if x])
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,22 +307,27 @@ class PipelineShape:
     grad_slots: float
 
 
-def _exact_shape(name: str, p: int, m: int, v: int) -> PipelineShape:
-    schedule = make_schedule(name, p, m, v)
-    slots = slot_plan_for(name, p, m, v)
-    return PipelineShape(schedule.num_steps, bubble_fraction(schedule), slots.act_slots, slots.grad_slots)
+def _exact_shape(kind: ScheduleKind | str, p: int, m: int, v: int) -> PipelineShape:
+    slots = slot_plan_for(schedule_kind(kind), p, m, v)
+    return PipelineShape(slots.schedule.num_steps, bubble_fraction(slots.schedule), slots.act_slots, slots.grad_slots)
+
+
+def pipeline_shape(kind: ScheduleKind | str, p: int, m: int, v: int) -> PipelineShape:
+    """The shape of the table of schedule `kind` (a record, `schedules.ScheduleKind`, or its name)
+    for p ranks, m microbatches, v virtual stages."""
+    return _pipeline_shape(schedule_kind(kind), p, m, v)
 
 
 @functools.lru_cache(maxsize=1024)
-def pipeline_shape(name: str, p: int, m: int, v: int) -> PipelineShape:
+def _pipeline_shape(kind: ScheduleKind, p: int, m: int, v: int) -> PipelineShape:
     """Exact from the tables up to m = 4p. Beyond, extrapolated from m = 2p and 4p: in every
     schedule the idle time is fixed once m >= 2p and the time steps and buffer slots grow
     linearly in m (slots are constant except GPipe's, which stash every microbatch) — checked
     against the exact tables by tests/test_planner.py. Building a table and its slot plan for
     m = 512 takes ~0.3 s; the planner prices hundreds of such layouts."""
     if m <= 4 * p:
-        return _exact_shape(name, p, m, v)
-    lo, hi = _exact_shape(name, p, 2 * p, v), _exact_shape(name, p, 4 * p, v)
+        return _exact_shape(kind, p, m, v)
+    lo, hi = _exact_shape(kind, p, 2 * p, v), _exact_shape(kind, p, 4 * p, v)
 
     def line(a, b):
         return a + (b - a) * (m - 2 * p) / (2 * p)

@@ -46,14 +46,10 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxpar import models
-from jaxpar.analysis.layout import DATA, PIPELINE, Layout
+from jaxpar.analysis.layout import DATA, Layout
 from jaxpar.kernels.grouped_matmul import TILE
-from jaxpar.models.families import family
 from jaxpar.parallel.context.blockwise import chunk_size
 from jaxpar.parallel.data import GradientStrategy
-from jaxpar.parallel.pipeline.balance import AUTO, parse_split
-from jaxpar.parallel.pipeline.options import PipelineOptions
-from jaxpar.parallel.plan import make_plan
 from jaxpar.sharding import rules_table
 
 # Backward working set of one layer, in multiples of the layer's remat-none residuals; measured on
@@ -126,23 +122,6 @@ class MemoryEstimate:
 # ---- parameters under the rules table ------------------------------------------------------------
 
 
-def _plan(layout: Layout):
-    config = layout.config
-    aux = family(config.model.model_type).aux_losses is not None
-    if layout.p == 1 or parse_split(config.parallel.pipeline_stage_layers) != AUTO:
-        return make_plan(config, layout.mesh, has_aux_losses=aux)
-    # The rules table reads the vocab placement and whether the layers divide over pipeline, never
-    # the split itself: the `auto` split (a schedule simulation, ~20 ms per layout at 70B, most of
-    # a planner candidate's price) is replaced by an even one.
-    flat = make_plan(config, {**layout.mesh, PIPELINE: 1}, has_aux_losses=aux)
-    stages = layout.p * layout.virtual_stages
-    even = tuple(layout.layers // stages + (1 if s < layout.layers % stages else 0) for s in range(stages))
-    options = PipelineOptions(layout.schedule, layout.microbatches, layout.virtual_stages, even, layout.pipeline_vocab)
-    return dataclasses.replace(
-        flat, mesh_shape=tuple(layout.mesh.items()), pipeline=options, gradient=GradientStrategy.PIPELINED
-    )
-
-
 def _shard_elements(shape, names, table, mesh, drop=()) -> int:
     total = 1
     for dim, name in zip(shape, names):
@@ -167,7 +146,7 @@ class ParamCounts:
 
 
 def param_counts(layout: Layout) -> ParamCounts:
-    return _param_counts(layout.config.model.to_json(), _plan(layout), tuple(layout.mesh.items()), layout.zero_stage)
+    return _param_counts(layout.config.model.to_json(), layout.plan)
 
 
 @functools.lru_cache(maxsize=64)
@@ -185,10 +164,12 @@ def _model_leaves(model_json: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=4096)
-def _param_counts(model_json: str, plan, mesh_items: tuple, zero_stage: int) -> ParamCounts:
-    params_table = rules_table(plan, zero_on_params=zero_stage >= 3)
-    opt_table = rules_table(plan, zero_on_params=zero_stage >= 1)
-    mesh = dict(mesh_items)
+def _param_counts(model_json: str, plan) -> ParamCounts:
+    """Under the plan's own rules tables (`jaxpar.sharding.rules_table`: where ZeRO, tensor,
+    pipeline and expert put each logical name); cached per (model, plan)."""
+    params_table = rules_table(plan, zero_on_params=plan.zero.shard_params)
+    opt_table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
+    mesh = dict(plan.mesh_shape)
     as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
     for keys, shape, names in _model_leaves(model_json):
         total += math.prod(shape)
@@ -283,7 +264,7 @@ def moe_matmul_rows_per_token(layout: Layout) -> float:
 
 def _moe_saved_per_token(layout: Layout, remat: str) -> float:
     cb, t, D, E = layout.activation_bytes, layout.t, layout.hidden, layout.experts
-    F = layout.ffn / t
+    F = layout.expert_ffn / t
     rows = moe_rows_per_token(layout)
     router = 4 * E  # fp32 router logits
     if remat == "none":
@@ -308,7 +289,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
     pb, cb = layout.param_bytes, layout.compute_bytes
     params = counts.as_params * pb
     optimizer = 2 * counts.as_optimizer * pb
-    grads = 4 * (counts.as_optimizer if layout.zero_stage >= 1 else counts.as_params)
+    grads = 4 * (counts.as_optimizer if layout.zero.shard_optimizer_state else counts.as_params)
     carry, buffers = 0, OPTIMIZER_GRAD_BUFFERS
     if layout.microbatches > 1:
         # The accumulation scan carries the running sum and each microbatch's fresh gradients.
@@ -319,7 +300,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         # (measured: Llama-2-7B data 8 accum 2, temp within 0.5%).
         per_replica = layout.gradient in (GradientStrategy.PER_REPLICA, GradientStrategy.PER_RANK)
         carry = 2 * 4 * (counts.as_params if per_replica else counts.as_optimizer)
-        if per_replica and layout.zero_stage == 0 and cb != pb:
+        if per_replica and not layout.zero.shard_optimizer_state and cb != pb:
             # 16-bit compute: the loop's fp32 sum of the 16-bit gradients leaves one more buffer
             # for the optimizer phase (measured, dense data 8 accum 2, bf16: temp 3.82 x the
             # gradients, fp32 2.83; Llama 70B ZeRO-0 data 2-8 accum: 3.73-3.75).
@@ -333,7 +314,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
             # reduce-scatter (fitted: Mixtral 8x7B data 2-8 ZeRO-1 and a 12-layer Mixtral-shaped
             # data 8, temp within 1%; fp32, 4 layers at test size: 10% under).
             buffers += 1
-            if layout.zero_stage == 1:
+            if layout.zero.gathers_updated_params:
                 carry = 3 * 4 * counts.as_optimizer + (counts.as_params * cb if cb != pb else 0)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
     stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
@@ -377,18 +358,18 @@ def context_attention_buffers(layout: Layout, micro_tokens: float) -> float:
     if layout.c == 1:
         return 0.0
     c, cb = layout.c, layout.activation_bytes
-    hkv = layout.kv_heads // layout.t if layout.kv_sharded else 1
+    hkv = layout.local_kv_heads
     hq = layout.heads // layout.t
     kv_local = micro_tokens * hkv * layout.head_dim  # elements of this device's K (or V) shard
     local = layout.seq // c
     rows = micro_tokens / local
     impl = layout.context_impl
     if impl == "all_to_all":
-        block_q = block_kv = chunk_size(layout.seq, layout.context_block)
+        block_q = block_kv = chunk_size(layout.seq, layout.plan.context.block)
         heads = hq / c
     else:
-        block_q = chunk_size(local, layout.context_block)
-        block_kv = chunk_size(layout.seq if impl == "all_gather" else local, layout.context_block)
+        block_q = chunk_size(local, layout.plan.context.block)
+        block_kv = chunk_size(layout.seq if impl == "all_gather" else local, layout.plan.context.block)
         heads = hq
     scores = SCORE_BLOCK_BUFFERS * 4 * rows * heads * block_q * block_kv
     blocks = {"all_gather": c + 1, "ring": 1}.get(impl, 0)
@@ -436,7 +417,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         buffers += pb * (counts.as_params - counts.shared)  # measured: pipeline 4, v = 2, within 5%
     # The engine's gradients come out whole and are reduced after it: ZeRO-1 does not shrink them
     # (measured: data 2 x pipeline 4, zero 0 and 1 compile to the same temp bytes).
-    grads = 4 * (counts.as_optimizer if layout.zero_stage >= 3 else counts.as_params)
+    grads = 4 * (counts.as_optimizer if layout.zero.shard_params else counts.as_params)
     accumulators = 4 * counts.as_params  # engine carry: layer grads + shared grads, fp32
     chunk_layers = layout.layers // (layout.p * layout.virtual_stages)
     stage = chunk_layers * mb_tokens * saved_per_token_layer(layout)
@@ -452,5 +433,5 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         # Where AdamW's phase is the peak it holds four gradient-sized buffers beside the
         # engine's (temp 4.0 x the gradients: Llama 3 70B and Mixtral 8x7B pipeline 2-8 with
         # data, context, tensor, ZeRO 0 and 3); ZeRO-1's whole gradients are counted in `grads`.
-        optimizer_grad_buffers=OPTIMIZER_GRAD_BUFFERS + (layout.zero_stage != 1),
+        optimizer_grad_buffers=OPTIMIZER_GRAD_BUFFERS + (not layout.zero.gathers_updated_params),
     )

@@ -8,6 +8,7 @@ from jaxpar.analysis.search import (
     USABLE_FRACTION, Plan, Priced, memory_terms, overflow, param_total, plan_layouts, state_bytes_per_param,
 )
 from jaxpar.axes import DATA, MESH_AXES
+from jaxpar.dtypes import DTYPE_BYTES
 
 GIB = 2**30
 
@@ -55,7 +56,7 @@ def header(config, hardware: hw.Hardware, num_devices: int, usable_fraction: flo
     train = config.train
     total = param_total(config)
     per = state_bytes_per_param(config)
-    pb = {"float32": 4, "bfloat16": 2, "float16": 2}
+    pb = DTYPE_BYTES
     parts = [f"{train.param_dtype} parameters {pb[train.param_dtype]}", f"AdamW moments {2 * pb[train.param_dtype]}", "fp32 gradients 4"]
     if train.compute_dtype != train.param_dtype:
         parts.append(f"{train.compute_dtype} copy {pb[train.compute_dtype]}")

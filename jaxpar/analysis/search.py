@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import re
 from collections.abc import Iterable
 
-import jax
-
-from jaxpar import models
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.candidates import ACCUM_KEY, CONTEXT_IMPL_KEY, MICROBATCH_KEY, Candidate, Screen, Space, candidates
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.analysis.memory import MemoryEstimate
 from jaxpar.axes import MESH_AXES, PIPELINE
+from jaxpar.dtypes import DTYPE_BYTES
+from jaxpar.models.families import facts
 
 # Of each device's HBM, what a layout may plan to use: the rest is the CUDA context, cuBLAS /
 # cuDNN workspaces, NCCL buffers and allocator fragmentation, and the model's own error (it is
@@ -180,8 +178,7 @@ def plan_layouts(
 
 def state_bytes_per_param(config) -> float:
     """Parameters + AdamW moments + fp32 gradients (+ the compute-dtype copy) per parameter."""
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}
-    pb, cb = size[config.train.param_dtype], size[config.train.compute_dtype]
+    pb, cb = DTYPE_BYTES[config.train.param_dtype], DTYPE_BYTES[config.train.compute_dtype]
     return 3 * pb + 4 + (cb if cb != pb else 0)
 
 
@@ -207,7 +204,7 @@ def smallest_fitting_plan(config, hardware, num_devices: int, **kwargs) -> Plan 
 
 
 def param_total(config) -> int:
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(models.param_shapes(config.model)))
+    return facts(config.model).params_total
 
 
 # ---- memory terms ----------------------------------------------------------------------------------

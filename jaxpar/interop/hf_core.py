@@ -1,11 +1,11 @@
-"""The family-independent core of the transformers (Hugging Face) interop.
+"""The family-independent core of the transformers (Hugging Face) interop: files and the tensors
+outside the decoder layers.
 
-HF weights are [out, in] per layer; jaxpar stores [in, out] with heads split out, stacked over
-layers on axis 0, vocab padded with zeros. Per-layer weights are mapped by a table (jaxpar path
--> entry that reads/writes one layer's HF tensors): each family's adapter (`hf_llama`,
-`hf_mixtral`) supplies its table and config converters as an `Adapter`; this module supplies the
-layouts, the config.json helpers both families use, the safetensors reading, and everything
-outside the decoder layers. The public `load` / `save` are in `jaxpar.interop.hf`.
+Per-layer weights are mapped by the family's adapter (`jaxpar/models/<family>/hf.py`, written with
+`jaxpar.models.hf_adapter`): a table from jaxpar path to an entry that reads and writes one layer's
+HF tensors. This module reads config.json and safetensors files (`Checkpoint`: the `get` every
+entry reads through), converts the embedding, final norm and LM head (vocab padded with zeros),
+and stacks the layers. The public `load` / `save` are in `jaxpar.interop.hf`.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Callable
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors.numpy reads BF16)
 import numpy as np
-from ml_collections import ConfigDict
 from safetensors import safe_open
 
-from jaxpar.config import ROPE_TYPES, head_dim_of, llama_model_config, padded_vocab_size
+from jaxpar.model_facts import padded_vocab_size
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -29,149 +26,6 @@ INDEX_FILE = "model.safetensors.index.json"
 LAYER_PREFIX = "model.layers.{}."
 # Tensors some exports carry that hold no parameters (RoPE buffers of old transformers versions).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-LLAMA3_FACTORS = ("factor", "low_freq_factor", "high_freq_factor")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One layer's HF tensor -> its jaxpar slice and back, each `(array, cfg) -> array`."""
-
-    to_jax: Callable
-    to_hf: Callable
-
-
-COPY = Layout(lambda w, cfg: w, lambda w, cfg: w)
-LINEAR = Layout(lambda w, cfg: w.T, lambda w, cfg: w.T)  # [out, in] <-> [in, out]
-# q/k/v: [heads * Dh, D] <-> [D, heads, Dh]
-HEADS_IN = Layout(
-    lambda w, cfg: w.T.reshape(w.shape[1], -1, head_dim_of(cfg)), lambda w, cfg: w.reshape(w.shape[0], -1).T
-)
-# o: [D, H * Dh] <-> [H, Dh, D]
-HEADS_OUT = Layout(
-    lambda w, cfg: w.T.reshape(-1, head_dim_of(cfg), w.shape[0]), lambda w, cfg: w.reshape(-1, w.shape[-1]).T
-)
-
-
-@dataclass(frozen=True)
-class Weight:
-    """One HF tensor per layer (`model.layers.{i}.` + `hf`) <-> one layer's slice of a jaxpar leaf."""
-
-    hf: str
-    layout: Layout = COPY
-
-    def read(self, get, prefix: str, cfg) -> np.ndarray:
-        name = prefix + self.hf
-        w = get(name)
-        try:
-            return self.layout.to_jax(w, cfg)
-        except ValueError as e:  # a reshape that the config's head sizes do not fit
-            raise ValueError(f"{get.where(name)}: tensor {name} {w.shape} does not fit the model config: {e}") from None
-
-    def write(self, w: np.ndarray, prefix: str, cfg) -> dict[str, np.ndarray]:
-        return {prefix + self.hf: self.layout.to_hf(w, cfg)}
-
-
-# ---- config.json <-> config.model ----
-
-
-def field(d: dict, key: str):
-    if d.get(key) is None:
-        raise ValueError(f"config.json lacks {key!r}")
-    return d[key]
-
-
-def reject_unsupported(hf: dict, supported: dict) -> None:
-    """One-line error for a config.json key whose value jaxpar's model cannot represent."""
-    for key, value in supported.items():
-        if hf.get(key, value) != value:
-            raise ValueError(f"config.json {key}={hf[key]!r} is not supported (only {value!r})")
-
-
-def rope_from_hf(hf: dict, default_theta: float) -> tuple[float, dict]:
-    """(rope_theta, rope_scaling) from either layout: transformers 5's `rope_parameters`, or Llama
-    3.x's top-level `rope_theta` + `rope_scaling` (which transformers prefers when both exist)."""
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
-    rope_type = rope.get("rope_type", rope.get("type")) or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
-    scaling = llama_model_config().rope_scaling.to_dict()  # llama3 fields unused by "default"
-    scaling["rope_type"] = rope_type
-    if rope_type == "llama3":
-        scaling.update({key: float(field(rope, key)) for key in LLAMA3_FACTORS})
-        # transformers' fallback when the checkpoint omits it.
-        original = rope.get("original_max_position_embeddings") or field(hf, "max_position_embeddings")
-        scaling["original_max_position_embeddings"] = int(original)
-    return theta, scaling
-
-
-def rope_to_hf(cfg) -> tuple[dict, dict | None]:
-    """(rope_parameters, top-level rope_scaling) for config.json."""
-    s = cfg.rope_scaling
-    if s.rope_type == "default":
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}, None
-    scaling = {key: s[key] for key in ("rope_type", "original_max_position_embeddings") + LLAMA3_FACTORS}
-    return {**scaling, "rope_theta": cfg.rope_theta}, scaling
-
-
-REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-
-
-def decoder_model_fields(hf: dict, *, default_eps: float, default_theta: float) -> dict:
-    """The `config.model` fields every decoder family shares (Llama's), from a config.json dict;
-    `default_*`: the family's transformers defaults for keys the file omits."""
-    sizes = {key: int(field(hf, key)) for key in REQUIRED_SIZES}
-    theta, scaling = rope_from_hf(hf, default_theta)
-    head_dim = hf.get("head_dim")
-    return dict(
-        **sizes,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or sizes["num_attention_heads"]),
-        head_dim=None if head_dim is None else int(head_dim),
-        rms_norm_eps=float(hf.get("rms_norm_eps", default_eps)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        initializer_range=float(hf.get("initializer_range", 0.02)),
-    )
-
-
-def decoder_hf_fields(cfg) -> dict:
-    """The config.json fields every decoder family shares, from `config.model`."""
-    rope_parameters, legacy_scaling = rope_to_hf(cfg)
-    copied = REQUIRED_SIZES + ("num_key_value_heads", "rms_norm_eps", "max_position_embeddings")
-    return dict(
-        {key: cfg[key] for key in copied + ("tie_word_embeddings", "initializer_range")},
-        head_dim=head_dim_of(cfg),
-        hidden_act="silu",
-        rope_parameters=rope_parameters,
-        # transformers 4.x reads only these two; 5.x reads either layout (same values here).
-        rope_theta=cfg.rope_theta,
-        rope_scaling=legacy_scaling,
-        torch_dtype="float32",
-        dtype="float32",
-    )
-
-
-# Attention and the block's two norms: the part of a decoder layer every family shares.
-ATTENTION_AND_NORMS = {
-    ("input_norm", "weight"): Weight("input_layernorm.weight"),
-    ("attention", "q"): Weight("self_attn.q_proj.weight", HEADS_IN),
-    ("attention", "k"): Weight("self_attn.k_proj.weight", HEADS_IN),
-    ("attention", "v"): Weight("self_attn.v_proj.weight", HEADS_IN),
-    ("attention", "o"): Weight("self_attn.o_proj.weight", HEADS_OUT),
-    ("post_attention_norm", "weight"): Weight("post_attention_layernorm.weight"),
-}
-
-
-@dataclass(frozen=True)
-class Adapter:
-    """What a family needs to read and write transformers checkpoints."""
-
-    hf_class: str  # e.g. "LlamaForCausalLM"
-    to_model_config: Callable[[dict], ConfigDict]  # config.json dict -> config.model
-    to_hf_config: Callable[[ConfigDict], dict]  # config.model -> config.json fields
-    layer_table: dict  # jaxpar path under params["layers"] -> entry with read(get, prefix, cfg) / write(w, prefix, cfg)
 
 
 # ---- Reading checkpoint files ----

@@ -6,7 +6,8 @@ devices hold, and each block is read from the safetensors files as a slice (safe
 `get_slice` reads just those bytes of the memory-mapped file). So no host ever holds the whole
 model, only its devices' share. The slice of a jaxpar leaf maps back to a slice of the HF tensor per
 layout (transpose, heads split from rows or columns, vocab padding, experts stacked); the one layout
-without a slice rule (Mixtral's fused gate_up) reads one layer's tensor and slices it.
+(each adapter entry's `read_block`: transpose, heads split from rows or columns, experts stacked,
+or, for a fused tensor without a slice rule, one layer's tensor read and sliced).
 
 `problems(directory, model_config)` is the preflight of `train.init_from_hf`: config.json parses
 and matches `config.model`; every safetensors file opens (a truncated one does not); every tensor
@@ -22,75 +23,30 @@ import os
 import jax
 import numpy as np
 
-from jaxpar.config import DTYPES, head_dim_of
-from jaxpar.interop import hf, hf_core, hf_mixtral
+from jaxpar.config import resolve_derived
+from jaxpar.dtypes import DTYPES
+from jaxpar.interop import hf, hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
+from jaxpar.models.hf_adapter import rows_cols, span
 
 # config.model keys that do not change what the parameters mean.
 IGNORED_KEYS = ("initializer_range",)
 
 
-def _span(index: slice, size: int) -> tuple[int, int]:
-    start, stop, step = index.indices(size)
-    assert step == 1, index
-    return start, stop
-
-
-def _rows_cols(get, name: str, rows: tuple[int, int], cols: tuple[int, int] | None) -> np.ndarray:
-    part = get.get_slice(name)
-    block = part[rows[0] : rows[1]] if cols is None else part[rows[0] : rows[1], cols[0] : cols[1]]
-    return np.asarray(block, np.float32)
-
-
-def _heads(index: slice, heads: int, head_dim: int) -> tuple[int, int]:
-    h0, h1 = _span(index, heads)
-    return h0 * head_dim, h1 * head_dim
-
-
-def _layout_slice(layout, get, name: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
-    """The block `index` of one layer's jaxpar tensor of `shape`, read as a slice of HF tensor `name`."""
-    dh = head_dim_of(cfg)
-    if layout is hf_core.COPY:
-        return _rows_cols(get, name, _span(index[0], shape[0]), None if len(shape) == 1 else _span(index[1], shape[1]))
-    if layout is hf_core.LINEAR:  # jaxpar [in, out] = HF [out, in].T
-        return _rows_cols(get, name, _span(index[1], shape[1]), _span(index[0], shape[0])).T
-    if layout is hf_core.HEADS_IN:  # jaxpar [D, H, Dh] from HF rows h*Dh + e
-        block = _rows_cols(get, name, _heads(index[1], shape[1], dh), _span(index[0], shape[0]))
-        return block.T.reshape(block.shape[1], -1, dh)[:, :, index[2]]
-    if layout is hf_core.HEADS_OUT:  # jaxpar [H, Dh, D] from HF columns h*Dh + e
-        block = _rows_cols(get, name, _span(index[2], shape[2]), _heads(index[0], shape[0], dh))
-        return block.T.reshape(-1, dh, block.shape[0])[:, index[1], :]
-    raise ValueError(f"no slice rule for layout {layout}")
-
-
-def _entry_slice(entry, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
-    """The block `index` of one layer's value of a layer-table entry."""
-    if isinstance(entry, hf_core.Weight):
-        return _layout_slice(entry.layout, get, prefix + entry.hf, cfg, index, shape)
-    if isinstance(entry, hf_mixtral.Router):
-        name = prefix + (hf_mixtral.ROUTER if get.has(prefix + hf_mixtral.ROUTER) else hf_mixtral.FUSED_ROUTER)
-        return _layout_slice(hf_core.LINEAR, get, name, cfg, index, shape)
-    if isinstance(entry, hf_mixtral.ExpertStack) and get.has(prefix + hf_mixtral.PER_EXPERT.format(0, entry.hf_name)):
-        e0, e1 = _span(index[0], shape[0])
-        names = [prefix + hf_mixtral.PER_EXPERT.format(e, entry.hf_name) for e in range(e0, e1)]
-        return np.stack([_layout_slice(hf_core.LINEAR, get, n, cfg, index[1:], shape[1:]) for n in names])
-    return entry.read(get, prefix, cfg)[index]  # fused experts: one layer's tensor, then the block
-
-
 def _vocab_rows(get, name: str, cfg, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
     """Rows [r0, r1) of the padded [Vpad, D] table (rows past vocab_size are zeros)."""
     r0, r1 = rows
-    real = _rows_cols(get, name, (min(r0, cfg.vocab_size), min(r1, cfg.vocab_size)), cols)
+    real = rows_cols(get, name, (min(r0, cfg.vocab_size), min(r1, cfg.vocab_size)), cols)
     return np.pad(real, ((0, (r1 - r0) - real.shape[0]), (0, 0)))
 
 
 def _outer_slice(path: tuple, get, cfg, index: tuple, shape: tuple) -> np.ndarray:
     if path == ("embed", "weight"):
-        return _vocab_rows(get, hf_core.EMBED, cfg, _span(index[0], shape[0]), _span(index[1], shape[1]))
+        return _vocab_rows(get, hf_core.EMBED, cfg, span(index[0], shape[0]), span(index[1], shape[1]))
     if path == ("lm_head", "weight"):  # jaxpar [D, Vpad] = padded HF [V, D].T
-        return _vocab_rows(get, hf_core.LM_HEAD, cfg, _span(index[1], shape[1]), _span(index[0], shape[0])).T
-    return _rows_cols(get, hf_core.FINAL_NORM, _span(index[0], shape[0]), None)
+        return _vocab_rows(get, hf_core.LM_HEAD, cfg, span(index[1], shape[1]), span(index[0], shape[0])).T
+    return rows_cols(get, hf_core.FINAL_NORM, span(index[0], shape[0]), None)
 
 
 def _paths(tree, prefix=()):
@@ -117,13 +73,13 @@ def load_params_onto(directory: str, model_config, shardings, dtype: str = "floa
                 index = tuple(slice(a, b) for a, b in key)
                 if path[0] != "layers":
                     return _outer_slice(path, get, cfg, index, shape)
-                l0, l1 = _span(index[0], shape[0])
+                l0, l1 = span(index[0], shape[0])
                 entry = table[path[1:]]
-                parts = [_entry_slice(entry, get, hf_core.LAYER_PREFIX.format(i), cfg, index[1:], shape[1:]) for i in range(l0, l1)]
+                parts = [entry.read_block(get, hf_core.LAYER_PREFIX.format(i), cfg, index[1:], shape[1:]) for i in range(l0, l1)]
                 return np.stack(parts)
 
             def callback(index, shape=shape, block=block):
-                key = tuple(_span(s, n) for s, n in zip(index, shape))
+                key = tuple(span(s, n) for s, n in zip(index, shape))
                 return block(key).astype(out_dtype)
 
             leaves[path] = jax.make_array_from_callback(shape, _at(shardings, path), callback)
@@ -142,18 +98,18 @@ def _at(tree, path):
     return tree
 
 
-def _expected_tensors(cfg) -> dict[str, tuple]:
-    """HF tensor name -> shape for the model `cfg`, from shapes alone (nothing allocated)."""
+def _expected_tensors(cfg) -> tuple[dict[str, tuple], list[list[dict]]]:
+    """(HF tensor name -> shape outside the layers, and per layer entry its on-disk layouts:
+    alternatives of {name: shape}, any one of which holds it), from shapes alone."""
     adapter, shapes = FAMILIES[cfg.model_type].hf, param_shapes(cfg)
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), shapes)
-    expected = {k: v.shape for k, v in jax.eval_shape(lambda p: hf_core.outer_to_hf(p, cfg), abstract).items()}
-    layer = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), abstract["layers"])
+    outer = {k: v.shape for k, v in jax.eval_shape(lambda p: hf_core.outer_to_hf(p, cfg), abstract).items()}
+    layers = []
     for i in range(cfg.num_hidden_layers):
         prefix = hf_core.LAYER_PREFIX.format(i)
         for path, entry in adapter.layer_table.items():
-            written = jax.eval_shape(lambda leaf, e=entry, p=prefix: e.write(leaf, p, cfg), _at(layer, path))
-            expected.update({name: s.shape for name, s in written.items()})
-    return expected
+            layers.append(entry.on_disk(prefix, cfg, tuple(_at(shapes["layers"], path).shape[1:])))
+    return outer, layers
 
 
 def problems(directory: str, model_config, key: str = "train.init_from_hf") -> list[str]:
@@ -163,14 +119,13 @@ def problems(directory: str, model_config, key: str = "train.init_from_hf") -> l
         saved = hf.model_config(directory)
     except (OSError, ValueError) as e:
         return [f"{flag}: {e}"]
-    differing = sorted(
-        k for k in set(saved.keys()) | set(model_config.keys())
-        if k not in IGNORED_KEYS + ("head_dim",) and saved.get(k) != model_config.get(k)
-    )
-    if head_dim_of(saved) != head_dim_of(model_config):  # None means hidden_size / heads: compare the values
-        differing.append("head_dim")
+    # Fields config.json cannot hold (Mixtral's router_z_loss_coef) are the config's; derived
+    # defaults (head_dim None) are compared by their values.
+    saved = resolve_derived({"model": hf.with_jaxpar_fields(saved, model_config).to_dict()})["model"]
+    wanted = resolve_derived({"model": model_config.to_dict()})["model"]
+    differing = sorted(k for k in saved.keys() | wanted.keys() if k not in IGNORED_KEYS and saved.get(k) != wanted.get(k))
     if differing:
-        described = ", ".join(f"model.{k} (checkpoint {saved.get(k)!r}, config {model_config.get(k)!r})" for k in differing)
+        described = ", ".join(f"model.{k} (checkpoint {saved.get(k)!r}, config {wanted.get(k)!r})" for k in differing)
         return [f"{flag}: its config.json differs from config.model in {described}; set config.model to the checkpoint's"]
     try:
         with hf_core.Checkpoint(directory) as get:
@@ -180,14 +135,23 @@ def problems(directory: str, model_config, key: str = "train.init_from_hf") -> l
             file_of = dict(get.file_of)
     except (OSError, ValueError) as e:
         return [f"{flag}: {e}"]
-    fused = any(".mlp.experts." in name for name in found)
+    outer, layers = _expected_tensors(model_config)
     errors = []
-    for name, shape in _expected_tensors(model_config).items():
-        if name not in found:
-            if not (fused and ".block_sparse_moe." in name):
-                errors.append(f"{flag}: no tensor {name} in the checkpoint's safetensors files")
-        elif found[name] != tuple(shape):
-            errors.append(f"{file_of[name]}: tensor {name} has shape {list(found[name])}, config.model needs {list(shape)}")
+
+    def check(expected: dict) -> list[str]:
+        out = []
+        for name, shape in expected.items():
+            if name not in found:
+                out.append(f"{flag}: no tensor {name} in the checkpoint's safetensors files")
+            elif found[name] != tuple(shape):
+                out.append(f"{file_of[name]}: tensor {name} has shape {list(found[name])}, config.model needs {list(shape)}")
+        return out
+
+    errors += check(outer)
+    for alternatives in layers:
+        # The first layout with any of its tensors present is the one the checkpoint uses.
+        used = next((a for a in alternatives if any(name in found for name in a)), alternatives[0])
+        errors += check(used)
     if errors and len(errors) > 3:
         errors = errors[:3] + [f"{flag}: ... and {len(errors) - 3} more tensor problems"]
     return errors

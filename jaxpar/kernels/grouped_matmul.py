@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel.manual import sum_to, vary_like
+from jaxpar.manual import sum_to, vary_like
 
 TILE = 128
 

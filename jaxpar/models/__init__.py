@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 from ml_collections import FrozenConfigDict
 
-from jaxpar.config import padded_vocab_size
-from jaxpar.models.families import family
+from jaxpar.model_facts import padded_vocab_size
+from jaxpar.models.families import facts, family
 from jaxpar.models.options import RunOptions
 
 
@@ -89,6 +89,8 @@ def forward(model_config, params, tokens) -> jnp.ndarray:
 
 __all__ = [
     "RunOptions",
+    "facts",
+    "family",
     "apply",
     "aux_losses",
     "forward",

@@ -1,13 +1,13 @@
-"""Config checks of the model families: what a `config.model` section must satisfy on its own and
-with the mesh axes only the family knows about (experts). One line per problem, naming the key.
-Ranges come first: a size of 0 would make the divisibility checks meaningless (or divide by zero),
-so when any range is wrong only the range problems are reported.
-Checks of a parallelism's own divisibilities live in its `jaxpar.parallel` module."""
+"""Config checks every decoder family shares: what a `config.model` section must satisfy on its
+own. One line per problem, naming the key. Ranges come first: a size of 0 would make the
+divisibility checks meaningless (or divide by zero), so a family's `checks` run only when its
+`ranges` found nothing. A family's own checks (experts, ...) live in its folder; checks of a
+parallelism's divisibilities live in its `jaxpar.parallel` module."""
 
 from __future__ import annotations
 
-from jaxpar.config import ROPE_TYPES, head_dim_of
-from jaxpar.parallel import expert
+from jaxpar.model_facts import head_dim_of
+from jaxpar.models.schema import ROPE_TYPES
 from jaxpar.ranges import at_least, one_of, positive
 
 SIZES = (
@@ -16,7 +16,7 @@ SIZES = (
 )
 
 
-def llama_ranges(model) -> list[str]:
+def decoder_ranges(model) -> list[str]:
     errors = []
     for key in SIZES:
         errors += at_least(f"model.{key}", model[key], 1)
@@ -38,11 +38,10 @@ def llama_ranges(model) -> list[str]:
     return errors
 
 
-def llama(model, mesh: dict) -> list[str]:
+def decoder_checks(model, mesh: dict) -> list[str]:
+    """Head divisibilities (run after `decoder_ranges` found nothing)."""
     del mesh
-    errors = llama_ranges(model)
-    if errors:
-        return errors
+    errors = []
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     if heads % kv:
         errors.append(
@@ -54,26 +53,3 @@ def llama(model, mesh: dict) -> list[str]:
     elif head_dim_of(model) % 2:
         errors.append(f"head dim {head_dim_of(model)} must be even for RoPE; change model.head_dim")
     return errors
-
-
-def mixtral_ranges(model) -> list[str]:
-    errors = llama_ranges(model)
-    experts, top_k = model.num_local_experts, model.num_experts_per_tok
-    errors += at_least("model.num_local_experts", experts, 1)
-    if not 1 <= top_k <= max(experts, 1):
-        errors.append(f"model.num_experts_per_tok={top_k} must be between 1 and model.num_local_experts={experts}")
-    for key in ("capacity_factor", "router_aux_loss_coef", "router_z_loss_coef"):
-        errors += at_least(f"model.{key}", model[key], 0)
-    return errors
-
-
-def ranges(model) -> list[str]:
-    """The range problems of a `config.model` section of either family (empty: every size is usable)."""
-    return mixtral_ranges(model) if model.model_type == "mixtral" else llama_ranges(model)
-
-
-def mixtral(model, mesh: dict) -> list[str]:
-    errors = mixtral_ranges(model)
-    if errors:
-        return errors
-    return llama(model, mesh) + expert.checks(model, mesh)

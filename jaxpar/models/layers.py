@@ -1,4 +1,4 @@
-"""Transformer building blocks shared by Llama and Mixtral (Flax NNX).
+"""Transformer building blocks the decoder families share (Flax NNX).
 
 Every parameter carries logical axis names (`out_sharding` metadata); every activation constraint
 goes through `jaxpar.sharding.constrain` with `act_*` names. Weights are stored in "math" layout
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config import head_dim_of, padded_vocab_size
+from jaxpar.model_facts import head_dim_of, padded_vocab_size
 from jaxpar.kernels import attention as attention_kernel
 from jaxpar.kernels.dense import project
 from jaxpar.models.options import RunOptions
@@ -99,7 +99,7 @@ class Attention(nnx.Module):
             if opts.plan.context is not None:  # sequence split over devices: ring / all-gather / all-to-all
                 out = model_attention(q, k, v, positions, rules=rules, plan=opts.plan)
             else:
-                out = causal_attention(q, k, v, opts.attention_impl)
+                out = causal_attention(q, k, v, opts.plan.attention)
             out = constrain(rules, out, ("batch", "seq", "act_heads", "head_dim"))
             return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=split), "o_proj")
 

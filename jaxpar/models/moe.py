@@ -23,7 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.models.layers import normal_init
 from jaxpar.models.options import RunOptions
-from jaxpar.parallel.expert import capacity_per_expert, dropped_assignments, moe_ffn
+from jaxpar.model_facts import expert_capacity
+from jaxpar.parallel.expert import dropped_assignments, moe_ffn
 
 
 class Experts(nnx.Module):
@@ -55,7 +56,7 @@ class MoEBlock(nnx.Module):
             probs = jax.nn.softmax(logits, axis=-1)
             top_probs, ids = top_k_by_argmax(probs, self.top_k)
             weights = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-        capacity = capacity_per_expert(x.shape[1], self.top_k, self.num_experts, self.capacity_factor)
+        capacity = expert_capacity(x.shape[1], self.top_k, self.num_experts, self.capacity_factor)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
         out = moe_ffn(
             x, ids, weights.astype(x.dtype), experts, num_experts=self.num_experts, capacity=capacity, rules=opts.rules

@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import EXPERT
 from jaxpar.kernels.grouped_matmul import grouped_matmul
-from jaxpar.parallel.manual import manual_axes
+from jaxpar.manual import manual_axes
 
 
 def checks(model, mesh: dict) -> list[str]:
@@ -64,14 +64,6 @@ def checks(model, mesh: dict) -> list[str]:
             f"change model.num_local_experts or mesh.{EXPERT}"
         ]
     return []
-
-
-def capacity_per_expert(seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
-    """Slots each expert has for one sequence's tokens: ceil(S·k / E · factor), at most S
-    (an expert never gets a token twice); 0 for dropless (factor 0)."""
-    if factor <= 0:
-        return 0
-    return max(1, min(seq_len, math.ceil(seq_len * top_k / num_experts * factor)))
 
 
 def dropped_assignments(ids, num_experts: int, capacity: int):

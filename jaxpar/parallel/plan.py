@@ -1,12 +1,19 @@
-"""The parallel plan: every parallel decision for one config and mesh, made once at setup.
+"""The parallel plan: every execution decision for one config, model and mesh, made once at setup.
 
 Nothing downstream re-derives a decision from side effects (which rules exist, which arguments
-are None): the rules table, the model, the train step and the pipeline engine read this plan.
+are None, which backend it runs on): the rules table, the model, the train step, the pipeline
+engine and the cost model (`jaxpar.analysis`, which prices the plan the run would execute) read
+this plan. `make_plan` takes the model's facts (`jaxpar.model_facts.ModelFacts`, from its family)
+and the backend the program is compiled for, so the planner can build the plan a GPU run would
+execute on a machine without one. tests/test_structure.py checks that every field is read by the
+cost model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import jax
 
 from jaxpar.axes import CONTEXT, DATA, MESH_AXES
 from jaxpar.parallel.context.plan import ContextPlan, context_plan
@@ -14,6 +21,36 @@ from jaxpar.parallel.data import BATCH_AXES, GradientStrategy, gradient_strategy
 from jaxpar.parallel.pipeline.options import PipelineOptions, pipeline_options
 from jaxpar.parallel.tensor import TensorPlan, tensor_plan
 from jaxpar.parallel.zero import ZeroPlan, zero_plan
+
+# `parallel.remat` names (the policies themselves: `jaxpar.models.decoder.REMAT_POLICIES`).
+REMAT_NAMES = ("none", "full", "save_dots")
+# `parallel.remat="auto"` per backend: the fastest policy measured there. XLA:CPU, fp32, 2 cores:
+# the bench config on one device, none 940 / full 1093 / save_dots 1078 tokens/s (issue 11's
+# machine); MaxText's tiny Llama on 8 emulated devices, none 5.3-5.8k / full 7.4-7.9k. Saving every
+# layer's residuals through the layer scan costs XLA:CPU more than recomputing them. (On a slower
+# 2-core host on 2026-11-29 the one-device bench tied: none 782, full 764, save_dots 779.)
+# Elsewhere no recompute, the fastest whenever the activations fit (not measured here: no GPU was
+# lent; set parallel.remat to "full" or "save_dots" when they do not fit).
+AUTO_REMAT = {"cpu": "full"}
+# xla: jax.nn.dot_product_attention's XLA path; cudnn: its cuDNN path; jaxpar_xla:
+# `jaxpar.kernels.attention` (plain XLA, hand-written backward).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "jaxpar_xla")
+HALF_PRECISION = ("bfloat16", "float16")
+
+
+def resolve_remat(name: str, backend: str) -> str:
+    return AUTO_REMAT.get(backend, "none") if name == "auto" else name
+
+
+def resolve_attention(name: str, compute_dtype: str, backend: str) -> str:
+    """`parallel.attention_impl`: "auto" is cuDNN on GPU for 16-bit compute, jaxpar's own XLA
+    kernel on CPU (bench config, one device, fp32: attention forward + backward 1.8× faster than
+    jax's XLA path), jax's XLA path otherwise."""
+    if name != "auto":
+        return name
+    if backend == "gpu" and compute_dtype in HALF_PRECISION:
+        return "cudnn"
+    return "jaxpar_xla" if backend == "cpu" else "xla"
 
 
 @dataclass(frozen=True)
@@ -26,9 +63,16 @@ class ParallelPlan:
     tensor: TensorPlan = field(default_factory=TensorPlan)
     pipeline: PipelineOptions | None = None  # None: mesh.pipeline == 1
     context: ContextPlan | None = None  # None: mesh.context == 1
+    remat: str = "none"  # a name of REMAT_NAMES (resolved for the backend, never "auto")
+    attention: str = "xla"  # the attention kernel: "xla", "cudnn" or "jaxpar_xla" (resolved)
 
     def size(self, axis: str) -> int:
         return dict(self.mesh_shape)[axis]
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step: the pipeline's, else gradient accumulation's."""
+        return self.pipeline.microbatches if self.pipeline is not None else self.grad_accum
 
     @property
     def splits_sequence(self) -> bool:
@@ -40,10 +84,12 @@ class ParallelPlan:
 SINGLE_DEVICE = ParallelPlan()
 
 
-def make_plan(config, mesh: dict, *, has_aux_losses: bool) -> ParallelPlan:
-    """From `config` and resolved mesh sizes (`jaxpar.mesh.resolve_mesh_shape`); run preflight first."""
+def make_plan(config, mesh: dict, facts, backend: str | None = None) -> ParallelPlan:
+    """From `config`, resolved mesh sizes (`jaxpar.mesh.resolve_mesh_shape`), the model's facts and
+    the backend compiled for (default: jax's); run preflight first."""
+    backend = backend or jax.default_backend()
     zero = zero_plan(config.parallel.zero_stage)
-    pipeline = pipeline_options(config, mesh)
+    pipeline = pipeline_options(config, mesh, facts)
     grad_accum = config.train.grad_accum
     return ParallelPlan(
         mesh_shape=tuple((name, mesh[name]) for name in MESH_AXES),
@@ -55,10 +101,12 @@ def make_plan(config, mesh: dict, *, has_aux_losses: bool) -> ParallelPlan:
             data_size=mesh[DATA],
             context_size=mesh[CONTEXT],
             zero_shards_params=zero.shard_params,
-            has_aux_losses=has_aux_losses,
+            has_aux_losses=facts.is_moe,
         ),
         zero=zero,
         tensor=tensor_plan(config, mesh),
         pipeline=pipeline,
         context=context_plan(config, mesh),
+        remat=resolve_remat(config.parallel.remat, backend),
+        attention=resolve_attention(config.parallel.attention_impl, config.train.compute_dtype, backend),
     )

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.axes import TENSOR
-from jaxpar.config import padded_vocab_size
+from jaxpar.model_facts import padded_vocab_size
 from jaxpar.sharding import constrain
 
 

@@ -37,6 +37,12 @@ class ZeroPlan:
     def stage(self) -> int:
         return 3 if self.shard_params else 1 if self.shard_optimizer_state else 0
 
+    @property
+    def gathers_updated_params(self) -> bool:
+        """Stage 1: gradients reduce-scattered to the state's shards, the updated parameters
+        all-gathered back to their replicated layout after the update."""
+        return self.shard_optimizer_state and not self.shard_params
+
 
 def zero_plan(stage: int) -> ZeroPlan:
     return ZeroPlan(shard_optimizer_state=stage >= 1, shard_params=stage >= 3)

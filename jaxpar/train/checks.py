@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from jaxpar.config import DTYPES
+from jaxpar.dtypes import DTYPES
 from jaxpar.optim import DECAY_SHAPES, OPTIMIZER_NAMES, PARAM_NAMES, SCHEDULE_NAMES, excluded_from_decay, optimizer
 from jaxpar.ranges import at_least, one_of, positive, within
 

@@ -6,9 +6,9 @@
     trace under `WORKDIR/profile`, each step annotated,
     with the step's compiled HLO text in `WORKDIR/profile/hlo/` so that
     `scripts/profile_report.py` can attribute device time to named scopes
-    (`jaxpar.train.breakdown`);
+    (`jaxpar.analysis.profile`, which reads `HLO_DIR` and `STEP_ANNOTATION` from here);
   - `observer.throughput(step, seconds)` — `step_s` (execution only: the loop compiles ahead of
-    time), `tokens_per_sec`, `mfu` (model FLOPs `jaxpar.flops` / step time / peak FLOP/s of the
+    time), `tokens_per_sec`, `mfu` (model FLOPs `ModelFacts.model_flops_per_step` / step time / peak FLOP/s of the
     devices), and on the first step run `compile_s`, the ahead-of-time compile;
   - `observer.log(record)` — every numeric field of the metrics record as a TensorBoard scalar under
     `WORKDIR/tensorboard` (tensorboardX; list-valued MoE router statistics one scalar per expert).
@@ -28,8 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.flops import train_flops_per_step
-from jaxpar.train.breakdown import HLO_DIR, STEP_ANNOTATION
+from jaxpar.models.families import facts
+
+# What a profile holds besides the trace: each step is annotated `STEP_ANNOTATION`
+# (`jax.profiler.StepTraceAnnotation`), and the step's HLO text sits in `HLO_DIR` under the profile folder.
+STEP_ANNOTATION = "train"
+HLO_DIR = "hlo"
 
 # Dense peak FLOP/s per chip by device kind (substring of `device.device_kind`, first match wins)
 # for 16-bit and 32-bit compute. fp32 on NVIDIA counts TF32 tensor cores, which XLA uses for fp32
@@ -89,6 +93,14 @@ def checks(config) -> list[str]:
     return errors
 
 
+def save_step_hlo(profile_dir: str, compiled) -> None:
+    """The compiled train step's HLO text (op names → source scopes) beside the trace, so that
+    `scripts/profile_report.py` can attribute device time to named scopes."""
+    os.makedirs(os.path.join(profile_dir, HLO_DIR), exist_ok=True)
+    with open(os.path.join(profile_dir, HLO_DIR, "train_step.txt"), "w") as f:
+        f.write(compiled.as_text())
+
+
 # Fields of a metrics record that measure time, not training (they differ between equal runs).
 TIMING_FIELDS = ("step_s", "tokens_per_sec", "mfu", "compile_s")
 
@@ -104,7 +116,7 @@ class Observer:
         self.compiled = compiled
         self.devices = list(program.mesh.devices.flat)
         self.tokens_per_step = train.global_batch_size * train.seq_len
-        self.flops_per_step = train_flops_per_step(config.model, train.global_batch_size, train.seq_len)
+        self.flops_per_step = facts(config.model).model_flops_per_step(train.global_batch_size, train.seq_len)
         peak, self.peak_source = peak_flops_per_device(self.devices[0], train.compute_dtype, train.peak_flops_per_device)
         self.peak_flops = peak * len(self.devices)
         self.profile_dir = os.path.join(workdir, "profile")
@@ -134,14 +146,7 @@ class Observer:
     def _stop_profile(self):
         jax.profiler.stop_trace()
         self._profiling = False
-        self.save_step_hlo()
-
-    def save_step_hlo(self):
-        """The compiled train step's HLO text (op names → source scopes) beside the trace, so that
-        `scripts/profile_report.py` can attribute device time to named scopes."""
-        os.makedirs(os.path.join(self.profile_dir, HLO_DIR), exist_ok=True)
-        with open(os.path.join(self.profile_dir, HLO_DIR, "train_step.txt"), "w") as f:
-            f.write(self.compiled.as_text())
+        save_step_hlo(self.profile_dir, self.compiled)
 
     def throughput(self, step: int, seconds: float) -> dict:
         """Timing fields of step `step`, which ran in `seconds` of wall time."""

@@ -12,10 +12,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import models, optim
-from jaxpar.config import DTYPES
+from jaxpar.dtypes import DTYPES
 from jaxpar.mesh import make_mesh
-from jaxpar.models.families import family
-from jaxpar.models.options import RunOptions, resolve_attention_impl, resolve_remat
+from jaxpar.models.options import RunOptions
 from jaxpar.parallel.plan import ParallelPlan, make_plan
 from jaxpar.sharding import Rules, opt_state_rules, param_rules
 from jaxpar.train.loss_scale import LossScale
@@ -43,20 +42,12 @@ class TrainProgram:
 
 
 def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
-    compute_dtype = DTYPES[config.train.compute_dtype]
-    return RunOptions(
-        rules=rules,
-        plan=plan,
-        compute_dtype=compute_dtype,
-        attention_impl=resolve_attention_impl(config.parallel.attention_impl, compute_dtype),
-        remat=resolve_remat(config.parallel.remat),
-    )
+    return RunOptions(rules=rules, plan=plan, compute_dtype=DTYPES[config.train.compute_dtype])
 
 
 def build(config, devices=None) -> TrainProgram:
     mesh = make_mesh(config.mesh, devices)
-    has_aux_losses = family(config.model.model_type).aux_losses is not None
-    plan = make_plan(config, dict(mesh.shape), has_aux_losses=has_aux_losses)
+    plan = make_plan(config, dict(mesh.shape), models.facts(config.model), mesh.devices.flat[0].platform)
     rules, opt_rules = param_rules(plan, mesh), opt_state_rules(plan, mesh)
     logical = models.logical_axes(config.model)
     param_dtype = DTYPES[config.train.param_dtype]

@@ -20,6 +20,7 @@ from jaxpar.parallel import data
 from jaxpar.parallel.context.accumulation import per_rank_grads
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.pipeline.engine import pipelined_loss_and_grads
+from jaxpar.parallel.pipeline.stage import StageModel
 from jaxpar.parallel.zero import constrain_grads
 from jaxpar.train.loss import model_loss, token_loss
 from jaxpar.train.loss_scale import LossScale, all_finite
@@ -33,13 +34,25 @@ class TrainState:
     loss_scale: LossScale
 
 
+def stage_model(model_config) -> StageModel:
+    """The model as the pipeline engine sees it (`jaxpar.parallel` does not import the models)."""
+    cfg = models.frozen(model_config)
+    return StageModel(
+        merge=functools.partial(models.merge, cfg),
+        logical=models.logical_axes(cfg),
+        aux_losses=functools.partial(models.aux_losses, cfg),
+        hidden_size=cfg.hidden_size,
+        vocab_size=cfg.vocab_size,
+    )
+
+
 def loss_and_grads(params, batch, *, model_config, opts: RunOptions, scale=1.0):
     """(loss, grads, model metrics): mean next-token loss over the global batch [G, S+1] plus any
     model auxiliary loss, its fp32 gradient (unscaled), and the model's own metrics — by the
     gradient strategy the plan chose (`jaxpar.parallel.data.GradientStrategy`)."""
     strategy = opts.plan.gradient
     if strategy is GradientStrategy.PIPELINED:
-        return pipelined_loss_and_grads(params, batch, model_config=model_config, opts=opts, scale=scale)
+        return pipelined_loss_and_grads(params, batch, model=stage_model(model_config), opts=opts, scale=scale)
     if strategy is GradientStrategy.PER_RANK:
         return per_rank_grads(
             functools.partial(token_loss, model_config=model_config, opts=opts), params, batch,

@@ -17,6 +17,11 @@ from jaxpar.parallel.context.sharded import load_balance_order
 from jaxpar.sharding import constrain
 
 
+def default_positions(tokens):
+    """Positions 0 .. S-1 of every row of tokens [B, S] (one document per row, text order)."""
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])
+
+
 def sequence_order(plan: ContextPlan | None, seq_len: int) -> np.ndarray | None:
     """Text position of each sequence slot (a permutation of range(seq_len)); None: text order."""
     if plan is None or not plan.load_balance:

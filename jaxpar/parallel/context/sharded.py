@@ -15,7 +15,7 @@ from jaxpar.parallel.context.local import (
     all_to_all_attention_local,
     ring_attention_local,
 )
-from jaxpar.parallel.manual import manual_axes
+from jaxpar.manual import manual_axes
 
 IMPLS = {
     "all_gather": all_gather_attention_local,

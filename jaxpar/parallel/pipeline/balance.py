@@ -1,10 +1,11 @@
 """Which layers each pipeline stage runs: explicit splits, and `auto` splits balanced by cost.
 
-A split is a tuple of layer counts, one per global stage (stage s = u·p + r is virtual stage u on
-rank r), summing to `model.num_hidden_layers`; every stage has at least one layer. The engine
+A split is a tuple of layer counts, one per global stage (placed on ranks by the schedule
+table's stage map), summing to `model.num_hidden_layers`; every stage has at least one layer. The engine
 runs any such split (`layout.py`); `auto` picks the one with the most even per-stage cost.
 
-The cost model is analytic, in forward FLOPs per token (`layer_flops`, `vocab_flops`), and knows
+The cost model is analytic, in forward FLOPs per token (the model's facts: `ModelFacts.layer_flops`,
+`vocab_flops`, the one FLOP model of `jaxpar.model_facts`), and knows
 what this engine does per microbatch and stage: F runs the stage's layers once; B recomputes them
 from the stashed input and then runs the backward (2×), so a stage costs 4× its layers' forward
 (5× with zb_h1's split backward: B and W each recompute). The vocab work (embedding lookup, final
@@ -25,34 +26,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from jaxpar.config import head_dim_of, padded_vocab_size
-from jaxpar.parallel.pipeline.schedules import B, F, W, Schedule, make_schedule
+from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.parallel.pipeline.table import B, F, W, Schedule
 
 AUTO = "auto"
 PLACEMENTS = ("spread", "ends")
 _MAX_CANDIDATES = 256  # tied splits whose step time is modelled; beyond that, the first ones
-
-
-def layer_flops(model, seq_len: int) -> float:
-    """Forward FLOPs per token of one decoder layer: projections, attention scores and values at
-    `seq_len` (the full S×S that XLA's attention computes), the MLP or the routed experts."""
-    d, h, kv, hd = model.hidden_size, model.num_attention_heads, model.num_key_value_heads, head_dim_of(model)
-    attention = 2 * d * (h + 2 * kv) * hd + 2 * h * hd * d + 4 * seq_len * h * hd
-    mlp = 6 * d * model.intermediate_size
-    if model.model_type == "mixtral":
-        experts, k = model.num_local_experts, model.num_experts_per_tok
-        routed = k
-        if model.capacity_factor > 0:  # every expert runs all of its C slots per sequence
-            capacity = min(seq_len, -(-seq_len * k * model.capacity_factor // experts))
-            routed = experts * capacity / seq_len
-        mlp = 2 * d * experts + routed * mlp
-    return float(attention + mlp)
-
-
-def vocab_flops(model) -> float:
-    """Forward FLOPs per token of the embedding lookup, final norm, LM head and loss."""
-    d, vocab = model.hidden_size, padded_vocab_size(model.vocab_size)
-    return float(2 * d * vocab + 4 * vocab + 5 * d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +50,12 @@ class StageCosts:
                      for f, b, w in zip(self.forward, self.backward, self.weight))
 
 
-def stage_costs(model, seq_len: int, split, num_ranks: int, *, split_backward: bool, placement: str = "spread"):
-    """Per-stage costs of `split` in this engine, with the vocab work placed as `placement` says."""
+def stage_costs(facts, seq_len: int, split, num_ranks: int, *, split_backward: bool, placement: str = "spread"):
+    """Per-stage costs of `split` in this engine (`facts`: the model's `ModelFacts`), with the vocab
+    work placed as `placement` says."""
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    layer, vocab = layer_flops(model, seq_len), vocab_flops(model)
+    layer, vocab = facts.layer_flops(seq_len), facts.vocab_flops()
     forward = [n * layer for n in split]
     backward = [(2 if split_backward else 3) * n * layer for n in split]
     weight = [(2 * n * layer if split_backward else 0.0) for n in split]
@@ -83,7 +63,7 @@ def stage_costs(model, seq_len: int, split, num_ranks: int, *, split_backward: b
         return StageCosts(tuple(forward), tuple(backward), tuple(weight), 3 * vocab / num_ranks)
     # "ends": the first stage's F also embeds (a gather: ~2·D per token), the last stage's F also
     # runs the head's forward and backward (kept, not recomputed by its B).
-    embed = 2.0 * model.hidden_size
+    embed = 2.0 * facts.hidden
     forward[0] += embed
     forward[-1] += 3 * (vocab - embed)
     return StageCosts(tuple(forward), tuple(backward), tuple(weight), 0.0)
@@ -127,16 +107,18 @@ def _candidates(layers: int, caps: list):
     return rec(0, layers)
 
 
-def auto_split(model, seq_len: int, schedule: str, p: int, m: int, v: int = 1, placement: str = "spread"):
-    """The split of `model.num_hidden_layers` over p·v stages with the smallest largest stage
-    cost, ties broken by the modelled step time of `schedule` (see the module docstring)."""
-    layers, stages = model.num_hidden_layers, p * v
+def auto_split(facts, seq_len: int, table: Schedule, *sizes, placement: str = "spread"):
+    """The split of the model's layers (`facts`: its `ModelFacts`) over the table's stages with the smallest largest
+    stage cost, ties broken by the modelled step time of `table` (see the module docstring).
+    (`table` may still be a schedule name followed by p, m[, v], the form scripts/ use.)"""
+    if isinstance(table, str):
+        table = make_schedule(table, *sizes)
+    p, layers, stages = table.num_ranks, facts.layers, table.num_stages
     if layers < stages:
         raise ValueError(f"{layers} layers cannot fill {stages} stages (each needs at least one)")
-    table = make_schedule(schedule, p, m, v)
     split_b = table.split_backward
-    one = stage_costs(model, seq_len, (1,) * stages, p, split_backward=split_b, placement=placement)
-    none = stage_costs(model, seq_len, (0,) * stages, p, split_backward=split_b, placement=placement)
+    one = stage_costs(facts, seq_len, (1,) * stages, p, split_backward=split_b, placement=placement)
+    none = stage_costs(facts, seq_len, (0,) * stages, p, split_backward=split_b, placement=placement)
     unit = one.totals(p)[0] - none.totals(p)[0]  # one layer's cost on a stage
     extra = list(none.totals(p))
     greedy = _water_fill(layers, stages, extra, unit)
@@ -144,7 +126,7 @@ def auto_split(model, seq_len: int, schedule: str, p: int, m: int, v: int = 1, p
     caps = [max(1, int((worst - e) / unit + 1e-9)) for e in extra]
 
     def step_time(split):
-        costs = stage_costs(model, seq_len, split, p, split_backward=split_b, placement=placement)
+        costs = stage_costs(facts, seq_len, split, p, split_backward=split_b, placement=placement)
         return schedule_times(table, costs)[1]
 
     tied = list(itertools.islice(_candidates(layers, caps), _MAX_CANDIDATES)) or [greedy]
@@ -185,17 +167,17 @@ def cost_shares(costs: StageCosts, num_ranks: int) -> list[float]:
     return [t / sum(totals) for t in totals]
 
 
-def split_report(model, seq_len: int, schedule: Schedule, split, placement: str = "spread") -> list[str]:
+def split_report(facts, seq_len: int, schedule: Schedule, split, placement: str = "spread") -> list[str]:
     """Lines describing a split on a schedule: layers and cost share per stage, and the modelled
     busy time per rank against the step time (lockstep SPMD, `schedule_times`)."""
     p = schedule.num_ranks
-    costs = stage_costs(model, seq_len, split, p, split_backward=schedule.split_backward, placement=placement)
+    costs = stage_costs(facts, seq_len, split, p, split_backward=schedule.split_backward, placement=placement)
     busy, total = schedule_times(schedule, costs)
     shares = ", ".join(f"{100 * s:.1f}%" for s in cost_shares(costs, p))
     return [
         f"stage layers ({placement} vocab): {list(split)}",
-        f"cost share per stage (layers + vocab work, {layer_flops(model, seq_len) / 1e6:.1f} MFLOP/token per "
-        f"layer forward, {vocab_flops(model) / 1e6:.1f} vocab): [{shares}]",
+        f"cost share per stage (layers + vocab work, {facts.layer_flops(seq_len) / 1e6:.1f} MFLOP/token per "
+        f"layer forward, {facts.vocab_flops() / 1e6:.1f} vocab): [{shares}]",
         "modelled busy time per rank / step time: [" + ", ".join(f"{b / total:.3f}" for b in busy) + "]"
         f" (idle {1 - sum(busy) / (p * total):.3f})",
     ]

@@ -17,31 +17,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar import models
-
 
 def totals_tree(stats):
     """The statistics as `aux_losses` reads them: a stack of one "layer" holding the totals."""
     return jax.tree.map(lambda a: a[None], stats)
 
 
-def loss_and_metrics(model_config, totals):
-    """(coefficient-weighted aux + z loss, metrics) of one microbatch from its totals."""
-    return models.aux_losses(model_config, totals_tree(totals))
+def loss_and_metrics(model, totals):
+    """(coefficient-weighted aux + z loss, metrics) of one microbatch from its totals (`model`:
+    the `stage.StageModel`)."""
+    return model.aux_losses(totals_tree(totals))
 
 
-def totals_grad(model_config, totals):
+def totals_grad(model, totals):
     """d(aux + z loss) / d totals: the cotangent of every stage's summed statistics."""
     if not totals:
         return {}
-    grad = jax.grad(lambda t: loss_and_metrics(model_config, t)[0])(totals)
+    grad = jax.grad(lambda t: loss_and_metrics(model, t)[0])(totals)
     # Totals not known yet (all zero: an idle step's placeholder) give 0/0; nothing reads them.
     return jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0.0), grad)
 
 
-def zero_metrics(model_config, stats_shapes):
+def zero_metrics(model, stats_shapes):
     """Zeros shaped like `loss_and_metrics`' metrics ({} for dense models)."""
     if not stats_shapes:
         return {}
     ones = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.float32), stats_shapes)
-    return jax.tree.map(jnp.zeros_like, loss_and_metrics(model_config, ones)[1])
+    return jax.tree.map(jnp.zeros_like, loss_and_metrics(model, ones)[1])

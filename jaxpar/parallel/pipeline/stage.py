@@ -18,27 +18,42 @@ embedding's weight gradient). The cotangent is the output gradient plus the rout
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
-from jaxpar import models
-from jaxpar.parallel.manual import vary_everywhere
+from jaxpar.manual import vary_everywhere
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """What the pipeline needs of the model. The train step builds it from `jaxpar.models`
+    (`jaxpar.train.step.stage_model`) and hands it in, so `jaxpar.parallel` never imports the
+    models (which import it)."""
+
+    merge: Callable  # params {"layers", "embed", ...} -> the module (`run_layers`, `final_norm`, `head_weight`, `logits_from_hidden`)
+    logical: Any  # the params tree with each leaf's logical axis names
+    aux_losses: Callable  # router statistics stacked over layers -> (extra loss, metrics); ({}: dense)
+    hidden_size: int
+    vocab_size: int
 
 
 class Stage:
-    """The forward and backward of a stage for one model config and run options.
+    """The forward and backward of a stage for one model and run options.
 
     `layer_params` is the `layers` subtree holding only this stage's layers [n, ...]; merged into
     the model's graph, the model's `run_layers` scans over exactly those. `shared`
     (embedding / norm / head, any shard of them) only completes the graph; stages never read it.
     """
 
-    def __init__(self, model_config, opts):
-        self.cfg = models.frozen(model_config)
+    def __init__(self, model: StageModel, opts):
+        self.merged = model.merge
         self.opts = opts
 
     def model(self, layer_params, shared):
-        return models.merge(self.cfg, {**shared, "layers": layer_params})
+        return self.merged({**shared, "layers": layer_params})
 
     def forward(self, layer_params, shared, x, positions):
         """(stage output [mb, S, D], router statistics summed over the stage's layers)."""

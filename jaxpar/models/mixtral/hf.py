@@ -15,15 +15,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.config import mixtral_model_config
-from jaxpar.interop.hf_core import (
+from jaxpar.models.hf_adapter import (
     ATTENTION_AND_NORMS,
+    LINEAR,
     Adapter,
     decoder_hf_fields,
     decoder_model_fields,
     field,
     reject_unsupported,
+    span,
 )
+from jaxpar.models.mixtral.schema import model_config as mixtral_config
 
 PER_EXPERT = "block_sparse_moe.experts.{}.{}.weight"
 ROUTER = "block_sparse_moe.gate.weight"
@@ -43,6 +45,13 @@ class Router:
 
     def write(self, w, prefix: str, cfg) -> dict:
         return {prefix + ROUTER: w.T}
+
+    def read_block(self, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
+        name = prefix + (ROUTER if get.has(prefix + ROUTER) else FUSED_ROUTER)
+        return LINEAR.block(get, name, cfg, index, shape)
+
+    def on_disk(self, prefix: str, cfg, shape: tuple) -> list[dict]:
+        return [{prefix + name: tuple(reversed(shape))} for name in (ROUTER, FUSED_ROUTER)]
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,20 @@ class ExpertStack:
     def write(self, w, prefix: str, cfg) -> dict:
         return {prefix + PER_EXPERT.format(e, self.hf_name): w[e].T for e in range(w.shape[0])}
 
+    def read_block(self, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
+        if not get.has(prefix + PER_EXPERT.format(0, self.hf_name)):
+            return self.read(get, prefix, cfg)[index]  # fused: one layer's tensor, then the block
+        e0, e1 = span(index[0], shape[0])
+        names = [prefix + PER_EXPERT.format(e, self.hf_name) for e in range(e0, e1)]
+        return np.stack([LINEAR.block(get, n, cfg, index[1:], shape[1:]) for n in names])
+
+    def on_disk(self, prefix: str, cfg, shape: tuple) -> list[dict]:
+        experts, d_in, d_out = shape
+        per_expert = {prefix + PER_EXPERT.format(e, self.hf_name): (d_out, d_in) for e in range(experts)}
+        if self.hf_name == "w2":  # down [E, F, D]: fused [E, D, F]
+            return [per_expert, {prefix + FUSED_DOWN: (experts, d_out, d_in)}]
+        return [per_expert, {prefix + FUSED_GATE_UP: (experts, 2 * d_out, d_in)}]
+
 
 LAYER = {
     **ATTENTION_AND_NORMS,
@@ -84,7 +107,7 @@ def model_config(hf_config: dict):
     fields = decoder_model_fields(hf_config, default_eps=1e-5, default_theta=MIXTRAL_DEFAULT_THETA)
     # MixtralConfig keeps head_dim null; `save` writes it out, so load it explicit either way.
     fields["head_dim"] = fields["head_dim"] or fields["hidden_size"] // fields["num_attention_heads"]
-    return mixtral_model_config(
+    return mixtral_config(
         **fields,
         num_local_experts=int(field(hf_config, "num_local_experts")),
         num_experts_per_tok=int(field(hf_config, "num_experts_per_tok")),

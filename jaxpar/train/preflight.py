@@ -4,7 +4,7 @@
 listing every problem, one line each, each naming the config key to change: unknown and missing
 keys (with the nearest known key), value types, ranges and choices, and every divisibility the mesh
 needs. It only does arithmetic on the config; the checks themselves live with what they protect:
-the family record's checks (`jaxpar.models.families`), each parallelism's module
+the family record's ranges and checks (`jaxpar.models.families`), each parallelism's module
 (`jaxpar.parallel.*`), the train/checkpoint sections (`jaxpar.train.checks`), the data sources
 (`jaxpar.data.sources`); this module runs them all.
 
@@ -27,13 +27,11 @@ from jaxpar.config import base_config
 from jaxpar.data.sources import corpus_problems, validate_data_config
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
-from jaxpar.models.checks import ranges as model_ranges
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
-from jaxpar.models.llama import REMAT_POLICIES
-from jaxpar.models.options import ATTENTION_IMPLS
 from jaxpar.parallel import data, tensor, zero
 from jaxpar.parallel.context import plan as context
 from jaxpar.parallel.pipeline import options as pipeline
+from jaxpar.parallel.plan import ATTENTION_IMPLS, REMAT_NAMES
 from jaxpar.ranges import one_of
 from jaxpar.train import observe
 from jaxpar.train import workdir as workdirs
@@ -81,7 +79,7 @@ def _missing_keys(config, schema) -> list[str]:
         return []
     return [
         f"config lacks {', '.join(missing)} (model.model_type={config.model.get('model_type')!r} needs them); "
-        f"start from a config of that family (jaxpar.config.{config.model.get('model_type')}_model_config)"
+        f"start from a config of that family (jaxpar.models.{config.model.get('model_type')}.model_config)"
     ]
 
 
@@ -131,7 +129,7 @@ def _config_problems(config, num_devices: int, platform: str | None) -> tuple[li
         errors.append(str(e))
         mesh = None
     train, parallel = config.train, config.parallel
-    ranges = model_ranges(config.model) + train_ranges(train) + checkpoint_checks(config.checkpoint)
+    ranges = fam.ranges(config.model) + train_ranges(train) + checkpoint_checks(config.checkpoint)
     sane = not ranges  # sizes >= 1: the divisibility checks below can run
     errors += ranges
     if sane:
@@ -141,10 +139,10 @@ def _config_problems(config, num_devices: int, platform: str | None) -> tuple[li
         errors += data.checks(config, mesh)
         errors += tensor.checks(config, mesh)
         errors += zero.checks(config, mesh)
-        errors += pipeline.checks(config, mesh, has_aux_losses=fam.aux_losses is not None)
+        errors += pipeline.checks(config, mesh, has_aux_losses=fam.facts(config.model).is_moe)
         # Backend-dependent (ring inside pipeline branches deadlocks on XLA:CPU): checked when known.
         errors += context.checks(config, mesh, backend=platform)
-    errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_POLICIES))
+    errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
     errors += train_choices(train) + optimizer_checks(train, config.model)
     if parallel.attention_impl == "cudnn" and platform is not None:

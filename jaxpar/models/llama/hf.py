@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from jaxpar.config import llama_model_config
-from jaxpar.interop.hf_core import (
+from jaxpar.models.hf_adapter import (
     ATTENTION_AND_NORMS,
     LINEAR,
     Adapter,
@@ -12,6 +11,7 @@ from jaxpar.interop.hf_core import (
     decoder_model_fields,
     reject_unsupported,
 )
+from jaxpar.models.llama.schema import model_config as llama_config
 
 LAYER = {
     **ATTENTION_AND_NORMS,
@@ -25,7 +25,7 @@ SUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 def model_config(hf_config: dict):
     reject_unsupported(hf_config, SUPPORTED)
-    return llama_model_config(**decoder_model_fields(hf_config, default_eps=1e-6, default_theta=10000.0))
+    return llama_config(**decoder_model_fields(hf_config, default_eps=1e-6, default_theta=10000.0))
 
 
 def hf_config(cfg) -> dict:

@@ -1,4 +1,10 @@
-"""Llama as a Flax NNX module: embedding, a scanned stack of decoder blocks, final norm, LM head.
+"""The decoder every family is: embedding, a scanned stack of decoder blocks, final norm, LM head.
+
+A family's module is a `Decoder` subclass that names its hooks: `make_attention` (default: the
+grouped-query `Attention`) and `make_mlp` (default: the SwiGLU `MLP`; Mixtral's is the sparse MoE
+block). Each hook is built as hook(cfg, rngs=...) and called like the default: attention as
+(x, positions, inv_freq, opts) -> out, the MLP as (x, opts) -> (out, aux) with aux its per-layer
+statistics ({} for a dense MLP).
 
 The blocks are created once with `nnx.vmap` (one stacked parameter per weight, leading logical
 axis `layers`) and run with `jax.lax.scan` over their plain state: split once, merge the layer's
@@ -9,7 +15,6 @@ slice inside the scan body. ZeRO-3 gathers each layer's parameters there, one la
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.models.layers import (
@@ -23,9 +28,11 @@ from jaxpar.models.layers import (
     rope_inverse_frequencies,
 )
 from jaxpar.models.options import RunOptions
+from jaxpar.parallel.context.sequence import default_positions
 from jaxpar.parallel.zero import gather_layer, layer_remat_policy
 from jaxpar.sharding import RESIDUAL, constrain
 
+# What each `parallel.remat` name (`jaxpar.parallel.plan.REMAT_NAMES`) saves of a layer's forward.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -34,9 +41,9 @@ REMAT_POLICIES = {
 
 
 class DecoderBlock(nnx.Module):
-    def __init__(self, cfg, *, rngs: nnx.Rngs, make_mlp=MLP):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, make_attention=Attention, make_mlp=MLP):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg, rngs=rngs)
+        self.attention = make_attention(cfg, rngs=rngs)
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, rngs=rngs)
 
@@ -48,13 +55,13 @@ class DecoderBlock(nnx.Module):
         return constrain(opts.rules, x + mlp_out, RESIDUAL), aux
 
 
-def stacked_blocks(cfg, rngs: nnx.Rngs, make_mlp):
+def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp):
     """`num_hidden_layers` blocks with independent init, stacked on a leading `layers` axis."""
 
     @nnx.split_rngs(splits=cfg.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def build(layer_rngs):
-        return DecoderBlock(cfg, rngs=layer_rngs, make_mlp=make_mlp)
+        return DecoderBlock(cfg, rngs=layer_rngs, make_attention=make_attention, make_mlp=make_mlp)
 
     return build(rngs)
 
@@ -73,20 +80,21 @@ def scan_blocks(blocks: nnx.Module, x, opts: RunOptions, layer_fn):
         layer_state = gather_layer(layer_state, layer_names, opts.rules, opts.plan.zero)
         return layer_fn(nnx.merge(graphdef, layer_state), h)
 
-    policy = layer_remat_policy(REMAT_POLICIES[opts.remat], opts.plan.zero)
+    policy = layer_remat_policy(REMAT_POLICIES[opts.plan.remat], opts.plan.zero)
     if policy is not None:
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     return jax.lax.scan(body, x, state)
 
 
-class Llama(nnx.Module):
-    # What a decoder block uses as its MLP; Mixtral swaps in the sparse MoE block.
+class Decoder(nnx.Module):
+    # The family's hooks (see the module docstring).
+    make_attention = Attention
     make_mlp = MLP
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embedding(cfg, rngs=rngs)
-        self.layers = stacked_blocks(cfg, rngs, type(self).make_mlp)
+        self.layers = stacked_blocks(cfg, rngs, type(self).make_attention, type(self).make_mlp)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
 
@@ -120,7 +128,3 @@ class Llama(nnx.Module):
             positions = default_positions(tokens)
         x, aux = self.run_layers(self.embed_tokens(tokens, opts), positions, opts)
         return self.logits_from_hidden(x, opts), aux
-
-
-def default_positions(tokens):
-    return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape[:2])

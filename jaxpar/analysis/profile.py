@@ -4,7 +4,8 @@ A trace (`*.xplane.pb`, written by `jax.profiler`) records one event per execute
 on CPU, a kernel on GPU) with its HLO instruction and module names, but not the JAX source scope.
 The compiled HLO text carries that scope in each instruction's `metadata={op_name=...}` (the
 `jax.named_scope` path, e.g. `jit(step)/transpose(jvp())/while/body/closed_call/attention/...`),
-so `jaxpar.train.observe` saves the step's HLO text beside the trace and this module joins the two:
+so `jaxpar.train.observe` saves the step's HLO text beside the trace, `jaxpar.analysis.hlo` reads
+its instructions, and this module joins the two:
   - each op's *self* time (its duration minus ops nested inside it on the same thread; control
     flow such as `while` only counts its own bookkeeping),
   - attributed to the innermost model scope in its op_name (`SCOPES`), with the pass it belongs
@@ -22,67 +23,17 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from jaxpar.analysis import hlo
+from jaxpar.train.observe import HLO_DIR, STEP_ANNOTATION
+
 # The model's named scopes (`jaxpar.models`, `jaxpar.train.step`), innermost first when nested.
 SCOPES = (
     "moe_router", "moe_dispatch", "moe_experts", "moe_combine",
     "embedding", "attention", "mlp", "norm", "lm_head", "loss", "pipeline_step", "optimizer_update",
 )
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 CONTROL_FLOW = ("while", "conditional", "call")
-# Step annotations the observer writes around each step (`jax.profiler.StepTraceAnnotation`).
-STEP_ANNOTATION = "train"
-HLO_DIR = "hlo"
 
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OPCODE = re.compile(r"\s*([\w\-]+)\(")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_MODULE = re.compile(r"^HloModule\s+([\w.\-]+)", re.M)
 _WRAPPER = re.compile(r"^(?:[\w\-]*\()+")
-
-
-@dataclass
-class HloOp:
-    opcode: str
-    op_name: str
-
-
-def parse_hlo(text: str) -> dict[str, HloOp]:
-    """Instruction name → (opcode, op_name) for every instruction in an HLO module's text."""
-    ops = {}
-    for line in text.splitlines():
-        match = _NAME.match(line)
-        if not match:
-            continue
-        opcode = _opcode_after_shape(line, match.end())
-        if opcode is None:
-            continue
-        name = match.group(1)
-        op_name = _OP_NAME.search(line)
-        ops[name] = HloOp(opcode=opcode, op_name=op_name.group(1) if op_name else "")
-    return ops
-
-
-def _opcode_after_shape(line: str, at: int) -> str | None:
-    """The opcode following the result shape at `line[at:]`; the shape may be a nested tuple."""
-    if line.startswith("(", at):
-        depth = 0
-        for i in range(at, len(line)):
-            depth += {"(": 1, ")": -1}.get(line[i], 0)
-            if depth == 0:
-                at = i + 1
-                break
-    else:
-        space = line.find(" ", at)
-        if space < 0:
-            return None
-        at = space
-    match = _OPCODE.match(line, at)
-    return match.group(1) if match else None
-
-
-def module_name(hlo_text: str) -> str:
-    match = _MODULE.search(hlo_text)
-    return match.group(1) if match else ""
 
 
 def scope_of(op_name: str) -> tuple[str, str]:
@@ -146,7 +97,8 @@ class Trace:
     ops: list[OpTime]
     step_ns: list[float]  # wall time of each annotated step
     devices: int
-    hlo: dict[str, dict[str, HloOp]] = field(default_factory=dict)  # module → instructions
+    # module name → its instructions by name (`jaxpar.analysis.hlo.instructions`)
+    instructions: dict[str, dict[str, hlo.Instruction]] = field(default_factory=dict)
 
 
 def latest_trace_file(profile_dir: str) -> str:
@@ -156,8 +108,9 @@ def latest_trace_file(profile_dir: str) -> str:
     return max(files, key=os.path.getmtime)
 
 
-def _opcode(hlo: dict, module: str, op: str) -> str:
-    info = hlo.get(module, {}).get(op)
+def _opcode(modules: dict, module: str, op: str) -> str:
+    """The op's HLO opcode, or its name's stem where its module's HLO was not saved."""
+    info = modules.get(module, {}).get(op)
     return info.opcode if info else op.split(".")[0]
 
 
@@ -170,11 +123,14 @@ def load(profile_dir: str) -> Trace:
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(latest_trace_file(profile_dir))
-    hlo = {}
+    modules = {}
     for path in glob.glob(os.path.join(profile_dir, HLO_DIR, "*.txt")):
         with open(path) as f:
             text = f.read()
-        hlo[module_name(text)] = parse_hlo(text)
+        try:
+            modules[hlo.module_name(text)] = hlo.instructions(text)
+        except hlo.HloParseError as e:
+            raise hlo.HloParseError(f"{path}: {e}") from None
     raw, completion, steps = [], {}, []
     for plane in data.planes:
         for line in plane.lines:
@@ -187,7 +143,7 @@ def load(profile_dir: str) -> Trace:
                     completion[stats["_c"]] = event.end_ns
                 elif "hlo_op" in stats:
                     module, op = str(stats.get("hlo_module", "")), str(stats["hlo_op"])
-                    if _opcode(hlo, module, op) in CONTROL_FLOW:
+                    if _opcode(modules, module, op) in CONTROL_FLOW:
                         continue
                     device = (plane.name, int(stats.get("device_ordinal", 0)))
                     raw.append((device, module, op, event.start_ns, event.end_ns, stats.get("_p")))
@@ -199,11 +155,12 @@ def load(profile_dir: str) -> Trace:
     for device, items in per_device.items():
         shares = _shared_times([(start, end) for _, _, start, end in items])
         ops.extend(OpTime(module, op, device, ns) for (module, op, _, _), ns in zip(items, shares))
-    return Trace(ops=ops, step_ns=steps, devices=max(len(per_device), 1), hlo=hlo)
+    return Trace(ops=ops, step_ns=steps, devices=max(len(per_device), 1), instructions=modules)
 
 
 def _collective(opcode: str, op: str) -> str | None:
-    return next((c for c in COLLECTIVES if opcode.startswith(c) or op.startswith(c)), None)
+    """The collective kind of an op (its `-start` / `-done` halves included), or None."""
+    return next((c for c in hlo.KINDS if opcode.startswith(c) or op.startswith(c)), None)
 
 
 @dataclass
@@ -223,8 +180,8 @@ def breakdown(trace: Trace, module_filter: str = "") -> tuple[list[Row], list[Ro
     for op in trace.ops:
         if module_filter not in op.module:
             continue
-        info = trace.hlo.get(op.module, {}).get(op.op)
-        opcode = info.opcode if info else op.op.split(".")[0]
+        info = trace.instructions.get(op.module, {}).get(op.op)
+        opcode = _opcode(trace.instructions, op.module, op.op)
         if opcode in CONTROL_FLOW:
             continue
         ns = op.self_ns * scale
@@ -246,7 +203,7 @@ def top_ops(trace: Trace, scope: str, count: int = 10, module_filter: str = "") 
     steps = max(len(trace.step_ns), 1)
     costs = collections.defaultdict(float)
     for op in trace.ops:
-        info = trace.hlo.get(op.module, {}).get(op.op)
+        info = trace.instructions.get(op.module, {}).get(op.op)
         if not (module_filter in op.module and info) or info.opcode in CONTROL_FLOW or _collective(info.opcode, op.op):
             continue
         if scope_of(info.op_name)[0] == scope:

@@ -1,0 +1,227 @@
+"""The toolkit a family's transformers (Hugging Face) adapter is written with.
+
+HF weights are [out, in] per layer; jaxpar stores [in, out] with heads split out, stacked over
+layers on axis 0. A family's adapter (`jaxpar/models/<family>/hf.py`) is an `Adapter`: its config
+converters and a layer table mapping each jaxpar path under `params["layers"]` to an entry that
+reads and writes one layer's HF tensors. Every entry has the same four methods:
+
+  read(get, prefix, cfg) -> array          one layer's jaxpar value (numpy)
+  write(w, prefix, cfg) -> {name: array}   the HF tensors of one layer's value
+  read_block(get, prefix, cfg, index, shape) -> array
+                                           the block `index` of one layer's value of `shape`, read
+                                           as slices of the HF tensors (`jaxpar.interop.sharded`:
+                                           each process reads only its devices' blocks)
+  on_disk(prefix, cfg, shape) -> [{name: shape}, ...]
+                                           the on-disk layouts that hold one layer's value, the one
+                                           `write` produces first (preflight checks headers against them)
+
+`get` is a checkpoint reader (`jaxpar.interop.hf_core.Checkpoint`): `get(name)`, `get.get_slice(name)`,
+`get.has(name)`, `get.where(name)`. The file reading, the tensors outside the decoder layers and the
+public `load` / `save` are in `jaxpar.interop`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from jaxpar.model_facts import head_dim_of
+from jaxpar.models.schema import ROPE_TYPES, decoder_config
+
+LLAMA3_FACTORS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+# ---- blocks of HF tensors ----
+
+
+def span(index: slice, size: int) -> tuple[int, int]:
+    start, stop, step = index.indices(size)
+    assert step == 1, index
+    return start, stop
+
+
+def rows_cols(get, name: str, rows: tuple[int, int], cols: tuple[int, int] | None) -> np.ndarray:
+    part = get.get_slice(name)
+    block = part[rows[0] : rows[1]] if cols is None else part[rows[0] : rows[1], cols[0] : cols[1]]
+    return np.asarray(block, np.float32)
+
+
+def _heads(index: slice, heads: int, head_dim: int) -> tuple[int, int]:
+    h0, h1 = span(index, heads)
+    return h0 * head_dim, h1 * head_dim
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One HF tensor <-> one layer's jaxpar value: each `(array, cfg) -> array`, and `block(get, name,
+    cfg, index, shape)` reading the jaxpar block `index` (of a value of `shape`) as a slice."""
+
+    to_jax: Callable
+    to_hf: Callable
+    block: Callable
+    to_hf_shape: Callable  # (jaxpar shape, cfg) -> HF shape
+
+
+def _copy_block(get, name, cfg, index, shape):
+    return rows_cols(get, name, span(index[0], shape[0]), None if len(shape) == 1 else span(index[1], shape[1]))
+
+
+def _linear_block(get, name, cfg, index, shape):  # jaxpar [in, out] = HF [out, in].T
+    return rows_cols(get, name, span(index[1], shape[1]), span(index[0], shape[0])).T
+
+
+def _heads_in_block(get, name, cfg, index, shape):  # jaxpar [D, H, Dh] from HF rows h*Dh + e
+    dh = head_dim_of(cfg)
+    block = rows_cols(get, name, _heads(index[1], shape[1], dh), span(index[0], shape[0]))
+    return block.T.reshape(block.shape[1], -1, dh)[:, :, index[2]]
+
+
+def _heads_out_block(get, name, cfg, index, shape):  # jaxpar [H, Dh, D] from HF columns h*Dh + e
+    dh = head_dim_of(cfg)
+    block = rows_cols(get, name, span(index[2], shape[2]), _heads(index[0], shape[0], dh))
+    return block.T.reshape(-1, dh, block.shape[0])[:, index[1], :]
+
+
+COPY = Layout(lambda w, cfg: w, lambda w, cfg: w, _copy_block, lambda s, cfg: tuple(s))
+LINEAR = Layout(lambda w, cfg: w.T, lambda w, cfg: w.T, _linear_block, lambda s, cfg: tuple(reversed(s)))
+# q/k/v: [heads * Dh, D] <-> [D, heads, Dh]
+HEADS_IN = Layout(
+    lambda w, cfg: w.T.reshape(w.shape[1], -1, head_dim_of(cfg)), lambda w, cfg: w.reshape(w.shape[0], -1).T,
+    _heads_in_block, lambda s, cfg: (s[1] * s[2], s[0]),
+)
+# o: [D, H * Dh] <-> [H, Dh, D]
+HEADS_OUT = Layout(
+    lambda w, cfg: w.T.reshape(-1, head_dim_of(cfg), w.shape[0]), lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
+    _heads_out_block, lambda s, cfg: (s[2], s[0] * s[1]),
+)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One HF tensor per layer (`model.layers.{i}.` + `hf`) <-> one layer's slice of a jaxpar leaf."""
+
+    hf: str
+    layout: Layout = COPY
+
+    def read(self, get, prefix: str, cfg) -> np.ndarray:
+        name = prefix + self.hf
+        w = get(name)
+        try:
+            return self.layout.to_jax(w, cfg)
+        except ValueError as e:  # a reshape that the config's head sizes do not fit
+            raise ValueError(f"{get.where(name)}: tensor {name} {w.shape} does not fit the model config: {e}") from None
+
+    def write(self, w: np.ndarray, prefix: str, cfg) -> dict[str, np.ndarray]:
+        return {prefix + self.hf: self.layout.to_hf(w, cfg)}
+
+    def read_block(self, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
+        return self.layout.block(get, prefix + self.hf, cfg, index, shape)
+
+    def on_disk(self, prefix: str, cfg, shape: tuple) -> list[dict]:
+        return [{prefix + self.hf: self.layout.to_hf_shape(shape, cfg)}]
+
+
+# ---- config.json <-> config.model ----
+
+
+def field(d: dict, key: str):
+    if d.get(key) is None:
+        raise ValueError(f"config.json lacks {key!r}")
+    return d[key]
+
+
+def reject_unsupported(hf: dict, supported: dict) -> None:
+    """One-line error for a config.json key whose value jaxpar's model cannot represent."""
+    for key, value in supported.items():
+        if hf.get(key, value) != value:
+            raise ValueError(f"config.json {key}={hf[key]!r} is not supported (only {value!r})")
+
+
+def rope_from_hf(hf: dict, default_theta: float) -> tuple[float, dict]:
+    """(rope_theta, rope_scaling) from either layout: transformers 5's `rope_parameters`, or Llama
+    3.x's top-level `rope_theta` + `rope_scaling` (which transformers prefers when both exist)."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", default_theta)))
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
+    scaling = decoder_config().rope_scaling.to_dict()  # llama3 fields unused by "default"
+    scaling["rope_type"] = rope_type
+    if rope_type == "llama3":
+        scaling.update({key: float(field(rope, key)) for key in LLAMA3_FACTORS})
+        # transformers' fallback when the checkpoint omits it.
+        original = rope.get("original_max_position_embeddings") or field(hf, "max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(original)
+    return theta, scaling
+
+
+def rope_to_hf(cfg) -> tuple[dict, dict | None]:
+    """(rope_parameters, top-level rope_scaling) for config.json."""
+    s = cfg.rope_scaling
+    if s.rope_type == "default":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}, None
+    scaling = {key: s[key] for key in ("rope_type", "original_max_position_embeddings") + LLAMA3_FACTORS}
+    return {**scaling, "rope_theta": cfg.rope_theta}, scaling
+
+
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def decoder_model_fields(hf: dict, *, default_eps: float, default_theta: float) -> dict:
+    """The `config.model` fields every decoder family shares (`jaxpar.models.schema`), from a
+    config.json dict; `default_*`: the family's transformers defaults for keys the file omits."""
+    sizes = {key: int(field(hf, key)) for key in REQUIRED_SIZES}
+    theta, scaling = rope_from_hf(hf, default_theta)
+    head_dim = hf.get("head_dim")
+    return dict(
+        **sizes,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or sizes["num_attention_heads"]),
+        head_dim=None if head_dim is None else int(head_dim),
+        rms_norm_eps=float(hf.get("rms_norm_eps", default_eps)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def decoder_hf_fields(cfg) -> dict:
+    """The config.json fields every decoder family shares, from `config.model`."""
+    rope_parameters, legacy_scaling = rope_to_hf(cfg)
+    copied = REQUIRED_SIZES + ("num_key_value_heads", "rms_norm_eps", "max_position_embeddings")
+    return dict(
+        {key: cfg[key] for key in copied + ("tie_word_embeddings", "initializer_range")},
+        head_dim=head_dim_of(cfg),
+        hidden_act="silu",
+        rope_parameters=rope_parameters,
+        # transformers 4.x reads only these two; 5.x reads either layout (same values here).
+        rope_theta=cfg.rope_theta,
+        rope_scaling=legacy_scaling,
+        torch_dtype="float32",
+        dtype="float32",
+    )
+
+
+# Attention and the block's two norms: the part of a decoder layer every family shares.
+ATTENTION_AND_NORMS = {
+    ("input_norm", "weight"): Weight("input_layernorm.weight"),
+    ("attention", "q"): Weight("self_attn.q_proj.weight", HEADS_IN),
+    ("attention", "k"): Weight("self_attn.k_proj.weight", HEADS_IN),
+    ("attention", "v"): Weight("self_attn.v_proj.weight", HEADS_IN),
+    ("attention", "o"): Weight("self_attn.o_proj.weight", HEADS_OUT),
+    ("post_attention_norm", "weight"): Weight("post_attention_layernorm.weight"),
+}
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What a family needs to read and write transformers checkpoints."""
+
+    hf_class: str  # e.g. "LlamaForCausalLM"
+    to_model_config: Callable[[dict], ConfigDict]  # config.json dict -> config.model
+    to_hf_config: Callable[[ConfigDict], dict]  # config.model -> config.json fields
+    layer_table: dict  # jaxpar path under params["layers"] -> entry (see the module docstring)
