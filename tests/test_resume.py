@@ -13,23 +13,26 @@
 The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
 iterator's.
 The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
-changes nothing else.
+changes nothing else; one run with warmup + cosine is instead stopped mid-way by SIGTERM (the
+schedule then depends on the step the run resumes at) and must still resume bitwise.
 """
 
 import glob
 import json
 import os
 import shutil
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.data.sources import corpus_fingerprint
-from jaxpar.train.preflight import ConfigError, check_run
-from jaxpar.train.loop import train
 from jaxpar.train import workdir as workdirs
+from jaxpar.train.loop import train
 from jaxpar.train.observe import TIMING_FIELDS
+from jaxpar.train.preflight import ConfigError, check_run
+from jaxpar.train.signals import Interrupted
 from tests import tiny
 
 MESH = {"data": 2, "tensor": 4}
@@ -93,6 +96,42 @@ def test_resume_on_the_same_mesh_is_bitwise_identical(runs, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert without_timing(resumed) == without_timing(reference), "resumed losses differ from the uninterrupted run"
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "4", "6"]  # every 2 steps, the newest 3 kept
+
+
+def signal_at_step(monkeypatch, step: int, signum=signal.SIGTERM):
+    """The process sends itself `signum` while the run is inside step `step`'s bookkeeping, as a
+    preemption would during that step: the handler records it, the loop stops after the step."""
+    from jaxpar.train.nonfinite import NonFiniteGuard
+
+    observe = NonFiniteGuard.observe
+
+    def signalled(self, at, metrics):
+        if at == step:
+            os.kill(os.getpid(), signum)
+        return observe(self, at, metrics)
+
+    monkeypatch.setattr(NonFiniteGuard, "observe", signalled)
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_sigterm_with_warmup_and_cosine_is_bitwise_identical(runs, tmp_path, monkeypatch):
+    """Warmup 2 then cosine to 0.1 over 6 steps, stopped by SIGTERM during step 3 (checkpoints every
+    2 steps: only the final one, written on the signal, holds step 3), resumed from that final
+    checkpoint: every metrics line, the learning rate included, bitwise the uninterrupted run's."""
+    schedule = {"final_learning_rate_fraction": 0.1, "warmup_steps": 2}
+    reference = train(config(**schedule), str(tmp_path / "reference"), progress=False)
+    assert len({r["learning_rate"] for r in reference}) == 6, "the schedule must change the rate every step"
+    workdir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        signal_at_step(patch, 3)
+        with pytest.raises(Interrupted) as error:
+            train(config(**schedule), str(workdir), progress=False)
+    checkpoints = workdir / "checkpoints"
+    assert str(error.value) == f"interrupted by SIGTERM after step 3: checkpoint {checkpoints / '3'} saved; rerun the same command to resume"
+    assert sorted(os.listdir(checkpoints)) == ["2", "3"]
+    history = train(config(**schedule), str(workdir), progress=False)
+    assert [r["step"] for r in history] == [4, 5, 6]
+    assert without_timing(metrics(workdir)) == without_timing(metrics(tmp_path / "reference"))
 
 
 @pytest.mark.timeout(300)
