@@ -29,8 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 WORKER = os.path.join(ROOT, "tests", "train_worker.py")
 
-# vocab 8192 makes each checkpoint ~13 MB, so a save is still being written when killed (the worker
-# exits 5 instead of killing if it was not).
+# The kill -9 test's worker holds the save's commit back, so the kill lands mid-save however fast
+# the storage (it exits 5 if no save was under way).
 CONFIG_FILE = """
 from tests import tiny
 def get_config():
