@@ -267,6 +267,28 @@ def test_compare_configs():
     )
 
 
+def test_compare_configs_refuses_another_optimizer_or_its_hyperparameters():
+    saved = source_config()
+    lion = with_overrides(saved, {}, train={"optimizer": "lion"})
+    with pytest.raises(CheckpointError) as error:
+        compare_configs(saved.to_json_best_effort(), lion.to_json_best_effort(), checkpoint="/c/3")
+    (line,) = str(error.value).splitlines()
+    assert line.startswith("checkpoint /c/3 was saved with train.optimizer='adamw' but this run uses train.optimizer='lion'")
+    # A checkpoint written before train.optimizer existed was AdamW's.
+    old = json.loads(saved.to_json_best_effort())
+    del old["train"]["optimizer"]
+    assert compare_configs(old, saved.to_json_best_effort(), checkpoint="/c/3") == []
+    with pytest.raises(CheckpointError, match="train.optimizer='adamw' but this run uses train.optimizer='lion'"):
+        compare_configs(old, lion.to_json_best_effort(), checkpoint="/c/3")
+    other_beta = with_overrides(saved, {}, train={"adam_b2": 0.99})
+    with pytest.raises(CheckpointError, match=r"other adamw hyperparameters: train.adam_b2 \(saved 0.95, now 0.99\)"):
+        compare_configs(saved.to_json_best_effort(), other_beta.to_json_best_effort(), checkpoint="/c/3")
+    # Another optimizer's keys, the learning rate, the schedule and its length may change (noted).
+    retuned = with_overrides(saved, {}, train={"lion_b1": 0.5, "learning_rate": 1e-3, "lr_schedule": "wsd", "steps": 500})
+    (note,) = compare_configs(saved.to_json_best_effort(), retuned.to_json_best_effort(), checkpoint="/c/3")
+    assert "train.learning_rate" in note and "train.lr_schedule" in note and "train.steps" not in note
+
+
 def test_compare_configs_treats_derived_defaults_as_equal():
     """A key left to its derived default and the value it derives to are the same config; keys
     another key makes unused never differ; a real difference in either still refuses."""

@@ -2,19 +2,28 @@
 
 Each case runs 3 fp32 steps of the production train step on 8 emulated CPU devices and is
 compared with the same config on one device: identical initial params, step-1 loss and gradients
-within 1e-5 relative, every step's loss and gradient norm within 1e-4, the same learning rates.
+within 1e-5 relative, every step's loss and gradient norm within 1e-4, the same learning rates,
+and the parameters after the last step (`tests/reference.py` says how close, and why).
 The tiny model has 2 KV heads (fewer than tensor = 4 or 8: replicated) and vocab 250 (padded to
 256). bf16 compute is compared with the one-device bf16 run over 5 steps.
 """
 
+import copy
 import math
+import re
 
 import jax
 import numpy as np
 import pytest
 
+from jaxpar.train.setup import build
 from tests import tiny
-from tests.reference import assert_matches_reference, run, single_device, synthetic_batches
+from tests.reference import (
+    assert_matches_reference,
+    run,
+    single_device,
+    synthetic_batches,
+)
 
 STEPS = 3
 
@@ -51,11 +60,37 @@ def test_matches_single_device(name, shared_cache):
     assert_matches_reference(result, reference)
 
 
+def test_gpu_defaults_match_single_device(shared_cache):
+    """What `parallel.remat` and `parallel.attention_impl` "auto" resolve to on a GPU in fp32 (no
+    recompute, jax's XLA attention; `jaxpar.parallel.plan`), which "auto" never picks on CPU, against
+    the one-device run with CPU's choices (full recompute, jaxpar's attention kernel): the remat
+    policy and the attention kernel differ between the two sides too."""
+    mesh = {"data": 2, "tensor": 4}
+    config = tiny.with_overrides(tiny.llama(), mesh, parallel={"sequence_parallel": True, "remat": "none", "attention_impl": "xla"})
+    program = build(config, jax.devices()[:8])
+    assert (program.plan.remat, program.plan.attention) == ("none", "xla")
+    reference = single_device(shared_cache, tiny.llama(), STEPS)
+    result = run(config, synthetic_batches(config, STEPS), num_devices=8)
+    assert_matches_reference(result, reference)
+
+
 def test_reference_actually_trains(shared_cache):
     # Guards the comparisons above against a degenerate (e.g. zero-learning-rate) setup.
     reference = single_device(shared_cache, tiny.llama(), STEPS)
     assert reference["losses"][-1] < reference["losses"][0] - 0.05
     assert np.all(reference["grad_norms"] > 0)
+
+
+def test_the_parameter_comparison_sees_a_lost_last_update(shared_cache):
+    # Positive control for the comparison of parameters after the last step, which no loss sees:
+    # one data shard of one leaf (a quarter of mlp.down's embed columns) missing its last update.
+    reference = single_device(shared_cache, tiny.llama(), STEPS)
+    before_last = single_device(shared_cache, tiny.llama(), STEPS - 1)["final_params"]
+    lost = copy.deepcopy(reference)
+    down = lost["final_params"]["layers"]["mlp"]["down"]
+    down[..., -16:] = before_last["layers"]["mlp"]["down"][..., -16:]
+    with pytest.raises(AssertionError, match="parameters after the last step differ"):
+        assert_matches_reference(lost, reference)
 
 
 BF16_STEPS = 5
@@ -88,3 +123,37 @@ def test_bfloat16_matches_single_device_bfloat16(name, shared_cache):
     # Not vacuous: bf16 really differs from fp32 by more than the fp32 tolerance.
     fp32 = single_device(shared_cache, tiny.llama({"steps": BF16_STEPS}), BF16_STEPS)
     assert np.max(np.abs(fp32["losses"] - reference["losses"]) / fp32["losses"]) > 1e-4
+
+
+def lowered_dots(config, num_devices: int) -> list[tuple[str, str]]:
+    """The operand types of every dot in the train step as jaxpar hands it to XLA."""
+    program = build(config, jax.devices()[:num_devices])
+    batch = jax.ShapeDtypeStruct((config.train.global_batch_size, config.train.seq_len + 1), np.int32, sharding=program.batch_sharding)
+    text = program.step.lower(jax.eval_shape(program.init), batch).as_text()
+    return re.findall(r"stablehlo\.dot_general .*?: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+
+
+def is_bf16(dot) -> bool:
+    return all(t.endswith("xbf16>") for t in dot)
+
+
+def sixteen_bit_problems(dots, vocab: int) -> list:
+    """Dots that are not bf16 x bf16, other than the LM head's gradient (its cotangent, over the
+    vocab, is the fp32 loss's)."""
+    return [d for d in dots if not is_bf16(d) and str(vocab) not in re.findall(r"(\d+)x", d[0])]
+
+
+def test_bfloat16_step_multiplies_in_bfloat16():
+    """The bf16 equivalence above cannot tell bf16 from fp32 by its numbers (tolerance 5e-3, the
+    bf16-fp32 loss gap 1.2e-3), so the step it runs must multiply in 16 bits: every dot takes bf16
+    operands except the two of the LM head's gradient. Read from the lowered step, because XLA:CPU
+    upcasts bf16 dots to f32 when it compiles (measured: all 38 compiled dots f32, fed by converts
+    from bf16; 37 of the 39 lowered ones bf16). Positive control: the fp32 step fails the check."""
+    mesh, parallel = BF16_CASES["data2_tensor4_sp"]
+    config = tiny.with_overrides(tiny.llama({"compute_dtype": "bfloat16"}), mesh, parallel=parallel)
+    vocab = 256  # 250 padded
+    dots = lowered_dots(config, 8)
+    assert sum(map(is_bf16, dots)) >= 30 and len(dots) - sum(map(is_bf16, dots)) <= 2, dots
+    assert sixteen_bit_problems(dots, vocab) == []
+    fp32 = lowered_dots(tiny.with_overrides(tiny.llama(), mesh, parallel=parallel), 8)
+    assert len(sixteen_bit_problems(fp32, vocab)) >= 30

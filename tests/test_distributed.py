@@ -40,13 +40,23 @@ def test_launch_local_sets_the_environment_and_prefixes_output():
     assert len(addresses) == 1 and addresses.pop().startswith("127.0.0.1:")
 
 
-def test_launch_local_stops_the_others_when_one_fails():
-    fail_one = "import os, sys, time; sys.exit(3) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)"
-    start = time.monotonic()
-    done = launch([sys.executable, "-c", fail_one], timeout=60)
+def test_launch_local_stops_the_others_when_one_fails(tmp_path):
+    # Process 0 prints its pid, marks that it did, then sleeps far past the launch's timeout (a hang
+    # guard, not a measurement); process 1 fails once the mark exists. Stopped means gone when
+    # launch_local returns.
+    mark = tmp_path / "started"
+    fail_one = (
+        "import os, sys, time; p = os.environ['JAX_PROCESS_ID']\n"
+        "if p == '0':\n    print('pid', os.getpid(), flush=True); open(sys.argv[1], 'w').close(); time.sleep(600)\n"
+        "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+        "sys.exit(3)\n"
+    )
+    done = launch([sys.executable, "-c", fail_one, str(mark)], timeout=240)
     assert done.returncode == 3, done.stdout + done.stderr
-    assert time.monotonic() - start < 30, "the sleeping process was not stopped"
     assert "[launch_local] process 1 exited with 3" in done.stdout
+    (pid,) = [int(line.split()[-1]) for line in done.stdout.splitlines() if " pid " in line]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # the sleeping process was stopped (and reaped)
 
 
 def test_launch_local_names_the_process_that_died_and_why():

@@ -17,6 +17,8 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpar import models
 from jaxpar.checkpoint.listing import finished_steps
+from jaxpar.data.batches import GlobalBatches
+from jaxpar.data.sources import load_tokens
 from jaxpar.interop import hf, sharded
 from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
@@ -145,13 +147,33 @@ def test_convert_hf_to_checkpoint_and_back_is_exact(family, tmp_path, capsys):
 
 @pytest.mark.timeout(300)
 def test_training_from_a_transformers_checkpoint_starts_from_its_weights(tmp_path):
-    """HF weights = the seed-0 init: the first step must be bitwise the seed-0 run's."""
+    """HF weights other than the run's own init (seed 7; the run's seed is 0): the first step's loss
+    and gradient norm are transformers' (`loss.backward()`) for those weights on the run's first
+    batch, and not the seed-0 run's."""
+    import torch
+    import transformers
+
     config = tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 2, "tensor": 4}, train={"steps": 1}, data={"max_corpus_bytes": 100_000})
-    hf.save(tmp_path / "hf", config.model, jax.device_get(models.init_params(config.model, 0)), max_shard_bytes=100_000)
+    hf.save(tmp_path / "hf", config.model, jax.device_get(models.init_params(config.model, 7)), max_shard_bytes=100_000)
     from_hf = tiny.with_overrides(config, {"data": 2, "tensor": 4}, train={"init_from_hf": str(tmp_path / "hf"), "seed": 0})
     (first,) = train(from_hf, str(tmp_path / "a"), progress=False)
-    (second,) = train(config, str(tmp_path / "b"), progress=False)
-    assert first["loss"] == second["loss"] and first["grad_norm"] == second["grad_norm"]
+    (own,) = train(config, str(tmp_path / "b"), progress=False)
+
+    train_cfg = config.train
+    rows = GlobalBatches(load_tokens(config.data), train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed).rows(0)
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
+    loss = reference(input_ids=rows[:, :-1], labels=rows[:, :-1], shift_labels=rows[:, 1:].contiguous()).loss
+    loss.backward()
+    want = float(loss.detach())
+    want_norm = float(torch.sqrt(sum(torch.sum(p.grad**2) for p in reference.parameters())))
+    print(f"loss {first['loss']} vs transformers {want} (own init {own['loss']}); grad norm {first['grad_norm']} vs {want_norm}")
+    assert abs(first["loss"] - want) <= 1e-5 * want, (first["loss"], want)
+    assert abs(first["grad_norm"] - want_norm) <= 1e-4 * want_norm, (first["grad_norm"], want_norm)
+    # Positive control: the run's own init is told apart (measured: its loss 5.5e-4 relative away, the
+    # run's 2.5e-7, its gradient norm equal to all printed digits; random inits' losses all lie near ln 256).
+    assert abs(own["loss"] - want) > 10 * 1e-5 * want, (own["loss"], want)
+    assert abs(own["grad_norm"] - want_norm) > 10 * 1e-4 * want_norm, (own["grad_norm"], want_norm)
     assert sharded.problems(str(tmp_path / "hf"), config.model) == []
 
 

@@ -7,26 +7,32 @@
   the new shardings, the run continues within 1e-4 of the reference; on one device the newest
   checkpoint is damaged first, so the run names it, falls back to the previous one and redoes a step;
 - an incompatible model or data config, or the same data config over a corpus that changed, is
-  refused in one line naming the keys; `overwrite=True` replaces the earlier run instead.
+  refused in one line naming the keys; `overwrite=True` replaces the earlier run instead;
+- another optimizer, or other values of its own hyperparameters, are refused in one line naming
+  both; another learning rate, schedule or length resumes (with a note).
 The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
 iterator's.
 The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
-changes nothing else.
+changes nothing else; one run with warmup + cosine is instead stopped mid-way by SIGTERM (the
+schedule then depends on the step the run resumes at) and must still resume bitwise.
 """
 
 import glob
 import json
 import os
 import shutil
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from jaxpar.data.sources import corpus_fingerprint
-from jaxpar.train.preflight import ConfigError, check_run
+from jaxpar.train import workdir as workdirs
 from jaxpar.train.loop import train
 from jaxpar.train.observe import TIMING_FIELDS
+from jaxpar.train.preflight import ConfigError, check_run
+from jaxpar.train.signals import Interrupted
 from tests import tiny
 
 MESH = {"data": 2, "tensor": 4}
@@ -90,6 +96,42 @@ def test_resume_on_the_same_mesh_is_bitwise_identical(runs, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert without_timing(resumed) == without_timing(reference), "resumed losses differ from the uninterrupted run"
     assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "4", "6"]  # every 2 steps, the newest 3 kept
+
+
+def signal_at_step(monkeypatch, step: int, signum=signal.SIGTERM):
+    """The process sends itself `signum` while the run is inside step `step`'s bookkeeping, as a
+    preemption would during that step: the handler records it, the loop stops after the step."""
+    from jaxpar.train.nonfinite import NonFiniteGuard
+
+    observe = NonFiniteGuard.observe
+
+    def signalled(self, at, metrics):
+        if at == step:
+            os.kill(os.getpid(), signum)
+        return observe(self, at, metrics)
+
+    monkeypatch.setattr(NonFiniteGuard, "observe", signalled)
+
+
+@pytest.mark.timeout(300)
+def test_resume_after_sigterm_with_warmup_and_cosine_is_bitwise_identical(runs, tmp_path, monkeypatch):
+    """Warmup 2 then cosine to 0.1 over 6 steps, stopped by SIGTERM during step 3 (checkpoints every
+    2 steps: only the final one, written on the signal, holds step 3), resumed from that final
+    checkpoint: every metrics line, the learning rate included, bitwise the uninterrupted run's."""
+    schedule = {"final_learning_rate_fraction": 0.1, "warmup_steps": 2}
+    reference = train(config(**schedule), str(tmp_path / "reference"), progress=False)
+    assert len({r["learning_rate"] for r in reference}) == 6, "the schedule must change the rate every step"
+    workdir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        signal_at_step(patch, 3)
+        with pytest.raises(Interrupted) as error:
+            train(config(**schedule), str(workdir), progress=False)
+    checkpoints = workdir / "checkpoints"
+    assert str(error.value) == f"interrupted by SIGTERM after step 3: checkpoint {checkpoints / '3'} saved; rerun the same command to resume"
+    assert sorted(os.listdir(checkpoints)) == ["2", "3"]
+    history = train(config(**schedule), str(workdir), progress=False)
+    assert [r["step"] for r in history] == [4, 5, 6]
+    assert without_timing(metrics(workdir)) == without_timing(metrics(tmp_path / "reference"))
 
 
 @pytest.mark.timeout(300)
@@ -167,6 +209,24 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     assert f"train.init_from_hf={tmp_path} is ignored: this run resumes from checkpoint {workdir / 'checkpoints' / '3'}" in plan.notes
     after = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     assert after == before
+
+
+def test_another_optimizer_is_refused_in_one_line_but_the_learning_rate_may_change(runs, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    for overrides, expected in (
+        ({"optimizer": "lion"}, "was saved with train.optimizer='adamw' but this run uses train.optimizer='lion'"),
+        ({"adam_b1": 0.8}, "other adamw hyperparameters: train.adam_b1 (saved 0.9, now 0.8)"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            train(config(**overrides), str(workdir), progress=False)
+        (line,) = str(error.value).splitlines()
+        assert expected in line and "the learning rate, schedule and its length may change" in line and "--overwrite" in line
+    # Learning rate, schedule and length: resumed, with a note.
+    plan, problems = workdirs.inspect(config(steps=8, learning_rate=5e-3, lr_schedule="wsd"), str(workdir), overwrite=False)
+    assert problems == [] and plan.resume_step == 3
+    (note,) = plan.notes
+    assert "train.learning_rate (saved 0.01, now 0.005)" in note and "train.lr_schedule (saved 'cosine', now 'wsd')" in note
 
 
 @pytest.mark.timeout(300)

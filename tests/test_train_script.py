@@ -91,3 +91,42 @@ def test_train_script_takes_the_planners_layout(tmp_path):
 
     bad = subprocess.run(cmd[:-4] + ["--plan=b200x"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown hardware 'b200x'"), bad.stderr
+
+
+NONFINITE_CONFIG = """
+from tests import tiny
+def get_config():
+    # learning_rate 1e6: step 2's update blows the weights up, step 3's gradient norm is NaN
+    # (tests/test_nonfinite.py); checkpoints after steps 1 and 2.
+    c = tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 8}, data={"max_corpus_bytes": 100_000})
+    c.train.update(steps=4, learning_rate=1e6)
+    c.checkpoint.every_steps = 1
+    return c
+"""
+
+
+def test_train_script_exit_codes_for_nonfinite_values_and_unreadable_checkpoints(tmp_path, capsys):
+    """Exit 3 (stopped for non-finite values, one line), then exit 1 (no readable checkpoint to
+    resume from, one line), in process through `main` as the command line runs it."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "scripts", "train.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = tmp_path / "config.py"
+    config.write_text(NONFINITE_CONFIG)
+    workdir = tmp_path / "run"
+    args = [f"--config={config}", f"--workdir={workdir}"]
+    assert script.main(args) == script.EXIT_NONFINITE == 3
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: step 3: non-finite"), line
+    checkpoints = workdir / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["1", "2"], "the non-finite step is never saved"
+    for step in ("1", "2"):  # damage both: nothing is left to resume from
+        victim = max(glob.glob(str(checkpoints / step / "state" / "**" / "d" / "*"), recursive=True), key=os.path.getsize)
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+    assert script.main(args) == script.EXIT_CHECKPOINT == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and "checkpoint" in line, line

@@ -2,17 +2,18 @@
 earlier run left decides resume / refuse, and metrics.jsonl continues as strict JSON without
 duplicated or missing steps. No jax compile here: these are file and process checks."""
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
-import time
+from unittest import mock
 
 import pytest
 
-from jaxpar.train.preflight import ConfigError, check_run
 from jaxpar.train import workdir as workdirs
+from jaxpar.train.preflight import ConfigError, check_run
 from tests import tiny
 
 HOLD = """
@@ -101,10 +102,17 @@ def test_a_crashed_holder_is_noticed_quickly(tmp_path):
     holder = hold_lock(tmp_path)
     holder.kill()
     holder.wait()
-    start = time.monotonic()
-    with workdirs.WorkdirLock(str(tmp_path)) as lock:
+    calls = []
+    flock = fcntl.flock
+
+    def recorded(f, operation):
+        calls.append(operation)
+        return flock(f, operation)
+
+    with mock.patch.object(workdirs.fcntl, "flock", recorded), workdirs.WorkdirLock(str(tmp_path)) as lock:
         assert lock.stale is not None
-    assert time.monotonic() - start < 1.0
+    # Taken by the first, non-blocking try: nothing waited for a timeout (no clock needed).
+    assert calls[0] == fcntl.LOCK_EX | fcntl.LOCK_NB, calls
 
 
 @pytest.mark.parametrize("outside", [False, True], ids=["checkpoints_inside", "checkpoint_dir_elsewhere"])

@@ -2,7 +2,8 @@
 
 python tests/train_worker.py kill_mid_save STEP -- TRAIN_ARGS...
     trains as scripts/train.py would, and SIGKILLs itself as soon as the async save of step STEP
-    has started (save() returned, the background commit still writing), like a preempted node.
+    has started (save() returned; its commit is held back, so the kill always lands mid-save), like a
+    preempted node.
 python tests/train_worker.py signal_at_PHASE SIGNUM -- TRAIN_ARGS...
     trains, sending itself signal SIGNUM as the start-up phase PHASE begins (preflight, data, build,
     restore, compile; first_step: as the first step's batch is fetched), like a preemption notice
@@ -30,8 +31,22 @@ def load_train_script():
 
 
 def kill_mid_save(step: int, train_args: list[str]) -> int:
+    import threading
+
+    import orbax.checkpoint as ocp
+
     from jaxpar.checkpoint import Checkpoints
 
+    # Step `step`'s save never commits (its finalize thread waits forever), so the kill always lands
+    # mid-save however fast the storage: no race between the commit and the kill.
+    finalize = ocp.CheckpointManager._finalize_checkpoint
+
+    def never_for_step(self, at):
+        if at == step:
+            threading.Event().wait()
+        return finalize(self, at)
+
+    ocp.CheckpointManager._finalize_checkpoint = never_for_step
     save = Checkpoints.save
 
     def save_then_die(self, at, state, **kwargs):
@@ -40,7 +55,7 @@ def kill_mid_save(step: int, train_args: list[str]) -> int:
             pending = glob.glob(os.path.join(self.directory, f"{at}.orbax-checkpoint-tmp*"))
             print(f"save-started {pending}", flush=True)
             if not pending:
-                sys.exit(5)  # the commit finished before we could kill it: the test setup failed
+                sys.exit(5)  # no temporary directory: the test setup failed
             os.kill(os.getpid(), signal.SIGKILL)
         return saved
 

@@ -1,7 +1,9 @@
 """Is a checkpoint's saved config compatible with the config of the run that wants to resume from it?
 
 The model and data sections must match exactly (same architecture, same parameter shapes and
-meaning; the same corpus, so the saved data position means the same thing). How the run is laid out
+meaning; the same corpus, so the saved data position means the same thing), and so must the
+optimizer and its own hyperparameters (`jaxpar.optim.resume_keys`: what the saved optimizer state
+means); its learning rate, schedule and length, weight decay and clipping may change. How the run is laid out
 (mesh, parallel), how long it runs (train.steps), how it logs, reacts to non-finite steps and
 checkpoints may change freely: restoring onto a different mesh is supported. Other differences
 (batch size, seed, learning-rate schedule, ...) are allowed but reported, since the resumed run then
@@ -18,6 +20,7 @@ from typing import Any
 
 from jaxpar.checkpoint.errors import CheckpointError
 from jaxpar.config import resolve_derived
+from jaxpar.optim import DEFAULT_OPTIMIZER, OPTIMIZER_NAMES, resume_keys
 
 # Config sections (written as key prefixes) a resumed run must share with its checkpoint.
 MUST_MATCH = ("model.", "data.")
@@ -59,6 +62,7 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
     """Raises CheckpointError (one line) if the model or data sections differ; returns one-line notes
     for the other differing keys that change what an uninterrupted run would have done."""
     saved_flat, current_flat = _flatten(resolve_derived(as_dict(saved))), _flatten(resolve_derived(as_dict(current)))
+    saved_flat.setdefault("train.optimizer", DEFAULT_OPTIMIZER)  # saved before the key existed: AdamW
     differing = sorted(
         n for n in saved_flat.keys() | current_flat.keys() if saved_flat.get(n, _ABSENT) != current_flat.get(n, _ABSENT)
     )
@@ -69,6 +73,8 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
             f"checkpoint {checkpoint} was saved with a different {sections}: "
             f"{_describe(fixed, saved_flat, current_flat)}; resuming needs the same {' and '.join('config.' + s.rstrip('.') for s in MUST_MATCH)}"
         )
+    if problem := _optimizer_change(saved_flat, current_flat, checkpoint):
+        raise CheckpointError(problem)
     noted = [n for n in differing if not _under(n, FREE)]
     if not noted:
         return []
@@ -77,3 +83,24 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
         f"the resumed run will not equal an uninterrupted one"
     )
     return [note]
+
+
+def _optimizer_change(saved: dict, current: dict, checkpoint: str) -> str | None:
+    """One line if the run asks for another optimizer, or the same one with other hyperparameters."""
+    was, now = saved["train.optimizer"], current.get("train.optimizer", DEFAULT_OPTIMIZER)
+    allowed = "the learning rate, schedule and its length may change"
+    if was != now:
+        return (
+            f"checkpoint {checkpoint} was saved with train.optimizer={was!r} but this run uses train.optimizer={now!r}: "
+            f"optimizer state does not carry over; resume with {was!r} ({allowed})"
+        )
+    if now not in OPTIMIZER_NAMES:
+        return None  # preflight names it
+    keys = [f"train.{k}" for k in resume_keys(now)[1:]]
+    changed = [k for k in keys if saved.get(k, _ABSENT) != current.get(k, _ABSENT)]
+    if not changed:
+        return None
+    return (
+        f"checkpoint {checkpoint} was saved with other {now} hyperparameters: {_describe(changed, saved, current)}; "
+        f"its optimizer state means something else under them; resume with the saved values ({allowed})"
+    )

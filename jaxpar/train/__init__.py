@@ -1,1 +1,1 @@
-"""Training: loss, optimizer, the jitted step, program setup and the loop."""
+"""Training: loss, the jitted step, program setup and the loop (optimizers and schedules: `jaxpar.optim`)."""

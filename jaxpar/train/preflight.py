@@ -35,7 +35,7 @@ from jaxpar.parallel.plan import ATTENTION_IMPLS, REMAT_NAMES
 from jaxpar.ranges import one_of
 from jaxpar.train import observe
 from jaxpar.train import workdir as workdirs
-from jaxpar.train.checks import checkpoint_checks, train_choices, train_ranges
+from jaxpar.train.checks import checkpoint_checks, optimizer_checks, train_choices, train_ranges
 
 # Half-precision compute dtypes cuDNN's fused attention takes.
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -144,7 +144,7 @@ def _config_problems(config, num_devices: int, platform: str | None) -> tuple[li
         errors += context.checks(config, mesh, backend=platform)
     errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
-    errors += train_choices(train)
+    errors += train_choices(train) + optimizer_checks(train, config.model)
     if parallel.attention_impl == "cudnn" and platform is not None:
         if platform != "gpu":
             errors.append(f"parallel.attention_impl='cudnn' needs a GPU but this run has {platform} devices; set it to 'auto' or 'xla'")

@@ -11,14 +11,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar import models
+from jaxpar import models, optim
 from jaxpar.dtypes import DTYPES
 from jaxpar.mesh import make_mesh
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.plan import ParallelPlan, make_plan
 from jaxpar.sharding import Rules, opt_state_rules, param_rules
 from jaxpar.train.loss_scale import LossScale
-from jaxpar.train.optimizer import make_optimizer
 from jaxpar.train.step import TrainState, make_train_step
 
 
@@ -46,25 +45,17 @@ def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
     return RunOptions(rules=rules, plan=plan, compute_dtype=DTYPES[config.train.compute_dtype])
 
 
-def _opt_state_shardings(tx, params_shape, opt_param_shardings, mesh):
-    abstract = jax.eval_shape(tx.init, params_shape)
-    replicated = NamedSharding(mesh, P())
-    return optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract, opt_param_shardings, transform_non_params=lambda _: replicated
-    )
-
-
 def build(config, devices=None) -> TrainProgram:
     mesh = make_mesh(config.mesh, devices)
     plan = make_plan(config, dict(mesh.shape), models.facts(config.model), mesh.devices.flat[0].platform)
     rules, opt_rules = param_rules(plan, mesh), opt_state_rules(plan, mesh)
     logical = models.logical_axes(config.model)
-    tx, schedule = make_optimizer(config.train, logical)
     param_dtype = DTYPES[config.train.param_dtype]
     params_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype), models.param_shapes(config.model))
 
     param_shardings = rules.tree_shardings(logical)
     opt_param_shardings = opt_rules.tree_shardings(logical)
+    tx, schedule = optim.make_optimizer(config.train, logical, opt_param_shardings)
     replicated = NamedSharding(mesh, P())
     loss_scale = LossScale.create(
         dynamic=config.train.compute_dtype == "float16",
@@ -74,7 +65,9 @@ def build(config, devices=None) -> TrainProgram:
     state_shardings = TrainState(
         step=replicated,
         params=param_shardings,
-        opt_state=_opt_state_shardings(tx, params_shape, opt_param_shardings, mesh),
+        opt_state=optim.state_shardings(
+            optim.optimizer(config.train.optimizer), config.train, tx, params_shape, logical, opt_param_shardings, mesh
+        ),
         loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
     )
     model_config, seed = config.model, config.train.seed

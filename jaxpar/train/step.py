@@ -1,4 +1,4 @@
-"""The jitted training step: gradients by the plan's strategy, loss scaling, clipping, AdamW.
+"""The jitted training step: gradients by the plan's strategy, loss scaling, clipping, the optimizer (`jaxpar.optim`).
 
 Everything here is written for the global (SPMD) view; where arrays live is decided only by the
 shardings built in `jaxpar.train.setup` from the rules table.
