@@ -334,8 +334,8 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(split, p, v, stages):
-    return stage_layout(split, p, v, stages)
+def _layout(split, p, v, stages, stored):
+    return stage_layout(split, p, v, stages, stored)
 
 
 def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.0):
@@ -348,7 +348,7 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
     p, m, v = mesh.shape[PIPELINE], pipe.microbatches, pipe.virtual_stages
     if (plan.schedule.num_ranks, plan.schedule.num_microbatches, plan.schedule.virtual_stages) != (p, m, v):
         raise ValueError(f"pipeline table {plan.schedule.name!r} is not for p={p}, m={m}, v={v}")
-    layout = _layout(pipe.stage_layers, p, v, plan.schedule.stages)
+    layout = _layout(pipe.stage_layers, p, v, plan.schedule.stages, pipe.stored_order)
     logical = model.logical
     shared = {k: a for k, a in params.items() if k != "layers"}
     shared_names = {k: n for k, n in logical.items() if k != "layers"}
