@@ -15,7 +15,7 @@ accumulates its own gradients over the m microbatches and they are reduced once,
 engine; under ZeRO-3 the partitioner reduce-scatters per microbatch instead, as FSDP does.
 
 Collectives: before the scan, the layer exchange of an uneven split or a non-modular stage map
-(`layout.py`). Per time step, for each rank distance d a stage-to-stage hop of the table's stage
+(`layout.py`; none for an equal split stored in the schedule's order). Per time step, for each rank distance d a stage-to-stage hop of the table's stage
 map uses (`Schedule.hops`), one `ppermute` of the step's stage output by +d and one of its input
 gradient by -d, and the vocab-parallel all-reduces over `pipeline` (`vocab.py`). The modular map
 (stage s on rank s % p) uses d = 1 only: one ppermute each way per step (rings when v > 1); a V

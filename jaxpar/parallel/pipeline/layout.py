@@ -26,9 +26,9 @@ a V shape with v = 2: the second half of each rank's stages comes from the mirro
 Storage in the schedule's order (`storage_order`, `PipelineOptions.layers_in_schedule_order`):
 the same [L, ...] stacks, permuted so that rank r's block holds its own stages' layers in local
 stage order; with an equal split (any v, any stage map) the staged view is then a free reshape
-and no layer moves (interleaved 1F1B at p = 2, v = 2, 8 layers: 1.57 MiB of collective-permutes
-over `pipeline` per step gone, the 2.0 MiB of activations, gradients and vocab reductions
-unchanged; tests/test_pipeline_layer_order.py). The order is a property of (split, p, v, stage
+and no layer moves (tiny Llama, interleaved 1F1B at p = 2, v = 2, m = 4, 8 layers: the 722,944
+bytes per device per step of layer and gradient collective-permutes over `pipeline` gone, the
+1,501,188 of activations, gradients and vocab reductions unchanged; tests/test_pipeline_layer_order.py). The order is a property of (split, p, v, stage
 map) — a checkpoint written in [L] order maps onto any of them — but nothing in the train state
 applies it yet (build, restore, HF import/export would permute; see the flag's comment), so the
 config path still re-lays interleaved and V layouts every step.
