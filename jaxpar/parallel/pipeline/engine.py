@@ -21,7 +21,11 @@ gradient by -d, and the vocab-parallel all-reduces over `pipeline` (`vocab.py`).
 (stage s on rank s % p) uses d = 1 only: one ppermute each way per step (rings when v > 1); a V
 shape (rank r holding stages r and 2p - 1 - r) uses d = 1 and d = p - 1 (one ppermute when
 p = 2), plus d = 0, the hop between the two stages on rank p - 1, which needs no collective (the
-value stays on the rank and is read next step, as an arrival would be). Every rank sends its step
+value stays on the rank and is read next step, as an arrival would be): 4 ppermutes per step at
+p > 2 (2 at p = 2). Fewer is impossible without packing: in a V, rank r sends one stage's output
+down and the other's up in the same step, and a ppermute sends one buffer per device, so each
+direction needs its own; packing the activation and the gradient that go the same way into one
+buffer would halve the count at the same bytes. Every rank sends its step
 output over every hop (zeros when idle), so each ppermute runs on every rank every step, and the
 receiver's table (`slots.py`: `recv_act{h}`, `recv_grad{h}`) says which arrival is real and which
 slot takes it; the others go to a trash slot. (Masking the sender per hop would only add selects:
