@@ -125,7 +125,7 @@ def section_tp() -> list[str]:
 
 def section_pipeline() -> list[str]:
     from jaxpar.analysis.layout import pipeline_shape
-    from jaxpar.parallel.pipeline.schedules import theoretical_bubble
+    from jaxpar.parallel.pipeline.schedules import schedule_kind, theoretical_bubble
 
     lines = [
         "## 2. Pipeline bubble against microbatch count (article section 4.2)",
@@ -139,12 +139,15 @@ def section_pipeline() -> list[str]:
         rows = []
         for m in (p, 2 * p, 4 * p, 8 * p, 16 * p):
             row = [m]
-            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+            for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipev", 2)):
+                if schedule_kind(name).problems(p, m, v):  # dualpipev needs m >= 2p
+                    row.append("-")
+                    continue
                 shape = pipeline_shape(name, p, m, v)
                 row.append(f"{100 * shape.bubble_fraction:.1f}% ({100 * theoretical_bubble(name, p, m, v):.1f}%), {shape.act_slots:.0f}")
             rows.append(row)
-        lines += [f"p = {p} ranks. Cell: table bubble (textbook), stashed microbatch inputs per rank.", ""]
-        lines += _table(["microbatches", "GPipe", "1F1B", "interleaved 1F1B (v=2)", "ZB-H1"], rows) + [""]
+        lines += [f"p = {p} ranks. Cell: table bubble (textbook), stashed stage inputs per rank (with v = 2 each is half a rank's layers).", ""]
+        lines += _table(["microbatches", "GPipe", "1F1B", "interleaved 1F1B (v=2)", "ZB-H1", "ZB-V", "DualPipeV"], rows) + [""]
     one_f = pipeline_shape("1f1b", 4, 24, 1).bubble_fraction
     lines += [
         "What the article claims:",
@@ -157,6 +160,12 @@ def section_pipeline() -> list[str]:
         "- *\"each card keeps one microbatch's activations\"* under 1F1B: the busiest rank keeps at least p stage",
         "  inputs in flight (more with this engine's lockstep steps: the counts above), independent of m; GPipe keeps",
         "  all m. That is why 1F1B's activation memory grows with p, not with the microbatch count.",
+        "- The V schedules (rank r holds stages r and 2p - 1 - r): ZB-V's table takes 6m + p - 1 unit steps at",
+        "  p <= 4 and at these (p, m) (up to p - 4 more at some other m, p = 5..8: a greedy layout), the least a lockstep table can — the papers' zero",
+        "  bubble hides the last rank's p - 1 start-up steps across iterations (optimizer post-validation), which a",
+        "  synchronous step cannot. DualPipeV in lockstep costs its F & B cells F + B and lands on ZB-H1's bubble",
+        "  exactly, with 2p + 1 stashed chunk inputs (DeepSeek's PP + 1). Both keep at most 2p chunk inputs",
+        "  (+ 1), i.e. 1F1B's p microbatches of a whole rank's layers.",
         "",
     ]
     return lines

@@ -4,6 +4,7 @@ model config also the stage split (explicit or `auto`) and each stage's modelled
     python scripts/pipeline_schedule.py --schedule=1f1b --stages=4 --microbatches=8
     python scripts/pipeline_schedule.py --schedule=interleaved_1f1b --stages=4 --microbatches=8 \
         --virtual_stages=2
+    python scripts/pipeline_schedule.py --schedule=zb_v --stages=4 --microbatches=8
     python scripts/pipeline_schedule.py --config=configs/llama3_70b.py --stages=4 --microbatches=8 \
         [--stage_layers=auto|21,20,20,19] [--vocab=spread|ends]
 
@@ -21,7 +22,8 @@ _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Pipeline sche
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline ranks p.", lower_bound=1)
 _MICROBATCHES = flags.DEFINE_integer("microbatches", 8, "Microbatches m per step.", lower_bound=1)
 _VIRTUAL = flags.DEFINE_integer(
-    "virtual_stages", 1, "Virtual stages v per rank (interleaved_1f1b only).", lower_bound=1
+    "virtual_stages", 0, "Virtual stages v per rank (any for interleaved_1f1b; 0: the schedule's own, 2 for "
+    "zb_v and dualpipev, else 1).", lower_bound=0
 )
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file: also print the stage split.")
 _SPLIT = flags.DEFINE_string("stage_layers", "auto", "Layers per stage ('auto' or a comma-separated list).")
@@ -31,6 +33,7 @@ _VOCAB = flags.DEFINE_enum("vocab", "spread", ("spread", "ends"), "Where embeddi
 def main(argv):
     del argv
     kind, p, m, v = schedule_kind(_SCHEDULE.value), _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value
+    v = v or (kind.virtual_stages[0] if kind.virtual_stages else 1)
     try:
         schedule = kind.table(p, m, v)
     except ValueError as e:

@@ -16,7 +16,8 @@ from jaxpar.parallel.pipeline.table import step_costs
 from tests import tiny
 from tests.v_shape import v_table
 
-SCHEDULES = [("gpipe", 2, 4, 1), ("1f1b", 3, 5, 1), ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 4, 8, 1)]
+SCHEDULES = [("gpipe", 2, 4, 1), ("1f1b", 3, 5, 1), ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 4, 8, 1), ("zb_v", 3, 4, 2),
+             ("dualpipev", 2, 5, 2)]
 
 
 def table_of(name, p, m, v):

@@ -24,6 +24,7 @@ CASES = [
     ("1f1b", 2, 1, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 13, 1),
     ("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 3, 6, 3),
     ("zb_h1", 2, 2, 1), ("zb_h1", 4, 8, 1), ("zb_h1", 4, 3, 1),
+    ("zb_v", 2, 2, 2), ("zb_v", 4, 8, 2), ("zb_v", 3, 5, 2), ("dualpipev", 2, 4, 2), ("dualpipev", 4, 9, 2),
 ]
 V_CASES = [  # (p, m, split backward, order)
     (2, 4, False, "1f1b"), (2, 3, True, "gpipe"), (3, 3, True, "1f1b"), (4, 8, False, "1f1b"), (4, 4, True, "gpipe"),

@@ -72,7 +72,7 @@ def test_screen_refuses_exactly_what_preflight_refuses():
     assert seen > 100 and sum(screen.refused.values()) > 0  # both outcomes exercised
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipev", 2)])
 @pytest.mark.parametrize("p", [2, 4])
 def test_pipeline_shape_extrapolation_is_exact(name, v, p):
     ms = [6 * p, 8 * p] + ([4 * p + 3] if name != "interleaved_1f1b" else [])

@@ -94,7 +94,7 @@ def test_zb_h1_validates(p, m):
 
 
 def test_make_schedule_errors():
-    valid = "valid: gpipe, 1f1b, interleaved_1f1b, zb_h1"
+    valid = "valid: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipev"
     with pytest.raises(ValueError, match=f"unknown pipeline schedule 'pipedream'; {valid}$"):
         make_schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match=r"parallel.num_microbatches=6 must be a multiple of mesh.pipeline=4"):
@@ -111,24 +111,33 @@ def test_make_schedule_errors():
 
 
 def test_records():
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") == tuple(k.name for k in SCHEDULES)
+    names = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipev")
+    assert SCHEDULE_NAMES == names == tuple(k.name for k in SCHEDULES)
     for kind in SCHEDULES:
         assert schedule_kind(kind.name) is kind and schedule_kind(kind) is kind
         v = 2 if kind.accepts(2) else 1
         table = kind.table(4, 8, v)
         validate(table)
-        assert (table.name, table.split_backward, table.stages) == (kind.name, kind.split_backward, modular_stages(4, v))
+        assert (table.name, table.split_backward, table.stages) == (kind.name, kind.split_backward, kind.stages(4, v))
         assert make_schedule(kind.name, 4, 8, v) == table
         assert theoretical_bubble(kind.name, 4, 8, v) == kind.bubble(4, 8, v)
     assert [k.name for k in SCHEDULES if k.accepts(3)] == ["interleaved_1f1b"]
-    assert [k.name for k in SCHEDULES if k.split_backward] == ["zb_h1"]
-    # Constraints are one line each and name the config keys; only interleaved_1f1b has one.
+    assert [k.name for k in SCHEDULES if k.split_backward] == ["zb_h1", "zb_v", "dualpipev"]
+    assert [k.name for k in SCHEDULES if k.stages(4, 2) != modular_stages(4, 2)] == ["zb_v", "dualpipev"]
+    # Constraints are one line each and name the config keys.
     assert [k.constraints(4, 6, 2) for k in SCHEDULES] == [
-        [], [], ["parallel.num_microbatches=6 must be a multiple of mesh.pipeline=4 for interleaved_1f1b"], []
+        [], [], ["parallel.num_microbatches=6 must be a multiple of mesh.pipeline=4 for interleaved_1f1b"], [], [],
+        ["parallel.num_microbatches=6 must be at least 2 × mesh.pipeline=8 for dualpipev"],
     ]
+    assert schedule_kind("zb_v").constraints(4, 3, 2) == ["parallel.num_microbatches=3 must be at least mesh.pipeline=4 for zb_v"]
     problem = schedule_kind("zb_h1").virtual_stage_problem(2)
-    assert problem == "parallel.virtual_stages=2 needs parallel.pipeline_schedule='interleaved_1f1b' ('zb_h1' takes 1)"
-    with pytest.raises(ValueError, match=r"^unknown pipeline schedule 'v'; valid: gpipe, 1f1b, interleaved_1f1b, zb_h1$"):
+    assert problem == (
+        "parallel.virtual_stages=2 needs parallel.pipeline_schedule='interleaved_1f1b' or 'zb_v' or 'dualpipev' "
+        "('zb_h1' takes 1)"
+    )
+    problem = schedule_kind("zb_v").virtual_stage_problem(1)
+    assert problem == "parallel.virtual_stages=1 must be 2 for parallel.pipeline_schedule='zb_v'"
+    with pytest.raises(ValueError, match=rf"^unknown pipeline schedule 'v'; valid: {', '.join(names)}$"):
         schedule_kind("v")
 
 

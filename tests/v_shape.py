@@ -1,23 +1,21 @@
-"""V-shaped pipeline tables for the tests: rank r holds stages r and 2p - 1 - r (v = 2), so stage 0
-and the last stage both sit on rank 0 and the hops use rank distances +1, 0 (on rank p - 1) and -1.
+"""V-shaped pipeline tables in orders no library schedule uses, for the stage-map tests: rank r
+holds stages r and 2p - 1 - r (`vshape.v_stages`, v = 2), so stage 0 and the last stage both sit
+on rank 0 and the hops use rank distances +1, 0 (on rank p - 1) and -1. (The library's V records
+are `zb_v` and `dualpipev`.)
 
-No record in the library builds these yet: `v_table` lays out per-rank programs with
-`schedules.from_programs`, each rank's actions ordered by a key that grows along every dependency
-(so the layout cannot deadlock), and `v_kind` wraps it as a `ScheduleKind` for the engine tests.
+`v_table` lays out per-rank programs with `programs.from_programs`, each rank's actions ordered by
+a key that grows along every dependency (so the layout cannot deadlock), full or split backward,
+in a 1F1B-like or a GPipe order; `v_kind` wraps it as a `ScheduleKind` for the engine tests.
 """
 
 from __future__ import annotations
 
 import functools
 
-from jaxpar.parallel.pipeline.schedules import ScheduleKind, from_programs
+from jaxpar.parallel.pipeline.programs import from_programs
+from jaxpar.parallel.pipeline.schedules import ScheduleKind
 from jaxpar.parallel.pipeline.table import B, F, W, Action
-
-
-def v_stages(p: int, v: int = 2) -> tuple:
-    """Global stage s -> (rank, local index): 0..p-1 down the ranks, p..2p-1 back up."""
-    assert v == 2, v
-    return tuple((s, 0) if s < p else (2 * p - 1 - s, 1) for s in range(2 * p))
+from jaxpar.parallel.pipeline.vshape import v_stages
 
 
 def _key(order: str, kind: str, mb: int, s: int, S: int) -> tuple:

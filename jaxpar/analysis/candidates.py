@@ -68,7 +68,7 @@ class Space:
     zero_stages: tuple | None = (0, 1, 3)
     remats: tuple | None = ("none", "save_dots", "full")
     sequence_parallel: tuple | None = (False, True)
-    schedules: tuple | None = ("1f1b", "interleaved_1f1b", "zb_h1")
+    schedules: tuple | None = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipev")
     microbatch_options: int = 4
     # > 0: every mesh splits each data replica's rows into microbatches of this many rows
     # (pipeline microbatches, or gradient accumulation without a pipeline), overriding the above.
@@ -189,6 +189,8 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
             if space.schedules:  # the planner's choice: 2 where a schedule takes any v, else the v it takes
                 v = 2 if kind.virtual_stages is None else max(kind.virtual_stages)
             for m in counts:
+                if space.schedules and kind.problems(p, m, v):  # e.g. dualpipev below m = 2p
+                    continue
                 layouts.append({SCHEDULE_KEY: schedule, MICROBATCH_KEY: m, "parallel.virtual_stages": v, ACCUM_KEY: 1})
     elif space.microbatch_options:
         layouts = [{ACCUM_KEY: a} for a in _accum_counts(rows)]

@@ -406,13 +406,14 @@ def jaxpar_quirks(layout: Layout, counts: ParamCounts) -> list[Planned]:
     """Collectives jaxpar causes today beyond the design, found in compiled HLO (see the report
     in tests/test_analysis.py): each is a candidate fix in jaxpar."""
     out = []
-    if layout.p > 1 and layout.virtual_stages > 1:
-        # Interleaved schedules: the [L] layer stack is stored split contiguously over pipeline,
+    if layout.relays_layers:
+        # Interleaved and V schedules on natural-order storage (none with the stack stored in the
+        # schedule's order, `Layout.relays_layers`): the [L] layer stack is stored split contiguously over pipeline,
         # but rank r runs chunks r, r + p, ...: every step the partitioner moves the rank's
         # layer parameters into stage order, and their gradients back: all-to-alls between pairs
         # of ranks, and beyond two ranks collective-permutes of the whole local stack too
         # (measured, v = 2: 1x the local stack's bytes per step at p = 2, 3x at p = 4 and 8).
-        # Storing the stack in stage order would remove them.
+        # Storing the stack in the schedule's order removes them (`layout.storage_order`).
         layer = counts.as_params - counts.shared
         params, grads = layout.param_bytes * layer, 4 * layer
         out += [

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxpar.analysis import hlo
 from jaxpar.analysis.comm import wire_bytes
 from jaxpar.analysis.hlo_flops import matmul_flops
+from jaxpar.axes import PIPELINE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,3 +173,18 @@ def compile_step(config, devices=None, *, keep_text: bool = False, checked: bool
         hlo_text=text if keep_text else None,
         conditionals=hlo.conditionals(text),
     )
+
+
+def pipeline_traffic(hlo_text: str, mesh) -> dict:
+    """Bytes over `pipeline` alone per step (buffer sizes, `Collective.size_bytes`, times their
+    executions), split into "layers" — collective-permutes outside any loop, i.e. outside the
+    schedule's scan: the engine's layer exchange into stage order and its transpose
+    (`parallel/pipeline/layout.py`) — and "step": everything else (activations, gradients, the
+    vocab-parallel reductions inside the scan; the loss psum after it)."""
+    out = {"layers": 0, "step": 0}
+    for c in hlo.collectives(hlo_text):
+        if hlo.mesh_axes_of(c, mesh) != (PIPELINE,):
+            continue
+        key = "layers" if c.kind == hlo.COLLECTIVE_PERMUTE and c.loop_depth == 0 else "step"
+        out[key] += c.size_bytes(mesh.devices.size) * c.executions
+    return out

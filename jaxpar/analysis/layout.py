@@ -205,6 +205,15 @@ class Layout:
         return self.plan.pipeline.virtual_stages if self.plan.pipeline is not None else 1
 
     @property
+    def relays_layers(self) -> bool:
+        """The engine re-lays the layer stack into stage order every step: v > 1 (interleaved or a
+        V shape) on storage in the natural order (`PipelineOptions.layers_in_schedule_order`
+        off). Stored in the schedule's order, an equal split moves no layers (measured,
+        tests/test_pipeline_layer_order.py)."""
+        pipe = self.plan.pipeline
+        return pipe is not None and self.p > 1 and pipe.virtual_stages > 1 and not pipe.layers_in_schedule_order
+
+    @property
     def vocab_spread(self) -> bool:
         """The embedding and LM head split by vocab over pipeline x tensor (`pipeline/vocab.py`)."""
         return self.plan.pipeline is not None and self.plan.pipeline.vocab == "spread"

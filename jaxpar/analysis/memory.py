@@ -430,8 +430,8 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     [mb, S, D] in the compute dtype, mb = rows per microbatch); fp32 gradient accumulators for the
     rank's layers and for the shared (embedding / head) parameters; and one stage backward at a
     time, which recomputes the rank's layers (Lc of them) from the stashed input under the
-    configured remat policy. Interleaved schedules also hold the rank's layers re-laid into stage
-    order (`comm.jaxpar_quirks`)."""
+    configured remat policy. Interleaved and V schedules on natural-order storage also hold the
+    rank's layers re-laid into stage order (`comm.jaxpar_quirks`, `Layout.relays_layers`)."""
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
     plan = layout.pipeline_shape
@@ -440,7 +440,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     # over tensor along the sequence with SP.
     act = mb_tokens * layout.hidden * cb / (layout.t if layout.sequence_parallel else 1)
     buffers = (plan.act_slots + 1 + plan.grad_slots + 1 + 2) * act
-    if layout.virtual_stages > 1:
+    if layout.relays_layers:
         buffers += pb * (counts.as_params - counts.shared)  # measured: pipeline 4, v = 2, within 5%
     # The engine's gradients come out whole and are reduced after it: ZeRO-1 does not shrink them
     # (measured: data 2 x pipeline 4, zero 0 and 1 compile to the same temp bytes).

@@ -2,8 +2,10 @@
 
 - `table`: what a schedule table is (cells of F/B/W actions, its stage -> rank map, the hops that
   map uses), its lockstep cost model, printer and parser.
-- `schedules`: the schedules as records (`ScheduleKind`: gpipe, 1f1b, interleaved_1f1b, zb_h1),
-  their builders, constraints and textbook bubbles.
+- `schedules`: the schedules as records (`ScheduleKind`: gpipe, 1f1b, interleaved_1f1b, zb_h1,
+  zb_v, dualpipev), their builders, constraints and textbook bubbles.
+- `vshape`: the V stage map (rank r holds stages r and 2p - 1 - r) and the zb_v and dualpipev builders.
+- `programs`: tables laid out from per-rank programs (`from_programs`).
 - `checks`: what makes a table valid, and its peak stash per rank.
 - `balance`: stage splits (explicit or `auto`) from an analytic per-stage cost, modelled step time.
 - `options`: `PipelineOptions` from the config, and the config checks.

@@ -15,13 +15,17 @@ accumulates its own gradients over the m microbatches and they are reduced once,
 engine; under ZeRO-3 the partitioner reduce-scatters per microbatch instead, as FSDP does.
 
 Collectives: before the scan, the layer exchange of an uneven split or a non-modular stage map
-(`layout.py`). Per time step, for each rank distance d a stage-to-stage hop of the table's stage
+(`layout.py`; none for an equal split stored in the schedule's order). Per time step, for each rank distance d a stage-to-stage hop of the table's stage
 map uses (`Schedule.hops`), one `ppermute` of the step's stage output by +d and one of its input
 gradient by -d, and the vocab-parallel all-reduces over `pipeline` (`vocab.py`). The modular map
 (stage s on rank s % p) uses d = 1 only: one ppermute each way per step (rings when v > 1); a V
 shape (rank r holding stages r and 2p - 1 - r) uses d = 1 and d = p - 1 (one ppermute when
 p = 2), plus d = 0, the hop between the two stages on rank p - 1, which needs no collective (the
-value stays on the rank and is read next step, as an arrival would be). Every rank sends its step
+value stays on the rank and is read next step, as an arrival would be): 4 ppermutes per step at
+p > 2 (2 at p = 2). Fewer is impossible without packing: in a V, rank r sends one stage's output
+down and the other's up in the same step, and a ppermute sends one buffer per device, so each
+direction needs its own; packing the activation and the gradient that go the same way into one
+buffer would halve the count at the same bytes. Every rank sends its step
 output over every hop (zeros when idle), so each ppermute runs on every rank every step, and the
 receiver's table (`slots.py`: `recv_act{h}`, `recv_grad{h}`) says which arrival is real and which
 slot takes it; the others go to a trash slot. (Masking the sender per hop would only add selects:
@@ -334,8 +338,8 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(split, p, v, stages):
-    return stage_layout(split, p, v, stages)
+def _layout(split, p, v, stages, stored):
+    return stage_layout(split, p, v, stages, stored)
 
 
 def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.0):
@@ -348,7 +352,7 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
     p, m, v = mesh.shape[PIPELINE], pipe.microbatches, pipe.virtual_stages
     if (plan.schedule.num_ranks, plan.schedule.num_microbatches, plan.schedule.virtual_stages) != (p, m, v):
         raise ValueError(f"pipeline table {plan.schedule.name!r} is not for p={p}, m={m}, v={v}")
-    layout = _layout(pipe.stage_layers, p, v, plan.schedule.stages)
+    layout = _layout(pipe.stage_layers, p, v, plan.schedule.stages, pipe.stored_order)
     logical = model.logical
     shared = {k: a for k, a in params.items() if k != "layers"}
     shared_names = {k: n for k, n in logical.items() if k != "layers"}

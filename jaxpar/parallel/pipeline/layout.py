@@ -23,6 +23,16 @@ reshape; any other split or map moves only the layers whose stage is not on thei
 every step (e.g. L = 8, p = 2, split 3 + 5: one layer's parameters there and its gradient back;
 a V shape with v = 2: the second half of each rank's stages comes from the mirrored rank).
 
+Storage in the schedule's order (`storage_order`, `PipelineOptions.layers_in_schedule_order`):
+the same [L, ...] stacks, permuted so that rank r's block holds its own stages' layers in local
+stage order; with an equal split (any v, any stage map) the staged view is then a free reshape
+and no layer moves (tiny Llama, interleaved 1F1B at p = 2, v = 2, m = 4, 8 layers: the 722,944
+bytes per device per step of layer and gradient collective-permutes over `pipeline` gone, the
+1,501,188 of activations, gradients and vocab reductions unchanged; tests/test_pipeline_layer_order.py). The order is a property of (split, p, v, stage
+map) — a checkpoint written in [L] order maps onto any of them — but nothing in the train state
+applies it yet (build, restore, HF import/export would permute; see the flag's comment), so the
+config path still re-lays interleaved and V layouts every step.
+
 Chosen over storing the staged layout in the train state (mesh-dependent shapes: checkpoints,
 HF export and the optimizer would all need converting) and over a storage split that follows
 the stage split (jax shards only evenly). Proven equal to one device by `tests/test_pipeline.py`.
@@ -56,21 +66,40 @@ class StageLayout:
 
     @property
     def identity(self) -> bool:
-        """The staged view is the storage block itself (equal split, v = 1, stage s on rank s):
-        a free reshape."""
+        """The staged view is the storage block itself, in order (a free reshape): every rank's
+        stages are its block's layers, e.g. an equal split with v = 1 on the modular map, or any
+        equal split on storage in the schedule's order (`storage_order`)."""
+        block = sum(self.split) // self.num_ranks
         return (
-            self.sharded and self.virtual_stages == 1 and len(set(self.split)) == 1
-            and self.stages == modular_stages(self.num_ranks, 1)
+            self.sharded and not self.shifts and self.virtual_stages * self.max_layers == block
+            and bool((self.tables["pool"] == np.arange(block)).all())
         )
 
 
-def stage_layout(split, p: int, v: int, stages: StageMap | None = None) -> StageLayout:
+def storage_order(split, p: int, v: int, stages: StageMap | None = None) -> tuple:
+    """The layer ids in the order that puts every rank's stages in its own storage block: rank 0's
+    stages (local index 0, 1, ...), then rank 1's, ... With an equal split every rank's layers
+    fill exactly its block, so the staged view needs no exchange; otherwise only the layers
+    beyond a block's size move."""
+    stages = modular_stages(p, v) if stages is None else stages
+    starts = np.cumsum((0,) + tuple(split))
+    index = {tuple(place): s for s, place in enumerate(stages)}
+    return tuple(int(i) for r in range(p) for u in range(v)
+                 for i in range(starts[index[(r, u)]], starts[index[(r, u)] + 1]))
+
+
+def stage_layout(split, p: int, v: int, stages: StageMap | None = None, stored: tuple | None = None) -> StageLayout:
     """The index tables for `split` (layers per global stage) on p ranks × v, each stage on the
-    (rank, local virtual stage) `stages` gives it (default `modular_stages`)."""
+    (rank, local virtual stage) `stages` gives it (default `modular_stages`). `stored`: the layer
+    id at each storage position (None: layer i at position i; `storage_order` for storage laid
+    out for this map)."""
     stages = modular_stages(p, v) if stages is None else stages
     layers = sum(split)
     sharded = layers % p == 0
     block = layers // p if sharded else layers
+    position = list(range(layers))
+    for at, layer in enumerate(stored or ()):
+        position[layer] = at
     lmax = max(split)
     lengths = tuple(sorted(set(split)))
     starts = np.cumsum((0,) + tuple(split))[:-1]
@@ -82,7 +111,7 @@ def stage_layout(split, p: int, v: int, stages: StageMap | None = None) -> Stage
         needs.setdefault(r, []).extend((u * lmax + j, int(start + j)) for j in range(n))
 
     def owner(layer):
-        return layer // block if sharded else None
+        return position[layer] // block if sharded else None
 
     # What rank q sends rank (q + d) % p, in the receiver's slot order.
     sends = {d: {q: [] for q in range(p)} for d in range(1, p)}
@@ -98,7 +127,7 @@ def stage_layout(split, p: int, v: int, stages: StageMap | None = None) -> Stage
     for d, k in shifts:
         send = np.zeros((p, k), np.int32)
         for q, sent in sends[d].items():
-            send[q, : len(sent)] = [layer - q * block for layer in sent]
+            send[q, : len(sent)] = [position[layer] - q * block for layer in sent]
         tables[f"send{d}"] = send
     offsets, at = {}, block
     for d, k in shifts:
@@ -108,9 +137,9 @@ def stage_layout(split, p: int, v: int, stages: StageMap | None = None) -> Stage
         for slot, layer in pairs:
             q = owner(layer)
             if q is None:
-                pool[r, slot] = layer
+                pool[r, slot] = position[layer]
             elif q == r:
-                pool[r, slot] = layer - r * block
+                pool[r, slot] = position[layer] - r * block
             else:
                 d = (r - q) % p
                 pool[r, slot] = offsets[d] + sends[d][q].index(layer)
@@ -125,7 +154,7 @@ def to_stages(local_layers, rank_tables: dict, layout: StageLayout):
 
     def one(a):
         if layout.identity:
-            return a.reshape(1, *a.shape)
+            return a.reshape(v, lmax, *a.shape[1:])
         parts = [a]
         for d, _ in layout.shifts:
             sent = jnp.take(a, rank_tables[f"send{d}"][0], axis=0)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
 from jaxpar.model_facts import padded_vocab_size
 from jaxpar.parallel.pipeline.balance import AUTO, PLACEMENTS, auto_split, parse_split, split_problems
+from jaxpar.parallel.pipeline.layout import storage_order
 from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, ScheduleKind, schedule_kind
 from jaxpar.parallel.pipeline.slots import SlotPlan, build_slot_plan
 from jaxpar.parallel.pipeline.table import Schedule
@@ -33,6 +34,11 @@ class PipelineOptions:
     split: tuple | str = AUTO
     facts: object = None  # the model's `jaxpar.model_facts.ModelFacts` (read by AUTO only)
     seq_len: int = 0
+    # The [L, ...] layer stacks are stored in the schedule's order (`layout.storage_order`), so each
+    # rank's stages are already in its block and the engine exchanges no layers. Whoever sets it
+    # hands the engine stacks in that order (and gets gradients back in it); nothing in the train
+    # state applies the order yet, so the config never sets it.
+    layers_in_schedule_order: bool = False
     # Not compared or hashed: a function of the fields above (plans are cache keys in the analysis).
     given_table: Schedule | None = field(default=None, compare=False)
 
@@ -62,6 +68,13 @@ class PipelineOptions:
         if self.split != AUTO:
             return tuple(self.split)
         return auto_split(self.facts, self.seq_len, self.table, placement=self.vocab)
+
+    @functools.cached_property
+    def stored_order(self) -> tuple | None:
+        """The layer id at each storage position, or None for the natural order."""
+        if not self.layers_in_schedule_order:
+            return None
+        return storage_order(self.stage_layers, self.num_ranks, self.virtual_stages, self.table.stages)
 
     @property
     def shard_layers(self) -> bool:

@@ -4,9 +4,9 @@
 A record holds the schedule's builder (p, m, v) -> table (`table.py`), the virtual stages it
 takes, its microbatch constraints (one-line problems naming the config keys, read by preflight),
 its textbook bubble formula, whether its backward is split, and its stage -> rank map (the one its
-tables carry). The builders: `gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1`, and
-`from_programs`, which lays out per-rank programs as early as their dependencies allow under any
-stage map.
+tables carry). The builders: `gpipe`, `one_f_one_b`, `interleaved_1f1b`, `zb_h1` here; the
+V-shaped `zb_v` and `dualpipev` in `vshape.py`; `from_programs` (`programs.py`, re-exported) lays
+out per-rank programs as early as their dependencies allow under any stage map.
 
 `make_schedule`, `theoretical_bubble` and `SCHEDULE_NAMES` are thin wrappers over the records for
 callers that still pass names; `bubble_fraction` is re-exported from `table.py` for them.
@@ -30,6 +30,8 @@ from jaxpar.parallel.pipeline.table import (  # noqa: F401  (bubble_fraction: se
     from_placements,
     modular_stages,
 )
+from jaxpar.parallel.pipeline.programs import from_programs
+from jaxpar.parallel.pipeline.vshape import _dualpipev_constraints, dualpipev, v_stages, zb_v
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -102,46 +104,6 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return _circular("interleaved_1f1b", p, m, v)
 
 
-def from_programs(name: str, p: int, m: int, v: int, programs, *, split_backward: bool = False,
-                  stages: StageMap | None = None) -> Schedule:
-    """A table from each rank's ordered program (a list of Actions per rank): every step, each
-    rank runs its next action if the values it needs were produced at an earlier step, one action
-    per cell. Dependencies follow the stage map: F(s) after F(s - 1), B(s) after B(s + 1) (the last
-    stage's after its own F), W after its B. Raises when no rank can move (a program order that
-    contradicts the dependencies)."""
-    check_sizes(p, m, v)
-    stages = modular_stages(p, v) if stages is None else stages
-    index = {tuple(place): s for s, place in enumerate(stages)}
-    last = p * v - 1
-    done: set[tuple[str, int, int]] = set()  # (kind, mb, global stage) finished at an earlier step
-    pos = [0] * p
-    placements = []
-    t = 0
-    while any(pos[r] < len(programs[r]) for r in range(p)):
-        runs = []
-        for r in range(p):
-            if pos[r] == len(programs[r]):
-                continue
-            a = programs[r][pos[r]]
-            s = index[(r, a.vstage)]
-            if a.kind == F:
-                ready = s == 0 or (F, a.mb, s - 1) in done
-            elif a.kind == B:
-                ready = (B, a.mb, s + 1) in done if s < last else (F, a.mb, s) in done
-            else:
-                ready = (B, a.mb, s) in done
-            if ready:
-                runs.append((r, s, a))
-        if not runs:
-            raise RuntimeError(f"{name}(p={p}, m={m}): programs deadlocked at step {t}")
-        for r, s, a in runs:
-            done.add((a.kind, a.mb, s))
-            pos[r] += 1
-            placements.append((t, r, a))
-        t += 1
-    return from_placements(name, p, m, v, split_backward, placements, stages)
-
-
 def _zb_h1_program(p: int, m: int, r: int) -> list[Action]:
     warmup = min(m, p - 1 - r)
     program = [Action(F, i) for i in range(warmup)]
@@ -201,6 +163,9 @@ class ScheduleKind:
         """The one-line problem when this schedule does not take v virtual stages, else None."""
         if self.accepts(v):
             return None
+        if 1 not in self.virtual_stages:  # a V shape: the stage map fixes v
+            takes = " or ".join(map(str, self.virtual_stages))
+            return f"parallel.virtual_stages={v} must be {takes} for parallel.pipeline_schedule={self.name!r}"
         others = " or ".join(repr(k.name) for k in SCHEDULES if k.accepts(v)) or "a schedule that takes it"
         takes = " or ".join(map(str, self.virtual_stages))
         return f"parallel.virtual_stages={v} needs parallel.pipeline_schedule={others} ({self.name!r} takes {takes})"
@@ -233,6 +198,20 @@ def _zb_h1(p, m, v):
     return zb_h1(p, m)
 
 
+def _zb_v(p, m, v):
+    return zb_v(p, m)
+
+
+def _dualpipev(p, m, v):
+    return dualpipev(p, m)
+
+
+def _zb_v_constraints(p, m, v):
+    if m < p:
+        return [f"parallel.num_microbatches={m} must be at least mesh.{PIPELINE}={p} for zb_v"]
+    return []
+
+
 def _plain_bubble(p, m, v):
     return (p - 1) / (m + p - 1)
 
@@ -247,6 +226,14 @@ def _zb_h1_bubble(p, m, v):
     return (p - 1) / (3 * m + p - 1)
 
 
+def _v_bubble(p, m, v):
+    # ZB-V (Qi et al.) and DualPipeV (DeepSeek-V3: (PP/2 - 1)(F&B + B - 3W)) are bubble-free within
+    # their parallelogram at F = B = W (F&B = F + B); what a synchronous step still pays is the
+    # start-up skew: the last rank waits p - 1 chunk steps for the first microbatch, against 6m
+    # units of work per rank (2 chunks x F, B, W per microbatch). See `vshape.py`.
+    return (p - 1) / (6 * m + p - 1)
+
+
 SCHEDULES = (
     ScheduleKind("gpipe", _gpipe, _plain_bubble),
     ScheduleKind("1f1b", _one_f_one_b, _plain_bubble),
@@ -255,6 +242,14 @@ SCHEDULES = (
         constraints=_interleaved_constraints,
     ),
     ScheduleKind("zb_h1", _zb_h1, _zb_h1_bubble, split_backward=True),
+    ScheduleKind(
+        "zb_v", _zb_v, _v_bubble, split_backward=True, virtual_stages=(2,), constraints=_zb_v_constraints,
+        stages=v_stages,
+    ),
+    ScheduleKind(
+        "dualpipev", _dualpipev, _v_bubble, split_backward=True, virtual_stages=(2,),
+        constraints=_dualpipev_constraints, stages=v_stages,
+    ),
 )
 SCHEDULE_NAMES = tuple(k.name for k in SCHEDULES)
 
@@ -277,7 +272,7 @@ def make_schedule(name: str | ScheduleKind, p: int, m: int, v: int = 1) -> Sched
 def theoretical_bubble(name: str | ScheduleKind, p: int, m: int, v: int = 1) -> float:
     """Textbook bubble fraction (idle time over total time), the record's `bubble`:
     gpipe, 1f1b: (p - 1) / (m + p - 1); interleaved_1f1b: (p - 1) / (v*m + p - 1);
-    zb_h1: (p - 1) / (3m + p - 1)."""
+    zb_h1: (p - 1) / (3m + p - 1); zb_v, dualpipev: (p - 1) / (6m + p - 1)."""
     check_sizes(p, m, v)
     kind = schedule_kind(name)
     if problem := kind.virtual_stage_problem(v):
