@@ -87,6 +87,9 @@ def base_config() -> ConfigDict:
             profile_steps=0,
             tensorboard=True,
             peak_flops_per_device=0.0,
+            # Before anything is allocated the loop compares the compiled step's memory per device with
+            # what a device holds and stops (exit 2) when it does not fit (`jaxpar.train.fit`); True skips it.
+            skip_fit_check=False,
         )
     )
 

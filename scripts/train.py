@@ -4,8 +4,10 @@
       [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite] [--plan=a100-80g]
 
 Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
-problem on stderr; 1 a checkpoint could not be written or read; 3 stopped for non-finite values;
-130 / 143 interrupted by SIGINT / SIGTERM (after a final checkpoint).
+problem on stderr, or a step that does not fit the devices' memory (checked before anything is
+allocated: needed vs available per device, the largest term, the planner's best layout that fits);
+1 a checkpoint could not be written or read; 3 stopped for non-finite values; 130 / 143
+interrupted by SIGINT / SIGTERM (after a final checkpoint).
 Multi-process: see `--help` and README ("Multi-process runs").
 """
 
@@ -46,6 +48,7 @@ def run(args, config) -> int:
 
     from jaxpar import distributed
     from jaxpar.checkpoint import CheckpointError
+    from jaxpar.train.fit import DoesNotFit
     from jaxpar.train.preflight import ConfigError
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
@@ -67,6 +70,9 @@ def run(args, config) -> int:
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
+    except DoesNotFit as e:  # before ConfigError, which it is: one line with the planner's way out
+        _error(f"{e}; {fit_advice(config, e)}")
+        return EXIT_USAGE
     except (ConfigError, WorkdirBusy, distributed.DistributedError, *plan_errors) as e:
         _error(e)
         return EXIT_USAGE
@@ -85,6 +91,18 @@ def run(args, config) -> int:
     if history and jax.process_index() == 0:
         print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return 0
+
+
+def fit_advice(config, error) -> str:
+    """The planner's best layout for these devices (imported only now: a run that fits never loads it)."""
+    import jax
+
+    from jaxpar.analysis.fit_advice import advice
+
+    try:
+        return advice(config, jax.devices(), error.available)
+    except Exception as e:  # noqa: BLE001 - the fit verdict stands even if the planner cannot help
+        return f"the planner found no advice ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
 
 def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> None:

@@ -171,7 +171,7 @@ def estimate(
     if isinstance(hardware, str):
         hardware = hw.get(hardware)
     if target is None:
-        target = "tpu" if hardware is not None and hardware.name.startswith("tpu") else "gpu"
+        target = hardware.kind if hardware is not None else "gpu"
     layout = Layout.from_config(config, num_devices, mesh, target=target)
     counts = param_counts(layout)
     collectives = planned_collectives(layout, counts)

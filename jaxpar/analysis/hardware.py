@@ -51,6 +51,7 @@ class Hardware:
     devices_per_node: int  # devices that share the intra-node fabric
     intra_node_link: str = "NVLink"  # names for the reports
     inter_node_link: str = "InfiniBand"
+    kind: str = "gpu"  # the XLA lowering the cost model prices for it (`jaxpar.analysis.layout.TARGETS`)
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -98,6 +99,7 @@ TPU_V5P = Hardware(
     devices_per_node=8960,  # one pod is one ICI domain
     intra_node_link="ICI",
     inter_node_link="DCN",
+    kind="tpu",
 )
 
 PROFILES = {hw.name: hw for hw in (A100_80G, H100_80G, H200, TPU_V5P)}

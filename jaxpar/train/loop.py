@@ -1,8 +1,9 @@
-"""The training loop: preflight, lock, build, resume or init, compile, then step, record, save.
+"""The training loop: preflight, lock, build, compile and fit check, resume or init, then step, record, save.
 
 Order matters for never losing data: everything a run reads is checked first (`preflight.check_run`,
-no writes); then the workdir is locked; the program is built, the state restored (newest complete
-checkpoint that fits) or initialised, and the step compiled. Only then — the run is known to start —
+no writes); then the workdir is locked; the program is built and its step compiled on abstract inputs
+and checked against the devices' memory (`jaxpar.train.fit`, before any data is read or state
+allocated), then the state restored (newest complete checkpoint that fits) or initialised. Only then — the run is known to start —
 is anything of an earlier run touched: `--overwrite` clears it, or a resumed `metrics.jsonl` is cut
 back to the restored step. Each step's bookkeeping is its own function (`_record`, `_after_step`),
 so the loop body stays a short list of calls.
@@ -32,6 +33,7 @@ from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
+from jaxpar.train.fit import compile_fitting
 from jaxpar.train.nonfinite import NonFiniteGuard
 from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
@@ -192,14 +194,17 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         _say(note)
     if not is_remote(plan.checkpoint_dir):
         check_shared_storage(plan.checkpoint_dir)
-    tokens = load_tokens(config.data)
-    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
     program = build(config, devices)
     if jax.process_index() == 0:
         for line in report(program.mesh):
             print(line)
         print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
         print(memory_report(program), flush=True)
+    # Compiled on abstract inputs and checked against the devices' memory before any data is read or
+    # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
+    step_fn, compile_s = compile_fitting(program, config, devices)
+    tokens = load_tokens(config.data)
+    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
     resuming = plan.resume_step is not None
     run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, len(tokens))
     if resuming:
@@ -212,10 +217,6 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
         run.checkpoints.close()
         return []
-    batch_shape = jax.ShapeDtypeStruct(batches.shape, np.int32, sharding=program.batch_sharding)
-    compile_started = time.perf_counter()
-    step_fn = program.step.lower(state, batch_shape).compile()
-    compile_s = time.perf_counter() - compile_started
     _start(run, start if resuming else None)
     run.observer = Observer(config, plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
