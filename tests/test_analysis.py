@@ -311,7 +311,7 @@ def test_innermost_axes_within_a_node_use_nvlink():
 def test_step_time_adds_compute_bubble_and_link_time():
     config = with_overrides(llama(64, num_hidden_layers=8), {"data": 2, "pipeline": 2, "tensor": 2})
     config.parallel.num_microbatches = 4
-    est = estimate(config, "h100-80g", num_devices=8)
+    est = estimate(config, "h100-80g", num_devices=8, efficiency=1.0)  # the flat model: peak, nothing overlapped
     peak = hw.H100_80G.peak("float32")
     assert est.time.compute == pytest.approx(est.flops_per_device / peak)
     # 1F1B, p=2, m=4: bubble (p-1)/(m+p-1) = 1/5 of the total, i.e. 1/4 of the compute.

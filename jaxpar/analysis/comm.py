@@ -235,10 +235,10 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     # Layer gradients are reduce-scattered over data; the expert weights' are the dispatch's
     # all-reduce above when apart. With experts on their own axis the rest are all-reduced over
     # data x expert (measured, MoE data 2 x expert 4), else reduce-scattered over data.
-    out.append(Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"))
+    out.append(Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)", overlap=True))
     if not (layout.is_moe and layout.e > 1):
         scattered = layer - (counts.experts if apart else 0)
-        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"))
+        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients", overlap=True))
     out += [
         Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
         Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
@@ -246,7 +246,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, present_axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
-        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients", overlap=True))
         out.append(_embedding_cotangent_replicated(layout))
     if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)

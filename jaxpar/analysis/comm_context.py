@@ -90,8 +90,8 @@ def context_collectives(layout: Layout) -> list[Planned]:
     if impl == "ring":
         block = kv / c
         return [
-            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)"),
-            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)"),
+            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)", overlap=True),
+            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)", overlap=True),
         ]
     if impl == "all_to_all":
         q = positions * hq
@@ -139,7 +139,7 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
             # (measured, Mixtral 8x7B data 2 x context 2 x expert 2).
             whole -= 4 * counts.head
             out.append(Planned(ALL_REDUCE, (CONTEXT, EXPERT), 4 * counts.head / layout.d, m, "CP x EP: a vocab table's shard (ZeRO-3 MoE)"))
-        return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)")]
+        return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)", overlap=True)]
     # Dense models below ZeRO-3 with accumulation returned above: m > 1 here is MoE, which reduces
     # per microbatch by design (`_reductions_per_step`).
     if layout.zero.gathers_updated_params:

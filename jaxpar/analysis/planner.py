@@ -26,7 +26,7 @@ class PlanError(ValueError):
     """No layout fits (the message is one line starting `no mesh fits`)."""
 
 
-def best_layout(config, hardware, num_devices: int, *, fixed: Iterable[str] = (), efficiency: float = 1.0):
+def best_layout(config, hardware, num_devices: int, *, fixed: Iterable[str] = (), efficiency: float | None = None):
     """(config keys of the fastest layout that fits, explanation). Keys in `fixed` keep the
     config's value. Raises PlanError (one line, starting `no mesh fits`) when nothing fits."""
     plan = plan_layouts(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
@@ -52,7 +52,7 @@ def command_line_keys(argv: Iterable[str]) -> set[str]:
     return {m.group(1) for m in map(_CONFIG_FLAG.match, argv) if m}
 
 
-def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | None = None, fixed=(), efficiency=1.0) -> str:
+def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | None = None, fixed=(), efficiency=None) -> str:
     """Everything `scripts/plan.py` prints."""
     hardware = hw.get(hardware) if isinstance(hardware, str) else hardware
     plan = plan_layouts(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
@@ -67,7 +67,12 @@ def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | 
     out += [plan_text.ranking(ranked, top), "", plan_text.choice(ranked)]
     if compare:
         out += ["", plan_text.discuss_mesh(config, hardware, plan, ranked, compare)]
-    peak = "at peak FLOP/s (optimistic)" if efficiency == 1 else f"at {efficiency:g} x peak FLOP/s"
-    out += ["", f"(step time = matmuls {peak} + communication at link bandwidth, not overlapped with compute "
-                "(pessimistic) + pipeline bubble)"]
+    if efficiency is None:
+        out += ["", "(step time = matmuls at the efficiency their shapes reach and attention at its kernel's "
+                    "(jaxpar.analysis.efficiency) + communication at link bandwidth, ZeRO-3's per-layer gathers and "
+                    "reductions and the context ring hidden behind compute where it is long enough + pipeline bubble)"]
+    else:
+        peak = "at peak FLOP/s (optimistic)" if efficiency == 1 else f"at {efficiency:g} x peak FLOP/s"
+        out += ["", f"(step time = matmuls {peak} + communication at link bandwidth, not overlapped with compute "
+                    "(pessimistic) + pipeline bubble)"]
     return "\n".join(out)

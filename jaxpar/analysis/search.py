@@ -128,7 +128,7 @@ def plan_layouts(
     *,
     space: Space = PLANNER_SPACE,
     fixed: Iterable[str] = (),
-    efficiency: float = 1.0,
+    efficiency: float | None = None,
     usable_fraction: float = USABLE_FRACTION,
 ) -> Plan:
     hardware = _hardware(hardware)
