@@ -90,6 +90,9 @@ def base_config() -> ConfigDict:
             # Before anything is allocated the loop compares the compiled step's memory per device with
             # what a device holds and stops (exit 2) when it does not fit (`jaxpar.train.fit`); True skips it.
             skip_fit_check=False,
+            # The planner's predicted step time (`scripts/train.py --plan` sets it): every metrics record
+            # then carries it as predicted_step_s beside the measured step_s. 0: none.
+            predicted_step_s=0.0,
         )
     )
 

@@ -107,17 +107,23 @@ def fit_advice(config, error) -> str:
 
 def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> None:
     """Fills the layout keys from the planner's best layout for `num_devices` devices of
-    `hardware` (before preflight: a plan that fits nothing raises PlanError, one line)."""
+    `hardware` (before preflight: a plan that fits nothing raises PlanError, one line), and sets
+    `train.predicted_step_s` to its predicted step time, which every metrics record then carries."""
     import jax
 
-    from jaxpar.analysis.planner import apply_layout, best_layout
+    from jaxpar.analysis import plan_text
+    from jaxpar.analysis.planner import apply_layout, best_plan, prediction_line
 
-    keys, why = best_layout(config, hardware, num_devices, fixed=explicit)
+    plan = best_plan(config, hardware, num_devices, fixed=explicit)
+    keys = {k: v for k, v in plan.best.candidate.values.items() if k not in explicit}
     apply_layout(config, keys, explicit)
+    config.train.predicted_step_s = float(plan.best.estimate.time.seconds)
     if jax.process_index() == 0:
         chosen = " ".join(f"--config.{key}={value}" for key, value in sorted(keys.items()))
         print(f"plan for {num_devices} x {hardware}: {chosen}")
-        print(why, flush=True)
+        print(plan_text.choice(plan))
+        platform = jax.devices()[0].platform
+        print(prediction_line(plan) + ("" if platform == "gpu" or platform == "tpu" else f"; this run is on {platform} devices"), flush=True)
 
 
 if __name__ == "__main__":
