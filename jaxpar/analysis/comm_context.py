@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import CONTEXT, EXPERT, TENSOR, Layout, LayoutError
+from jaxpar.analysis.comm_zero import spans_context
 from jaxpar.analysis.memory import ParamCounts
 from jaxpar.analysis.planned import Planned
 from jaxpar.parallel.data import GradientStrategy
@@ -131,10 +132,17 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
         # The engine, manual over context, accumulates per context rank: one all-reduce of the
         # data shards after it (measured, Llama 3 70B data 2 x pipeline 2 x context 2).
         return [Planned(ALL_REDUCE, (CONTEXT,), 4 * counts.as_params, 1, "CP: gradient shards over context (ZeRO-3, after the engine)")]
+    spanned = spans_context(layout)  # ZeRO over data x context (`comm_zero`): its table's gradient is its own
+    if spanned and layout.zero.gathers_updated_params:
+        return []  # reduce-scattered over data x context with the rest
     if layout.zero.shard_params:
         whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered) - experts
         out = []
-        if layout.is_moe and layout.e > 1:
+        if spanned:
+            whole -= 4 * counts.embedding
+            if layout.is_moe and layout.e > 1:
+                whole -= 4 * counts.head
+        elif layout.is_moe and layout.e > 1:
             # One vocab table's data shard is summed over context and expert together instead
             # (measured, Mixtral 8x7B data 2 x context 2 x expert 2).
             whole -= 4 * counts.head
