@@ -24,7 +24,7 @@ def base_config() -> ConfigDict:
         dict(
             zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
             # The mesh axes ZeRO shards over: "data", "data+context", or "auto" (data x context whenever
-            # mesh.context > 1, except ZeRO-3 with a pipeline: `jaxpar.parallel.zero` says why it is faster).
+            # mesh.context > 1, except ZeRO-3 with a pipeline: `jaxpar.parallel.zero` says why it is the default).
             zero_axes="auto",
             sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
             # auto | none | full | save_dots. auto: the fastest measured for the backend
