@@ -14,13 +14,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from jaxpar.parallel.pipeline.checks import peak_in_flight, validate
-from jaxpar.parallel.pipeline.schedules import (
-    SCHEDULE_NAMES,
-    bubble_fraction,
-    make_schedule,
-    render,
-    theoretical_bubble,
-)
+from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, schedule_kind
+from jaxpar.parallel.pipeline.table import bubble_fraction, render
 
 _SCHEDULE = flags.DEFINE_enum("schedule", "1f1b", SCHEDULE_NAMES, "Pipeline schedule.")
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline ranks p.", lower_bound=1)
@@ -35,16 +30,16 @@ _VOCAB = flags.DEFINE_enum("vocab", "spread", ("spread", "ends"), "Where embeddi
 
 def main(argv):
     del argv
-    name, p, m, v = _SCHEDULE.value, _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value
+    kind, p, m, v = schedule_kind(_SCHEDULE.value), _STAGES.value, _MICROBATCHES.value, _VIRTUAL.value
     try:
-        schedule = make_schedule(name, p, m, v)
+        schedule = kind.table(p, m, v)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
     validate(schedule)
     print(render(schedule))
     print()
     print(f"bubble (table, lockstep costs): {bubble_fraction(schedule):.4f}")
-    print(f"bubble (theory):                {theoretical_bubble(name, p, m, v):.4f}")
+    print(f"bubble (theory):                {kind.bubble(p, m, v):.4f}")
     unit = "microbatches" if v == 1 else "(microbatch, virtual stage) stashes"
     print(f"peak in-flight {unit} per rank: {peak_in_flight(schedule)}")
     if _CONFIG.value is None:
@@ -55,7 +50,7 @@ def main(argv):
     config = _CONFIG.value
     split = balance.parse_split(_SPLIT.value)
     if split == balance.AUTO:
-        split = balance.auto_split(facts(config.model), config.train.seq_len, name, p, m, v, placement=_VOCAB.value)
+        split = balance.auto_split(facts(config.model), config.train.seq_len, schedule, placement=_VOCAB.value)
     elif problems := balance.split_problems(split, config.model.num_hidden_layers, p, v):
         raise app.UsageError(f"--stage_layers={_SPLIT.value}: " + "; ".join(problems))
     print()

@@ -6,8 +6,10 @@
 Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
 problem on stderr, or a step that does not fit the devices' memory (checked before anything is
 allocated: needed vs available per device, the largest term, the planner's best layout that fits);
-1 a checkpoint could not be written or read; 3 stopped for non-finite values; 130 / 143
-interrupted by SIGINT / SIGTERM (after a final checkpoint).
+1 a checkpoint could not be written or read (a full disk included); 3 stopped for non-finite values;
+4 another process of a multi-process run was lost (`jaxpar.peers`); 130 / 143 interrupted by
+SIGINT / SIGTERM (during start-up: nothing changed; in the loop: after a final checkpoint; a second
+signal quits at once, without one).
 Multi-process: see `--help` and README ("Multi-process runs").
 """
 
@@ -53,7 +55,7 @@ def run(args, config) -> int:
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
     from jaxpar.train.signals import Interrupted
-    from jaxpar.train.workdir import WorkdirBusy
+    from jaxpar.train.workdir import WorkdirError
 
     plan_errors = ()
     if args.plan:  # the planner (the whole cost model) is imported only when asked for
@@ -73,7 +75,7 @@ def run(args, config) -> int:
     except DoesNotFit as e:  # before ConfigError, which it is: one line with the planner's way out
         _error(f"{e}; {fit_advice(config, e)}")
         return EXIT_USAGE
-    except (ConfigError, WorkdirBusy, distributed.DistributedError, *plan_errors) as e:
+    except (ConfigError, WorkdirError, distributed.DistributedError, *plan_errors) as e:
         _error(e)
         return EXIT_USAGE
     except CheckpointError as e:

@@ -11,15 +11,21 @@ import pytest
 
 from jaxpar.models import facts
 from jaxpar.parallel.pipeline import balance
-from jaxpar.parallel.pipeline.schedules import make_schedule, step_costs
+from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.parallel.pipeline.table import step_costs
 from tests import tiny
+from tests.v_shape import v_table
 
 SCHEDULES = [("gpipe", 2, 4, 1), ("1f1b", 3, 5, 1), ("interleaved_1f1b", 2, 4, 2), ("zb_h1", 4, 8, 1)]
 
 
-@pytest.mark.parametrize("name, p, m, v", SCHEDULES)
+def table_of(name, p, m, v):
+    return v_table(p, m, split_backward=True) if name == "v_split" else make_schedule(name, p, m, v)
+
+
+@pytest.mark.parametrize("name, p, m, v", SCHEDULES + [("v_split", 3, 4, 2)])
 def test_schedule_times_match_the_tables_lockstep_costs(name, p, m, v):
-    table = make_schedule(name, p, m, v)
+    table = table_of(name, p, m, v)
     stages = p * v
     split_b = table.split_backward
     unit = balance.StageCosts((1.0,) * stages, ((1.0 if split_b else 2.0),) * stages,
@@ -41,27 +47,31 @@ def all_splits(layers, stages):
     (8, 32000, "ends", "1f1b", 2, 4, 1),
     (9, 32000, "ends", "zb_h1", 3, 6, 1),
     (12, 16000, "ends", "interleaved_1f1b", 2, 4, 2),
+    (9, 32000, "ends", "v_split", 3, 4, 2),  # both ends on rank 0
 ])
 def test_auto_split_minimises_the_largest_stage_then_the_step_time(layers, vocab, placement, name, p, m, v):
     model = facts(tiny.llama(num_hidden_layers=layers, vocab_size=vocab).model)
     seq = 16
-    table = make_schedule(name, p, m, v)
+    table = table_of(name, p, m, v)
 
     def cost(split):
         costs = balance.stage_costs(model, seq, split, p, split_backward=table.split_backward, placement=placement)
         return max(costs.totals(p)), balance.schedule_times(table, costs)[1]
 
     best = min(all_splits(layers, p * v), key=cost)
-    chosen = balance.auto_split(model, seq, name, p, m, v, placement=placement)
+    chosen = balance.auto_split(model, seq, table, placement=placement)
     assert sum(chosen) == layers and min(chosen) >= 1
     assert cost(chosen) == pytest.approx(cost(best), rel=1e-12), (chosen, best)
 
 
 def test_spread_vocab_keeps_divisible_splits_equal_and_ends_unloads_the_last_stage():
     model = facts(tiny.llama(num_hidden_layers=8, vocab_size=32000, hidden_size=256).model)
-    assert balance.auto_split(model, 128, "1f1b", 2, 4) == (4, 4)
-    ends = balance.auto_split(model, 128, "1f1b", 2, 4, placement="ends")
+    table = make_schedule("1f1b", 2, 4)
+    assert balance.auto_split(model, 128, table) == (4, 4)
+    ends = balance.auto_split(model, 128, table, placement="ends")
     assert ends[-1] < ends[0]
+    # The name form scripts/ still use builds the same table.
+    assert balance.auto_split(model, 128, "1f1b", 2, 4, placement="ends") == ends
 
 
 def test_parse_split():

@@ -1,4 +1,5 @@
-"""Pipeline schedule tables: generators pass the validator, broken tables fail it, bubbles match theory."""
+"""Pipeline schedule tables: generators pass the validator, broken tables fail it, bubbles match
+theory; the schedule records and stage maps other than `s % p` (V-shaped tables)."""
 
 import re
 import subprocess
@@ -10,6 +11,18 @@ import pytest
 
 from jaxpar.parallel.pipeline.checks import peak_in_flight, validate
 from jaxpar.parallel.pipeline.schedules import (
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    from_programs,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    schedule_kind,
+    theoretical_bubble,
+    zb_h1,
+)
+from jaxpar.parallel.pipeline.table import (
     Action,
     B,
     F,
@@ -17,16 +30,12 @@ from jaxpar.parallel.pipeline.schedules import (
     W,
     action_cost,
     bubble_fraction,
-    gpipe,
-    interleaved_1f1b,
-    make_schedule,
-    one_f_one_b,
+    modular_stages,
     parse,
     render,
     step_costs,
-    theoretical_bubble,
-    zb_h1,
 )
+from tests.v_shape import v_stages, v_table
 
 PM = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 3), (3, 7), (4, 4), (4, 8), (4, 13), (8, 8), (8, 24)]
 PMV = [(1, 2, 3), (2, 2, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 4), (8, 16, 2)]
@@ -50,7 +59,7 @@ def edit(s: Schedule, remove=(), add=()) -> Schedule:
         while len(grid) <= t:
             grid.append([[] for _ in range(s.num_ranks)])
         grid[t][r].append(a)
-    return Schedule(s.name, s.num_ranks, s.num_microbatches, s.virtual_stages, s.split_backward, grid)
+    return Schedule(s.name, s.num_ranks, s.num_microbatches, s.virtual_stages, s.split_backward, grid, s.stages)
 
 
 def find(s: Schedule, rank: int, action: Action) -> int:
@@ -88,12 +97,95 @@ def test_make_schedule_errors():
     valid = "valid: gpipe, 1f1b, interleaved_1f1b, zb_h1"
     with pytest.raises(ValueError, match=f"unknown pipeline schedule 'pipedream'; {valid}$"):
         make_schedule("pipedream", 4, 8)
-    with pytest.raises(ValueError, match=r"num_microbatches % num_ranks == 0, got m=6, p=4"):
+    with pytest.raises(ValueError, match=r"parallel.num_microbatches=6 must be a multiple of mesh.pipeline=4"):
         make_schedule("interleaved_1f1b", 4, 6, 2)
-    with pytest.raises(ValueError, match="needs schedule 'interleaved_1f1b'"):
+    with pytest.raises(ValueError, match=r"must be a multiple of mesh.pipeline=4"):
+        interleaved_1f1b(4, 6, 2)  # the builder alone refuses too
+    with pytest.raises(ValueError, match="parallel.virtual_stages=2 needs parallel.pipeline_schedule='interleaved_1f1b'"):
         make_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ValueError, match="num_microbatches must be a positive integer"):
         gpipe(4, 0)
+
+
+# --- records -----------------------------------------------------------------------------------
+
+
+def test_records():
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1") == tuple(k.name for k in SCHEDULES)
+    for kind in SCHEDULES:
+        assert schedule_kind(kind.name) is kind and schedule_kind(kind) is kind
+        v = 2 if kind.accepts(2) else 1
+        table = kind.table(4, 8, v)
+        validate(table)
+        assert (table.name, table.split_backward, table.stages) == (kind.name, kind.split_backward, modular_stages(4, v))
+        assert make_schedule(kind.name, 4, 8, v) == table
+        assert theoretical_bubble(kind.name, 4, 8, v) == kind.bubble(4, 8, v)
+    assert [k.name for k in SCHEDULES if k.accepts(3)] == ["interleaved_1f1b"]
+    assert [k.name for k in SCHEDULES if k.split_backward] == ["zb_h1"]
+    # Constraints are one line each and name the config keys; only interleaved_1f1b has one.
+    assert [k.constraints(4, 6, 2) for k in SCHEDULES] == [
+        [], [], ["parallel.num_microbatches=6 must be a multiple of mesh.pipeline=4 for interleaved_1f1b"], []
+    ]
+    problem = schedule_kind("zb_h1").virtual_stage_problem(2)
+    assert problem == "parallel.virtual_stages=2 needs parallel.pipeline_schedule='interleaved_1f1b' ('zb_h1' takes 1)"
+    with pytest.raises(ValueError, match=r"^unknown pipeline schedule 'v'; valid: gpipe, 1f1b, interleaved_1f1b, zb_h1$"):
+        schedule_kind("v")
+
+
+# --- stage maps other than s % p ------------------------------------------------------------------
+
+
+def test_stage_map_of_a_v_shaped_table():
+    s = v_table(4, 8)
+    validate(s)
+    assert s.stages == v_stages(4) == ((0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1))
+    assert not s.modular and make_schedule("1f1b", 4, 8).modular
+    for stage in range(s.num_stages):
+        assert s.global_stage(*s.locate(stage)) == stage
+    # Hops: +1 down the ranks, 0 on rank 3 (stages 3 -> 4), -1 (= 3 mod 4) back up.
+    assert [(h.distance, h.pairs) for h in s.hops] == [(0, ()), (1, ((0, 1), (1, 2), (2, 3))), (3, ((1, 0), (2, 1), (3, 2)))]
+    assert [h.distance for h in make_schedule("interleaved_1f1b", 4, 8, 2).hops] == [1]
+    # Every rank runs each of its two stages' F and B for every microbatch.
+    for r in range(4):
+        assert sorted((a.kind, a.mb, a.vstage) for row in s.grid for a in row[r]) == sorted(
+            (k, mb, u) for k in (F, B) for mb in range(8) for u in range(2)
+        )
+
+
+def test_stage_map_must_be_a_bijection():
+    with pytest.raises(ValueError, match="must place the 4 stages on every"):
+        Schedule("bad", 2, 1, 2, False, [], stages=((0, 0), (1, 0), (1, 0), (0, 1)))
+
+
+def test_parse_inverts_render_with_a_stage_map():
+    for s in (v_table(2, 4), v_table(3, 3, split_backward=True, order="gpipe")):
+        text = render(s)
+        assert "stages=0.0,1.0," in text.splitlines()[0]
+        assert parse(text) == s
+    assert "stages=" not in render(make_schedule("1f1b", 2, 2))  # the modular map is the default
+
+
+def test_validator_follows_the_stage_map():
+    """The same grid read with the modular map is invalid (positive control). With its V map a
+    hop that stays on a rank (stage 1 -> 2, both on rank 1) still needs a step, and a missing
+    action is reported on the rank the map gives it."""
+    s = v_table(2, 2)
+    with pytest.raises(ValueError, match="invalid pipeline schedule"):
+        validate(Schedule(s.name, 2, 2, 2, False, s.grid))
+    t1, t2 = find(s, 1, Action(F, 0, 0)), find(s, 1, Action(F, 0, 1))
+    assert t1 < t2
+    same_step = edit(s, remove=[(t2, 1, Action(F, 0, 1))], add=[(t1, 1, Action(F, 0, 1))])
+    with pytest.raises(ValueError, match=late(f"F(mb=0, stage=2) at step {t1}, rank 1", f"F(mb=0, stage=1) at step {t1}")):
+        validate(same_step)
+    with pytest.raises(ValueError, match=re.escape("F(mb=0, stage=2) is missing (rank 1)")):
+        validate(edit(s, remove=[(t2, 1, Action(F, 0, 1))]))
+
+
+def test_from_programs_refuses_a_contradictory_order():
+    # Rank 0 wants stage 3's forward (its local 1) before stage 0's: nothing can move.
+    programs = [[Action(F, 0, 1), Action(F, 0, 0)], [Action(F, 0, 0), Action(F, 0, 1)]]
+    with pytest.raises(RuntimeError, match="deadlocked at step 0"):
+        from_programs("x", 2, 1, 2, programs, stages=v_stages(2))
 
 
 # --- render and parse ------------------------------------------------------------------------

@@ -175,6 +175,7 @@ NOT_READ_DIRECTLY = {
     (PipelineOptions, "facts"): "input of the auto split; the analysis reads `stage_layers`",
     (PipelineOptions, "seq_len"): "input of the auto split; the analysis reads `stage_layers`",
     (PipelineOptions, "split"): "the requested split; the analysis reads `stage_layers`",
+    (PipelineOptions, "given_table"): "a table given by hand; the analysis reads `table`",
     (PipelineOptions, "layers"): "input of `shard_layers`, which the rules table reads",
     (PipelineOptions, "num_ranks"): "mesh.pipeline, read from `mesh_shape`",
     (TensorPlan, "size"): "mesh.tensor, read from `mesh_shape`",

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator
 
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.families import facts
+from jaxpar.parallel.pipeline.schedules import schedule_kind
 from jaxpar.parallel.zero import resolve_axes
 from jaxpar.train.preflight import ConfigError, check
 
@@ -178,7 +179,7 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
     rows = train.global_batch_size // (d * e) if train.global_batch_size % (d * e) == 0 else 0
     split = max(1, rows // space.microbatch_rows) if space.microbatch_rows and rows else 0
     if p > 1 and split:
-        v = par.virtual_stages if par.pipeline_schedule == "interleaved_1f1b" else 1
+        v = par.virtual_stages if schedule_kind(par.pipeline_schedule).accepts(par.virtual_stages) else 1
         layouts = [{SCHEDULE_KEY: par.pipeline_schedule, MICROBATCH_KEY: max(split, p), "parallel.virtual_stages": v, ACCUM_KEY: 1}]
     elif split:
         layouts = [{ACCUM_KEY: split}]
@@ -189,9 +190,10 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
                 counts = _pipeline_counts(p, rows, train.seq_len, space.microbatch_options)
             else:
                 counts = [par.num_microbatches or p]
+            kind = schedule_kind(schedule)
             v = par.virtual_stages if schedule == par.pipeline_schedule else 1
-            if schedule == "interleaved_1f1b" and space.schedules:
-                v = 2
+            if space.schedules:  # the planner's choice: 2 where a schedule takes any v, else the v it takes
+                v = 2 if kind.virtual_stages is None else max(kind.virtual_stages)
             for m in counts:
                 layouts.append({SCHEDULE_KEY: schedule, MICROBATCH_KEY: m, "parallel.virtual_stages": v, ACCUM_KEY: 1})
     elif space.microbatch_options:

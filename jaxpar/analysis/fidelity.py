@@ -22,7 +22,7 @@ from jaxpar.analysis.compiled import CompiledStep, compile_step
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.axes import PIPELINE
 from jaxpar.parallel.pipeline.layout import stage_layout
-from jaxpar.parallel.pipeline.slots import LAST, slot_plan_for
+from jaxpar.parallel.pipeline.slots import LAST
 
 
 def _branch_tables(layout) -> dict:
@@ -31,8 +31,8 @@ def _branch_tables(layout) -> dict:
     the head), the backward switch (idle, then per slot-plan branch one per stage length) and the
     head cond ("spread", or MoE statistics: every rank alike, `steps["has_head"]`)."""
     pipe = layout.plan.pipeline
-    plan = slot_plan_for(pipe.schedule, layout.p, pipe.microbatches, pipe.virtual_stages)
-    stages = stage_layout(pipe.stage_layers, layout.p, pipe.virtual_stages)
+    plan = pipe.slot_plan
+    stages = stage_layout(pipe.stage_layers, layout.p, pipe.virtual_stages, pipe.table.stages)
     n, tab = len(stages.lengths), plan.tables
     ranks = np.arange(layout.p)[None, :]
     fwd_len = stages.tables["length"][ranks, tab["fwd_stage"]]

@@ -21,7 +21,7 @@ from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.model_facts import ModelFacts
 from jaxpar.models.families import facts as model_facts
 from jaxpar.parallel.data import GradientStrategy
-from jaxpar.parallel.pipeline.schedules import bubble_fraction, make_schedule
+from jaxpar.parallel.pipeline.schedules import ScheduleKind, bubble_fraction, schedule_kind
 from jaxpar.parallel.pipeline.slots import slot_plan_for
 from jaxpar.parallel.plan import ParallelPlan, make_plan
 from jaxpar.parallel.zero import ZeroPlan
@@ -290,7 +290,7 @@ class Layout:
         extra.append(f"remat={self.remat}")
         if self.p > 1:
             pipe = self.plan.pipeline
-            extra.append(f"{pipe.schedule} m={pipe.microbatches}" + (f" v={pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""))
+            extra.append(f"{pipe.schedule.name} m={pipe.microbatches}" + (f" v={pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""))
         elif self.grad_accum > 1:
             extra.append(f"accum={self.grad_accum}")
         return " ".join([mesh] + [x for x in extra if x])
@@ -308,22 +308,27 @@ class PipelineShape:
     grad_slots: float
 
 
-def _exact_shape(name: str, p: int, m: int, v: int) -> PipelineShape:
-    schedule = make_schedule(name, p, m, v)
-    slots = slot_plan_for(name, p, m, v)
-    return PipelineShape(schedule.num_steps, bubble_fraction(schedule), slots.act_slots, slots.grad_slots)
+def _exact_shape(kind: ScheduleKind | str, p: int, m: int, v: int) -> PipelineShape:
+    slots = slot_plan_for(schedule_kind(kind), p, m, v)
+    return PipelineShape(slots.schedule.num_steps, bubble_fraction(slots.schedule), slots.act_slots, slots.grad_slots)
+
+
+def pipeline_shape(kind: ScheduleKind | str, p: int, m: int, v: int) -> PipelineShape:
+    """The shape of the table of schedule `kind` (a record, `schedules.ScheduleKind`, or its name)
+    for p ranks, m microbatches, v virtual stages."""
+    return _pipeline_shape(schedule_kind(kind), p, m, v)
 
 
 @functools.lru_cache(maxsize=1024)
-def pipeline_shape(name: str, p: int, m: int, v: int) -> PipelineShape:
+def _pipeline_shape(kind: ScheduleKind, p: int, m: int, v: int) -> PipelineShape:
     """Exact from the tables up to m = 4p. Beyond, extrapolated from m = 2p and 4p: in every
     schedule the idle time is fixed once m >= 2p and the time steps and buffer slots grow
     linearly in m (slots are constant except GPipe's, which stash every microbatch) — checked
     against the exact tables by tests/test_planner.py. Building a table and its slot plan for
     m = 512 takes ~0.3 s; the planner prices hundreds of such layouts."""
     if m <= 4 * p:
-        return _exact_shape(name, p, m, v)
-    lo, hi = _exact_shape(name, p, 2 * p, v), _exact_shape(name, p, 4 * p, v)
+        return _exact_shape(kind, p, m, v)
+    lo, hi = _exact_shape(kind, p, 2 * p, v), _exact_shape(kind, p, 4 * p, v)
 
     def line(a, b):
         return a + (b - a) * (m - 2 * p) / (2 * p)

@@ -3,10 +3,13 @@
 Order matters for never losing data: everything a run reads is checked first (`preflight.check_run`,
 no writes); then the workdir is locked; the program is built and its step compiled on abstract inputs
 and checked against the devices' memory (`jaxpar.train.fit`, before any data is read or state
-allocated), then the state restored (newest complete checkpoint that fits) or initialised. Only then — the run is known to start —
-is anything of an earlier run touched: `--overwrite` clears it, or a resumed `metrics.jsonl` is cut
-back to the restored step. Each step's bookkeeping is its own function (`_record`, `_after_step`),
-so the loop body stays a short list of calls.
+allocated), then the data loaded and the state restored (newest complete checkpoint that fits) or
+initialised. Only then — the run is known to start — is anything of an earlier run touched:
+`--overwrite` moves it aside (`jaxpar.train.aside`: deleted at this run's first complete checkpoint,
+put back if this run fails before), or a resumed `metrics.jsonl` is cut back to the restored step. A
+signal during start-up stops the run at the end of its phase (`StopSignals.check`), one in the loop
+after the step with a final checkpoint. Each step's bookkeeping is its own function (`_record`,
+`_after_step`), so the loop body stays a short list of calls.
 
 Checkpoint step numbers count the batches consumed (the data position), which is also the
 `step` field of metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps).
@@ -16,7 +19,6 @@ process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import time
@@ -25,16 +27,20 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpar import peers
 from jaxpar.train import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
-from jaxpar.checkpoint.manager import is_remote
+from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
+from jaxpar.data.sources import corpus_fingerprint, corpus_warnings
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe
+from jaxpar.checkpoint.listing import finished_steps
+from jaxpar.train import aside as asides
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
 from jaxpar.train.fit import compile_fitting
-from jaxpar.train.nonfinite import NonFiniteGuard
+from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
 from jaxpar.train.setup import build, bytes_per_device
@@ -95,13 +101,13 @@ def _lock(workdir: str) -> workdirs.WorkdirLock | None:
     if jax.process_index() == 0:
         try:
             lock = workdirs.WorkdirLock(workdir).acquire()
-        except workdirs.WorkdirBusy as e:
+        except workdirs.WorkdirError as e:
             error = e
     failed = _agree(error is None)
     if error is not None:
         raise error
     if failed:
-        raise workdirs.WorkdirBusy(f"--workdir={workdir} is in use by another run (see process 0's error)")
+        raise workdirs.WorkdirError(f"--workdir={workdir} could not be locked by process 0 (see its error)")
     if lock is not None and lock.stale:
         print(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
     return lock
@@ -111,17 +117,36 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     """Trains to `config.train.steps` steps (resuming from WORKDIR's checkpoints when they fit);
     returns the metrics of the steps run here, which it also appends to WORKDIR/metrics.jsonl.
 
-    Raises ConfigError (bad input, nothing written), WorkdirBusy, CheckpointError, NonFiniteStop or
-    Interrupted (after a final checkpoint); each message is one line."""
+    Raises ConfigError (bad input, nothing written), WorkdirError (busy, or no lock possible),
+    CheckpointError, NonFiniteStop or Interrupted (during start-up: nothing changed; in the loop:
+    after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
-    run = _run_preflight(config, workdir, devices, overwrite)
-    lock = _lock(workdir)
     try:
-        with StopSignals() as signals:
-            return _train(config, run, devices, signals, progress)
-    finally:
-        if lock is not None:
-            lock.release()
+        with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
+            run = _run_preflight(config, workdir, devices, overwrite)
+            signals.check("preflight", run.workdir.resume_step is not None)
+            peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
+            lock = _lock(workdir)
+            try:
+                return _train(config, run, devices, signals, progress)
+            finally:
+                if lock is not None:
+                    lock.release()
+    except (preflight.ConfigError, workdirs.WorkdirError, NonFiniteStop, Interrupted):
+        raise  # one-line errors every process reaches together
+    except CheckpointError:
+        peers.stop_if_peer_lost(collective_failed=False)  # a lost peer ends this process here (exit 4)
+        raise
+    except Exception:
+        peers.stop_if_peer_lost(collective_failed=True)
+        raise
+
+
+def _resume_point(checkpoint_dir: str) -> str:
+    steps = finished_steps(checkpoint_dir)
+    if not steps:
+        return f"no checkpoint was completed in {checkpoint_dir}"
+    return f"the newest complete checkpoint, {checkpoint_dir}/{steps[-1]}, is the resume point"
 
 
 @dataclasses.dataclass
@@ -133,11 +158,14 @@ class _Run:
     program: object
     iterator: BatchIterator
     checkpoints: Checkpoints | None
-    corpus_tokens: int
+    corpus: dict  # the corpus's identity (size, fingerprint), saved with every checkpoint
+    signals: StopSignals
+    show_progress: bool
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
     observer: Observer | None = None
+    aside: asides.Aside | None = None  # the earlier run --overwrite moved aside (process 0), until let go
 
 
 def _say(line: str) -> None:
@@ -158,9 +186,8 @@ def _restore(run: _Run):
     # A fallback may have landed on an older checkpoint: its config must fit too.
     for note in compare_configs(restored.config, run.config.to_json_best_effort(), checkpoint=restored.path):
         _say(note)
-    saved_tokens = restored.data_state.get("corpus_tokens")
-    if saved_tokens is not None and saved_tokens != run.corpus_tokens:
-        raise CheckpointError(workdirs.corpus_changed_problem(restored.path, saved_tokens, run.corpus_tokens))
+    if problem := workdirs.corpus_changed_problem(restored.path, restored.data_state, run.corpus):
+        raise CheckpointError(problem)
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
     return restored.state, int(restored.data_state["step"])
 
@@ -178,7 +205,9 @@ def _start(run: _Run, resume_step: int | None) -> None:
     """The run is known to start (state ready, step compiled): now touch the workdir."""
     writer = jax.process_index() == 0
     if writer and run.plan.overwrite:
-        workdirs.clear_earlier_run(run.plan)
+        run.aside = asides.set_aside(run.plan.workdir, run.plan.checkpoint_dir, workdirs.RUN_FILES)
+        if run.aside is not None:
+            _say(f"moved the earlier run aside to {run.aside.where} until this run's first checkpoint")
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxpar-workdir-ready")
     if run.checkpoints is None:
@@ -186,10 +215,28 @@ def _start(run: _Run, resume_step: int | None) -> None:
     if writer:
         workdirs.write_config(run.plan.workdir, run.config)
     run.metrics = workdirs.MetricsLog(run.plan.workdir, resume_step, writer=writer)
+    _set_quit_note(run)
+
+
+def _set_quit_note(run: _Run) -> None:
+    """What a second signal (quit at once, no final checkpoint) leaves, for its one line."""
+    note = f"the newest complete checkpoint in {run.plan.checkpoint_dir} is where a rerun resumes"
+    if run.aside is not None:
+        note = f"this run has no checkpoint yet: the run --overwrite replaces is kept in {run.aside.where}"
+    run.signals.quit_note = note
+
+
+def _let_go_once_proven(run: _Run) -> None:
+    """--overwrite's earlier run is deleted once this run has a complete checkpoint of its own."""
+    if run.aside is not None and run.checkpoints.latest_step() is not None:
+        run.aside.let_go()
+        run.aside = None
+        _set_quit_note(run)
 
 
 def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, progress: bool) -> list[dict]:
     plan, train_cfg = pre.workdir, config.train
+    resuming = plan.resume_step is not None
     for note in plan.notes:
         _say(note)
     if not is_remote(plan.checkpoint_dir):
@@ -200,45 +247,71 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
             print(line)
         print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
         print(memory_report(program), flush=True)
+    signals.check("build", resuming)
     # Compiled on abstract inputs and checked against the devices' memory before any data is read or
     # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
     step_fn, compile_s = compile_fitting(program, config, devices)
+    signals.check("compile", resuming)
     tokens = load_tokens(config.data)
+    for warning in corpus_warnings(config.data, tokens):
+        _say(f"warning: {warning}")
+    corpus = {workdirs.CORPUS_TOKENS: len(tokens), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
     batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
-    resuming = plan.resume_step is not None
-    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, len(tokens))
+    signals.check("loading data", resuming)
+    check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before the state, not at the first save
+    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, corpus, signals, progress)
+    try:
+        history = _run(run, resuming, step_fn, compile_s)
+    except BaseException as error:
+        _amend(error, _finish(run, failed=True))
+        raise
+    _finish(run, failed=False)
+    return history
+
+
+def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
+    """Restore or initialise the state, then the steps (`step_fn`: the fit-checked executable)."""
+    config, program, signals, train_cfg = run.config, run.program, run.signals, run.config.train
     if resuming:
-        run.checkpoints = _open_checkpoints(config, plan)
+        run.checkpoints = _open_checkpoints(config, run.plan)
         state, start = _restore(run)
     else:
         state, start = _initial_state(run), 0
+    signals.check("restore" if resuming else "init", resuming)
     run.iterator.set_state({"step": start})
     if start >= train_cfg.steps:
         _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
-        run.checkpoints.close()
         return []
     _start(run, start if resuming else None)
-    run.observer = Observer(config, plan.workdir, program, step_fn, compile_s)
+    run.observer = Observer(config, run.plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
-    run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=progress and jax.process_index() == 0)
+    run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=run.show_progress and jax.process_index() == 0)
     history = []
-    try:
-        with signals.deferred():
-            for step in range(start + 1, train_cfg.steps + 1):
-                batch = next(run.iterator)
-                with run.observer.step(step):  # the profile window, if this step is in it
-                    started = time.perf_counter()
-                    state, metrics = step_fn(state, batch)
-                    metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
-                    seconds = time.perf_counter() - started
-                record = _record(step, metrics, config, run.observer.throughput(step, seconds))
-                history.append(record)
-                _after_step(run, step, state, record, metrics, signals)
-        _save(run, train_cfg.steps, state, force=True)
-        _wait(run, train_cfg.steps)
-    finally:
-        _finish(run)
+    with signals.deferred():
+        for step in range(start + 1, train_cfg.steps + 1):
+            batch = next(run.iterator)
+            with run.observer.step(step):  # the profile window, if this step is in it
+                started = time.perf_counter()
+                state, metrics = step_fn(state, batch)
+                metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
+                seconds = time.perf_counter() - started
+            record = _record(step, metrics, config, run.observer.throughput(step, seconds))
+            history.append(record)
+            _after_step(run, step, state, record, metrics, signals)
+    _save(run, train_cfg.steps, state, force=True)
+    run.checkpoints.wait()
+    _let_go_once_proven(run)
     return history
+
+
+def _amend(error: BaseException, note: str | None) -> None:
+    """Adds `note` (what became of the earlier run) to the one-line message of the error ending the run."""
+    if note is None:
+        return
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}; {note}", *error.args[1:])
+    else:
+        _say(note)
 
 
 def _record(step: int, metrics: dict, config, timing: dict) -> dict:
@@ -264,39 +337,26 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     run.progress.update(record)
     run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
     _save(run, step, state)
+    _let_go_once_proven(run)
     signum = signals.agreed()
     if signum is not None:
         _save(run, step, state, force=True)
-        _wait(run, step)
+        run.checkpoints.wait()
+        _let_go_once_proven(run)
         path = run.checkpoints.path(step)
         name = signal.Signals(signum).name
         raise Interrupted(signum, f"interrupted by {name} after step {step}: checkpoint {path} saved; rerun the same command to resume")
 
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
-    data_state = {**run.iterator.get_state(), "corpus_tokens": run.corpus_tokens}
-    with _naming_failures(run, step):
-        run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+    # A failed (background) write surfaces at the next save or wait as one CheckpointError line.
+    data_state = {**run.iterator.get_state(), **run.corpus}
+    run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
 
 
-def _wait(run: _Run, step: int) -> None:
-    with _naming_failures(run, step):
-        run.checkpoints.wait()
-
-
-@contextlib.contextmanager
-def _naming_failures(run: _Run, step: int):
-    """A failed (background) write surfaces at the next save or wait: one line naming the directory."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore / OS errors alike
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"writing checkpoints in {run.checkpoints.directory} failed at step {step} ({type(e).__name__}: {first})") from None
-
-
-def _finish(run: _Run) -> None:
+def _finish(run: _Run, failed: bool) -> str | None:
+    """Closes what the run opened; after a failure, puts back an earlier run --overwrite moved aside
+    if this run never completed a checkpoint. Returns a note on the earlier run's fate, if any."""
     if run.observer is not None:
         run.observer.close()
     if run.progress is not None:
@@ -306,5 +366,19 @@ def _finish(run: _Run) -> None:
     if run.checkpoints is not None:
         try:
             run.checkpoints.close()  # waits for a save still being written
-        except Exception as e:  # noqa: BLE001 - do not hide the error that ended the run
-            _say(f"closing checkpoints failed ({type(e).__name__}: {e})")
+        except CheckpointError:
+            if not failed:
+                raise
+            # else: the error that ended the run is the one reported (often this same failed write)
+    if run.aside is None:
+        return None
+    aside, run.aside = run.aside, None
+    if finished_steps(run.plan.checkpoint_dir):  # a save completed after all (e.g. while closing)
+        aside.let_go()
+        return None
+    where = aside.where
+    try:
+        aside.restore()
+    except OSError as e:
+        return f"the earlier run --overwrite replaces is kept in {where} (moving it back failed: {e})"
+    return f"this run wrote no checkpoint, so the earlier run is back in {run.plan.workdir}"

@@ -52,7 +52,7 @@ def loss_and_grads(params, batch, *, model_config, opts: RunOptions, scale=1.0):
     gradient strategy the plan chose (`jaxpar.parallel.data.GradientStrategy`)."""
     strategy = opts.plan.gradient
     if strategy is GradientStrategy.PIPELINED:
-        return pipelined_loss_and_grads(params, batch, model_config=stage_model(model_config), opts=opts, scale=scale)
+        return pipelined_loss_and_grads(params, batch, model=stage_model(model_config), opts=opts, scale=scale)
     if strategy is GradientStrategy.PER_RANK:
         return per_rank_grads(
             functools.partial(token_loss, model_config=model_config, opts=opts), params, batch,

@@ -1,7 +1,7 @@
 """Which layers each pipeline stage runs: explicit splits, and `auto` splits balanced by cost.
 
-A split is a tuple of layer counts, one per global stage (stage s = u·p + r is virtual stage u on
-rank r), summing to `model.num_hidden_layers`; every stage has at least one layer. The engine
+A split is a tuple of layer counts, one per global stage (placed on ranks by the schedule
+table's stage map), summing to `model.num_hidden_layers`; every stage has at least one layer. The engine
 runs any such split (`layout.py`); `auto` picks the one with the most even per-stage cost.
 
 The cost model is analytic, in forward FLOPs per token (the model's facts: `ModelFacts.layer_flops`,
@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from jaxpar.parallel.pipeline.schedules import B, F, W, Schedule, make_schedule
+from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.parallel.pipeline.table import B, F, W, Schedule
 
 AUTO = "auto"
 PLACEMENTS = ("spread", "ends")
@@ -106,14 +107,15 @@ def _candidates(layers: int, caps: list):
     return rec(0, layers)
 
 
-def auto_split(facts, seq_len: int, schedule: str, p: int, m: int, v: int = 1, placement: str = "spread"):
-    """The split of the model's layers (`facts`: its `ModelFacts`) over p·v stages with the
-    smallest largest stage cost, ties broken by the modelled step time of `schedule` (see the
-    module docstring)."""
-    layers, stages = facts.layers, p * v
+def auto_split(facts, seq_len: int, table: Schedule, *sizes, placement: str = "spread"):
+    """The split of the model's layers (`facts`: its `ModelFacts`) over the table's stages with the smallest largest
+    stage cost, ties broken by the modelled step time of `table` (see the module docstring).
+    (`table` may still be a schedule name followed by p, m[, v], the form scripts/ use.)"""
+    if isinstance(table, str):
+        table = make_schedule(table, *sizes)
+    p, layers, stages = table.num_ranks, facts.layers, table.num_stages
     if layers < stages:
         raise ValueError(f"{layers} layers cannot fill {stages} stages (each needs at least one)")
-    table = make_schedule(schedule, p, m, v)
     split_b = table.split_backward
     one = stage_costs(facts, seq_len, (1,) * stages, p, split_backward=split_b, placement=placement)
     none = stage_costs(facts, seq_len, (0,) * stages, p, split_backward=split_b, placement=placement)

@@ -1,10 +1,11 @@
 """Checks for pipeline schedule tables: `validate` (dependencies, coverage, cell shape) and
-`peak_in_flight` (stash depth per rank). See `schedules.py` for the table semantics.
+`peak_in_flight` (stash depth per rank), for any stage map. See `schedules.py` for the table
+semantics.
 """
 
 from __future__ import annotations
 
-from jaxpar.parallel.pipeline.schedules import B, F, KINDS, W, Action, Schedule
+from jaxpar.parallel.pipeline.table import B, F, KINDS, W, Action, Schedule
 
 _MAX_SHOWN = 8
 
@@ -62,7 +63,7 @@ def _problems(s: Schedule) -> list[str]:
             for stage in range(s.num_stages):
                 places = seen.get((kind, mb, stage), [])
                 if not places:
-                    problems.append(f"{_name(kind, mb, stage)} is missing (rank {stage % p})")
+                    problems.append(f"{_name(kind, mb, stage)} is missing (rank {s.locate(stage)[0]})")
                 elif len(places) > 1:
                     at = "; ".join(_where(x) for x in places)
                     problems.append(f"{_name(kind, mb, stage)} appears {len(places)} times: {at}")
@@ -94,11 +95,11 @@ def validate(schedule: Schedule) -> None:
     """Raises ValueError listing what is wrong with `schedule`, or returns None.
 
     Checks: one cell per rank each step; F and B (and W when split) of every (microbatch, global
-    stage) exactly once; F of stage s at least one step after F of stage s - 1 (a value sent at
-    step t is usable at t + 1, also between virtual stages on one rank); B after its own F (the
-    last stage's loss gradient is local, but still the step after); B of stage s at least one step
-    after B of stage s + 1; W after its B; at most one forward-type (F) and one backward-type
-    (B or W) action per cell.
+    stage, placed by the table's stage map) exactly once; F of stage s at least one step after F
+    of stage s - 1 (a value sent at step t is usable at t + 1, also between stages on one rank);
+    B after its own F (the last stage's loss gradient is local, but still the step after); B of
+    stage s at least one step after B of stage s + 1; W after its B; at most one forward-type (F)
+    and one backward-type (B or W) action per cell.
     """
     problems = _problems(schedule)
     if problems:

@@ -14,23 +14,32 @@ dispatch per device, with the all-to-all over `expert`). With manual batch axes 
 accumulates its own gradients over the m microbatches and they are reduced once, after the
 engine; under ZeRO-3 the partitioner reduce-scatters per microbatch instead, as FSDP does.
 
-Collectives: before the scan, the layer exchange of an uneven split (`layout.py`). Per time step
-one `ppermute` of a microbatch's activations to rank r + 1 and one of its output gradient to rank
-r - 1 (rings when v > 1), and the vocab-parallel all-reduces over `pipeline` (`vocab.py`). After
-the scan: the transposed layer exchange, and a psum over `pipeline` of the final norm's gradient
-and the loss. No table-sized collective.
+Collectives: before the scan, the layer exchange of an uneven split or a non-modular stage map
+(`layout.py`). Per time step, for each rank distance d a stage-to-stage hop of the table's stage
+map uses (`Schedule.hops`), one `ppermute` of the step's stage output by +d and one of its input
+gradient by -d, and the vocab-parallel all-reduces over `pipeline` (`vocab.py`). The modular map
+(stage s on rank s % p) uses d = 1 only: one ppermute each way per step (rings when v > 1); a V
+shape (rank r holding stages r and 2p - 1 - r) uses d = 1 and d = p - 1 (one ppermute when
+p = 2), plus d = 0, the hop between the two stages on rank p - 1, which needs no collective (the
+value stays on the rank and is read next step, as an arrival would be). Every rank sends its step
+output over every hop (zeros when idle), so each ppermute runs on every rank every step, and the
+receiver's table (`slots.py`: `recv_act{h}`, `recv_grad{h}`) says which arrival is real and which
+slot takes it; the others go to a trash slot. (Masking the sender per hop would only add selects:
+the bytes moved are the same.) After the scan: the transposed layer exchange, and a psum over
+`pipeline` of the final norm's gradient and the loss. No table-sized collective.
 
 Engine (per rank, a `lax.scan` over the table's T steps, carry `Carry`). Each step: store the
-received gradients (from rank r + 1, and the head's for the last stage); embed stage 0's two
+received gradients (one per hop, and the head's for the last stage); embed stage 0's two
 microbatches of this step (vocab-parallel lookup, every rank); run the cell's B or W (a
 `lax.switch` over the slot plan's `back_branches`, one copy per distinct stage length so an
 uneven split's shorter stages run only their own layers), recomputing the stage from its stashed
 input with `jax.vjp`; pull stage 0's input gradient into the embedding shards (every rank); store the
-received activation (after B/W, so a slot released this step takes it); run the F; if the last
+received activations (after B/W, so a slot released this step takes one); run the F; if the last
 stage ran F, every rank runs its share of the final norm + LM head + loss on that output and keeps
-the output's gradient for the last stage's B (a `lax.cond` every rank takes alike); then the two
-ppermutes; idle ranks send zeros. Slots come from `slots.py`: a 1F1B rank holds at most
-min(m, 2(p - r) - 1) stashed inputs, GPipe m.
+the output's gradient for the last stage's B (a `lax.cond` every rank takes alike); then the
+ppermutes. Stage 0 and the last stage may sit on any rank (both on rank 0 in a V shape): what they
+do differently is chosen by the table's per-step fields, not by rank. Slots come from `slots.py`:
+a 1F1B rank holds at most min(m, 2(p - r) - 1) stashed inputs, GPipe m.
 
 Everything with a collective over `pipeline` runs outside the per-rank branches: on XLA:CPU a
 collective-permute (a ppermute, or one the partitioner inserts for a gather on a sharded table)
@@ -41,9 +50,10 @@ MoE: router statistics are accumulated per microbatch beside the activations (`r
 the load-balancing and z losses equal the non-pipelined step's (per microbatch, averaged).
 
 Proven equal to one device by `tests/test_pipeline.py` (every schedule, uneven and auto splits,
-with data, expert-as-data, tensor + SP, ZeRO-1/3, remat, tied embeddings) and
-`tests/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), with context parallelism
-by `tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
+with data, expert-as-data, tensor + SP, ZeRO-1/3, remat, tied embeddings),
+`tests/test_pipeline_stage_maps.py` (V-shaped stage maps: hops 0 and ±1, both ends on rank 0)
+and `tests/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), with context
+parallelism by `tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
 """
 
 from __future__ import annotations
@@ -64,8 +74,8 @@ from jaxpar.parallel.data import split_microbatches
 from jaxpar.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.pipeline import router
 from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
-from jaxpar.parallel.pipeline.slots import FIELDS, FIRST, LAST, STEP_FIELDS, slot_plan_for
-from jaxpar.parallel.pipeline.stage import Stage
+from jaxpar.parallel.pipeline.slots import FIRST, LAST, STEP_FIELDS
+from jaxpar.parallel.pipeline.stage import Stage, StageModel
 from jaxpar.parallel.pipeline.vocab import head_loss, lookup, shard_offset
 from jaxpar.parallel.tensor import mean_cross_entropy
 from jaxpar.parallel.zero import in_use
@@ -75,8 +85,8 @@ from jaxpar.sharding import RESIDUAL, is_logical_names
 class Carry(NamedTuple):
     acts: jax.Array  # [K_a + 1, mb, S, D]: stage inputs waiting for F, stashed for B/W
     grads: jax.Array  # [K_g + 1, mb, S, D]: output gradients waiting for B (and W)
-    in_act: jax.Array  # what the forward ppermute delivered at the end of the previous step
-    in_grad: jax.Array  # what the backward ppermute delivered
+    in_act: tuple  # per hop, the activation delivered at the end of the previous step
+    in_grad: tuple  # per hop, the gradient delivered
     in_head: jax.Array  # the head's gradient of the last stage's output, computed last step
     layer_grads: Any  # [v, Lmax, ...] fp32, this rank's stages
     shared_grads: Any  # embedding / head shards and final norm, fp32
@@ -105,12 +115,12 @@ def _zeros(tree, lead=(), dtype=jnp.float32):
     return jax.tree.map(lambda a: vary_everywhere(jnp.zeros(lead + tuple(a.shape), dtype)), tree)
 
 
-def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tables, steps, scale, *, plan, layout, model_config, opts,
+def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tables, steps, scale, *, plan, layout, stage_model, opts,
             shared_names, batch_axes, vocab):
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
     dtype, zero3 = opts.compute_dtype, opts.plan.zero.shard_params
     opts = dataclasses.replace(opts, rules=opts.rules.without(PIPELINE, *batch_axes).on(jax.sharding.get_abstract_mesh()))
-    stage, rules = Stage(model_config, opts), opts.rules
+    stage, rules = Stage(stage_model, opts), opts.rules
     # Every input is marked varying over all manual axes before any vjp: differentiating with
     # respect to a value replicated over `data` would psum its gradient over `data` right there.
     staged = jax.tree.map(vary_everywhere, to_stages(jax.tree.map(lambda a: a.astype(dtype), layers), layout_tables, layout))
@@ -131,7 +141,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
     positions = vary_everywhere(positions)
     rows = {k: t[:, 0] for k, t in rank_tables.items()}
     replicas = jax.lax.psum(1, batch_axes) if batch_axes else 1
-    act_shape = inputs.shape[1:] + (model_config.hidden_size,)
+    act_shape = inputs.shape[1:] + (stage_model.hidden_size,)
     any_layer = jax.tree.map(lambda a: a[0], staged)  # merge needs *some* layers to build the model
     spread = vocab == "spread"
     offset = shard_offset(shared["embed"]["weight"].shape[0]) if spread else 0
@@ -149,7 +159,9 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
     stats_shape = jax.eval_shape(lambda x: stage.forward(layer(0, 1), shared, x, positions)[1], zeros_act())
     no_stats = _zeros(stats_shape)
     loss_cotangent = (scale / m).astype(jnp.float32)
-    on_last_rank = jax.lax.axis_index(PIPELINE) == p - 1  # where losses and metrics are counted
+    # Where the losses and metrics every rank computes alike ("spread" head, MoE totals) are
+    # counted once; any rank would do, wherever the last stage sits.
+    on_last_rank = jax.lax.axis_index(PIPELINE) == p - 1
 
     def head(sh, h, tgt):
         """Final norm + LM head + mean cross-entropy of the last stage's output h."""
@@ -157,7 +169,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         if not spread:  # this rank holds the whole (tensor-sharded) head
             return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt)
         normed = model.final_norm(vary_everywhere_wide(h))  # the transpose sums every rank's share of d h
-        return head_loss(normed, model.head_weight(), tgt, offset, model_config.vocab_size, rules)
+        return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules)
 
     def forward_branch(n, with_head):
         def run(x, tgt, u, shared_grads, ce):
@@ -195,9 +207,19 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
 
     # 0 idle, then per slot-plan branch b (from 1) and stage length i: 1 + (b - 1)·len + i.
     back_branches = [idle_back] + [backward_branch(b, n) for b in plan.back_branches[1:] for n in lengths]
-    ring = plan.schedule.virtual_stages > 1
-    fwd_perm = [(r, (r + 1) % p) for r in range(p if ring else p - 1)]
-    back_perm = [((r + 1) % p, r) for r in range(p if ring else p - 1)]
+    hops, recv_fields = plan.hops, plan.recv_fields
+
+    def send(value, hop, forward: bool):
+        """`value` over one hop (`slots.py`): by +d forward, -d backward; d = 0 stays here."""
+        if hop.distance == 0:
+            return value
+        perm = list(hop.pairs) if forward else [(b, a) for a, b in hop.pairs]
+        return jax.lax.ppermute(value, PIPELINE, perm)
+
+    def receive(buffer, arrivals, fields, row):
+        for arrival, field in zip(arrivals, fields):
+            buffer = jax.lax.dynamic_update_index_in_dim(buffer, arrival, row[field], 0)
+        return buffer
 
     def head_step(c: Carry, y, is_last, mb):
         """After the last stage's F of microbatch `mb`, on every rank: the vocab-parallel head
@@ -214,7 +236,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         if not c.stats:
             return c
         totals = jax.lax.psum(jax.tree.map(lambda a: a[mb], c.stats), (PIPELINE, *batch_axes))
-        extra, metrics = router.loss_and_metrics(model_config, totals)
+        extra, metrics = router.loss_and_metrics(stage_model, totals)
         count = lambda a, b: a + jnp.where(on_last_rank, vary_everywhere(b), 0.0)  # noqa: E731
         return c._replace(
             aux=count(c.aux, extra),
@@ -225,9 +247,9 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
     def time_step(carry: Carry, xs):
         row, step = xs
         with jax.named_scope("pipeline_step"):
-            grads = jax.lax.dynamic_update_index_in_dim(carry.grads, carry.in_grad, row["recv_grad"], 0)
+            grads = receive(carry.grads, carry.in_grad, [g for _, g in recv_fields], row)
             grads = jax.lax.dynamic_update_index_in_dim(grads, carry.in_head, row["recv_head"], 0)
-            # Stage 0's inputs for this step's F and B/W (used by rank 0 only). "spread": every
+            # Stage 0's inputs for this step's F and B/W (used by its rank only). "spread": every
             # rank looks up the tokens it holds rows for, one psum completes both.
             table = shared["embed"]["weight"]
             part_fwd = lookup(table, inputs[step["embed_fwd_mb"]], offset)
@@ -239,7 +261,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             x = jnp.where(back_on_first, embedded[1], carry.acts[row["back_slot"]])
             totals = jax.tree.map(lambda a: a[row["back_mb"]], carry.totals)
             stats_grad = jax.tree.map(
-                lambda g: vary_everywhere(g * (replicas * loss_cotangent)), router.totals_grad(model_config, totals)
+                lambda g: vary_everywhere(g * (replicas * loss_cotangent)), router.totals_grad(stage_model, totals)
             )
             back = row["back_branch"]
             back = jnp.where(back == 0, 0, branch_of(1 + (back - 1) * len(lengths), row["back_stage"]))
@@ -250,14 +272,14 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             zero = jnp.zeros_like(d_input)
             send_grad = jnp.where(back_on_first, zero, d_input)
             # Stage 0's input gradient into the embedding: "spread": psummed to every rank, each
-            # scatters it into its own rows; "ends": rank 0's, summed over ranks after the scan.
+            # scatters it into its own rows; "ends": stage 0's rank's, summed over ranks after the scan.
             d_embedded = jnp.where(back_on_first, d_input, zero)
             d_embedded = psum_wide(d_embedded, PIPELINE) if spread else d_embedded
             (d_table,) = embed_pullback(vary_everywhere(d_embedded))
             shared_grads = dict(carry.shared_grads)
             shared_grads["embed"] = {"weight": shared_grads["embed"]["weight"] + d_table.astype(jnp.float32)}
             # After B/W: a slot it released this step may take this step's arrival.
-            acts = jax.lax.dynamic_update_index_in_dim(carry.acts, carry.in_act, row["recv_act"], 0)
+            acts = receive(carry.acts, carry.in_act, [a for a, _ in recv_fields], row)
             x = jnp.where(row["fwd_kind"] == FIRST, embedded[0], acts[row["fwd_slot"]])
             is_last = row["fwd_kind"] == LAST
             with_head = 0 if spread else is_last.astype(jnp.int32) * len(lengths)
@@ -273,15 +295,15 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
                 step_fn = functools.partial(head_step, y=y, is_last=is_last, mb=step["head_mb"])
                 carry = jax.lax.cond(step["has_head"] > 0, step_fn, lambda c: c, carry)
             return carry._replace(
-                in_act=jax.lax.ppermute(y, PIPELINE, fwd_perm),
-                in_grad=jax.lax.ppermute(send_grad, PIPELINE, back_perm),
+                in_act=tuple(send(y, hop, True) for hop in hops),
+                in_grad=tuple(send(send_grad, hop, False) for hop in hops),
             ), None
 
     start = Carry(
         acts=zeros_act((plan.act_slots + 1,)),
         grads=zeros_act((plan.grad_slots + 1,)),
-        in_act=zeros_act(),
-        in_grad=zeros_act(),
+        in_act=tuple(zeros_act() for _ in hops),
+        in_grad=tuple(zeros_act() for _ in hops),
         in_head=zeros_act(),
         layer_grads=_zeros(staged),
         shared_grads=jax.tree.map(
@@ -289,7 +311,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         ),
         ce=vary_everywhere(jnp.zeros((), jnp.float32)),
         aux=vary_everywhere(jnp.zeros((), jnp.float32)),
-        metrics=_zeros(router.zero_metrics(model_config, stats_shape)),
+        metrics=_zeros(router.zero_metrics(stage_model, stats_shape)),
         stats=_zeros(stats_shape, (m,)),
         totals=_zeros(stats_shape, (m,)),
     )
@@ -302,7 +324,8 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         lambda g, n: shared_rules.constrain(g if spread and "vocab" in n else jax.lax.psum(g, PIPELINE), n),
         end.shared_grads, shared_names, is_leaf=is_logical_names,
     )
-    # Losses and metrics are counted on the last rank, per replica: sum them and divide.
+    # Losses and metrics are counted on one rank per replica (with "ends", the loss on the last
+    # stage's rank): sum them and divide.
     everyone = (PIPELINE, *batch_axes)
     loss = jax.lax.psum(end.ce + end.aux, everyone) / (m * replicas)
     metrics = jax.tree.map(lambda a: jax.lax.psum(a, everyone) / (m * replicas), end.metrics)
@@ -311,20 +334,22 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(split, p, v):
-    return stage_layout(split, p, v)
+def _layout(split, p, v, stages):
+    return stage_layout(split, p, v, stages)
 
 
-def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
+def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.0):
     """Same contract as `jaxpar.train.step.loss_and_grads`: (loss, fp32 unscaled grads, metrics),
     computed by the pipeline engine with the plan's pipeline options (microbatches replace
-    `train.grad_accum`). `model_config`: the model as the pipeline sees it (`stage.StageModel`)."""
+    `train.grad_accum`). `model`: the model as the pipeline sees it, from the train step."""
     pipe, rules = opts.plan.pipeline, opts.rules
     mesh = rules.mesh
+    plan = pipe.slot_plan
     p, m, v = mesh.shape[PIPELINE], pipe.microbatches, pipe.virtual_stages
-    plan = slot_plan_for(pipe.schedule, p, m, v)
-    layout = _layout(pipe.stage_layers, p, v)
-    logical = model_config.logical
+    if (plan.schedule.num_ranks, plan.schedule.num_microbatches, plan.schedule.virtual_stages) != (p, m, v):
+        raise ValueError(f"pipeline table {plan.schedule.name!r} is not for p={p}, m={m}, v={v}")
+    layout = _layout(pipe.stage_layers, p, v, plan.schedule.stages)
+    logical = model.logical
     shared = {k: a for k, a in params.items() if k != "layers"}
     shared_names = {k: n for k, n in logical.items() if k != "layers"}
     micro = split_microbatches(batch, m, rules)
@@ -333,7 +358,7 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
     # shard; attention's collectives over `context` run inside the stage branches).
     inputs, targets, positions = split_rows(micro, opts.plan.context, rules, names=(None, "batch", "seq"))
     positions = default_positions(inputs[0]) if positions is None else positions[0]
-    rank_tables = {k: jnp.asarray(plan.tables[k]) for k in FIELDS}
+    rank_tables = {k: jnp.asarray(t) for k, t in plan.tables.items()}
     steps = {k: jnp.asarray(plan.steps[k]) for k in STEP_FIELDS}
     layout_tables = {k: jnp.asarray(t) for k, t in layout.tables.items()}
     # Data-parallel replicas (manual batch axes) accumulate their own gradients and reduce them
@@ -356,7 +381,7 @@ def pipelined_loss_and_grads(params, batch, *, model_config, opts, scale=1.0):
         is_leaf=lambda x: isinstance(x, P),
     )
     engine = functools.partial(
-        _engine, plan=plan, layout=layout, model_config=model_config, opts=opts, shared_names=shared_names,
+        _engine, plan=plan, layout=layout, stage_model=model, opts=opts, shared_names=shared_names,
         batch_axes=batch_axes, vocab=pipe.vocab,
     )
     run = jax.shard_map(

@@ -7,18 +7,21 @@ layers [q·c, (q+1)·c), c = L/p); otherwise the stack is replicated over `pipel
 cannot be split unevenly), which costs p× the layer memory and one all-reduce of the layer
 gradients over `pipeline` per step — pick L divisible by p for large models.
 
-A split gives global stage s (virtual stage u = s // p on rank r = s % p) n_s consecutive
-layers. Inside the engine's `shard_map` each rank builds its staged view [v, Lmax, ...] (Lmax =
-the largest n_s) from its storage block: layers it owns are gathered locally; layers another
-rank owns arrive by one `ppermute` per rank distance d (every rank sends what rank r + d needs
-from it, padded to the largest such count). Entries past n_s are padding (a copy of some layer):
-the engine has one branch per distinct stage length, whose layer scan runs over the first n_s
-entries only (a static slice), so a stage with fewer layers does proportionally less work and
-padding gets no gradient. (Measured instead: one scan over Lmax with a `lax.cond` skipping the
-padding; on CPU a skipped layer still cost ~40 ms of a real layer's ~70 ms in the backward.)
-Gradients go back by the transpose of the same exchange (`jax.linear_transpose`). An equal split with v = 1 is a free
-reshape; any other split moves only the layers whose stage is not their storage rank, every step
-(e.g. L = 8, p = 2, split 3 + 5: one layer's parameters there and its gradient back).
+A split gives global stage s n_s consecutive layers; the schedule's stage map places s on a rank
+r as its local virtual stage u (`table.Schedule.stages`: u = s // p on r = s % p for the
+modular map; r and 2p - 1 - r share rank r in a V shape). Inside the engine's `shard_map` each
+rank builds its staged view [v, Lmax, ...] (Lmax = the largest n_s) from its storage block:
+layers it owns are gathered locally; layers another rank owns arrive by one `ppermute` per rank
+distance d (every rank sends what rank r + d needs from it, padded to the largest such count).
+Entries past n_s are padding (a copy of some layer): the engine has one branch per distinct stage
+length, whose layer scan runs over the first n_s entries only (a static slice), so a stage with
+fewer layers does proportionally less work and padding gets no gradient. (Measured instead: one
+scan over Lmax with a `lax.cond` skipping the padding; on CPU a skipped layer still cost ~40 ms
+of a real layer's ~70 ms in the backward.) Gradients go back by the transpose of the same
+exchange (`jax.linear_transpose`). An equal split with v = 1 on the modular map is a free
+reshape; any other split or map moves only the layers whose stage is not on their storage rank,
+every step (e.g. L = 8, p = 2, split 3 + 5: one layer's parameters there and its gradient back;
+a V shape with v = 2: the second half of each rank's stages comes from the mirrored rank).
 
 Chosen over storing the staged layout in the train state (mesh-dependent shapes: checkpoints,
 HF export and the optimizer would all need converting) and over a storage split that follows
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.axes import PIPELINE
+from jaxpar.parallel.pipeline.table import StageMap, modular_stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +52,22 @@ class StageLayout:
     lengths: tuple  # the distinct stage lengths, ascending (one engine branch each)
     shifts: tuple  # ((d, K_d), ...): ppermute distance and padded count, only those with K_d > 0
     tables: dict  # name -> int32/bool array with a leading rank axis [p, ...]
+    stages: StageMap = ()  # global stage -> (rank, local virtual stage)
 
     @property
     def identity(self) -> bool:
-        """The staged view is the storage block itself (equal split, v = 1): a free reshape."""
-        return self.sharded and self.virtual_stages == 1 and len(set(self.split)) == 1
+        """The staged view is the storage block itself (equal split, v = 1, stage s on rank s):
+        a free reshape."""
+        return (
+            self.sharded and self.virtual_stages == 1 and len(set(self.split)) == 1
+            and self.stages == modular_stages(self.num_ranks, 1)
+        )
 
 
-def stage_layout(split, p: int, v: int) -> StageLayout:
-    """The index tables for `split` (layers per global stage s = u·p + r) on p ranks × v."""
+def stage_layout(split, p: int, v: int, stages: StageMap | None = None) -> StageLayout:
+    """The index tables for `split` (layers per global stage) on p ranks × v, each stage on the
+    (rank, local virtual stage) `stages` gives it (default `modular_stages`)."""
+    stages = modular_stages(p, v) if stages is None else stages
     layers = sum(split)
     sharded = layers % p == 0
     block = layers // p if sharded else layers
@@ -66,7 +77,7 @@ def stage_layout(split, p: int, v: int) -> StageLayout:
     needs = {}  # rank -> [(slot, layer)] with slot = u·Lmax + j
     length = np.zeros((p, v), np.int32)  # index into `lengths` of each (rank, virtual stage)
     for s, (start, n) in enumerate(zip(starts, split)):
-        r, u = s % p, s // p
+        r, u = stages[s]
         length[r, u] = lengths.index(n)
         needs.setdefault(r, []).extend((u * lmax + j, int(start + j)) for j in range(n))
 
@@ -103,7 +114,7 @@ def stage_layout(split, p: int, v: int) -> StageLayout:
             else:
                 d = (r - q) % p
                 pool[r, slot] = offsets[d] + sends[d][q].index(layer)
-    return StageLayout(p, v, tuple(split), sharded, lmax, lengths, shifts, tables)
+    return StageLayout(p, v, tuple(split), sharded, lmax, lengths, shifts, tables, tuple(stages))
 
 
 def to_stages(local_layers, rank_tables: dict, layout: StageLayout):

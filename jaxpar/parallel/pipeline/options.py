@@ -3,44 +3,75 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
 from jaxpar.model_facts import padded_vocab_size
 from jaxpar.parallel.pipeline.balance import AUTO, PLACEMENTS, auto_split, parse_split, split_problems
-from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
+from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, ScheduleKind, schedule_kind
+from jaxpar.parallel.pipeline.slots import SlotPlan, build_slot_plan
+from jaxpar.parallel.pipeline.table import Schedule
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    schedule: str = "1f1b"
+    """What the engine, the rules table and the analysis read. `schedule` is the record (a name is
+    looked up, so options can be stated by hand). Its table, the auto stage split and the slot
+    plan are built when first read: the planner prices thousands of plans and needs none of them
+    (the rules table reads only `shard_layers`; the cost model the record's shape of the table). A
+    table may also be given (`given_table`, e.g. a hand-made one in a test). The engine, the slot
+    plan and the layout read the table's stage map."""
+
+    schedule: ScheduleKind | str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
     num_ranks: int = 1  # mesh.pipeline
     layers: int = 0  # the model's decoder layers
     vocab: str = "spread"  # where embedding / head run: a `balance.PLACEMENTS` entry (see `vocab.py`)
-    # `parallel.pipeline_stage_layers`: an explicit split (layers per global stage s = u·p + r,
-    # virtual stage u on rank r), or AUTO, balanced from the model's facts at `seq_len`.
+    # `parallel.pipeline_stage_layers`: an explicit split (layers per global stage, placed by the
+    # table's stage map), or AUTO, balanced from the model's facts at `seq_len`.
     split: tuple | str = AUTO
     facts: object = None  # the model's `jaxpar.model_facts.ModelFacts` (read by AUTO only)
     seq_len: int = 0
+    # Not compared or hashed: a function of the fields above (plans are cache keys in the analysis).
+    given_table: Schedule | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "schedule", schedule_kind(self.schedule))
+        t = self.given_table
+        if t is not None and (t.num_ranks, t.num_microbatches, t.virtual_stages) != (
+            self.num_ranks, self.microbatches, self.virtual_stages
+        ):
+            raise ValueError(
+                f"table {t.name!r} (p={t.num_ranks}, m={t.num_microbatches}, v={t.virtual_stages}) does not fit "
+                f"p={self.num_ranks}, m={self.microbatches}, v={self.virtual_stages}"
+            )
+
+    @functools.cached_property
+    def table(self) -> Schedule:
+        """The schedule's table for these ranks, microbatches and virtual stages (up to ~0.3 s at
+        m = 512, so built when first read)."""
+        if self.given_table is not None:
+            return self.given_table
+        return self.schedule.table(self.num_ranks, self.microbatches, self.virtual_stages)
 
     @functools.cached_property
     def stage_layers(self) -> tuple:
-        """Layers per global stage: the explicit split, or the auto split, computed when first read
-        (a schedule simulation, ~20 ms at 70B: the planner prices thousands of plans and never
-        needs it; the rules table reads only `shard_layers`)."""
+        """Layers per global stage: the explicit split, or the auto split on the table, computed
+        when first read (a schedule simulation, ~20 ms at 70B)."""
         if self.split != AUTO:
             return tuple(self.split)
-        return auto_split(
-            self.facts, self.seq_len, self.schedule, self.num_ranks, self.microbatches, self.virtual_stages,
-            placement=self.vocab,
-        )
+        return auto_split(self.facts, self.seq_len, self.table, placement=self.vocab)
 
     @property
     def shard_layers(self) -> bool:
         """The [L, ...] layer stacks split over `pipeline` (else replicated: see `layout.py`)."""
         return self.layers % self.num_ranks == 0
+
+    @functools.cached_property
+    def slot_plan(self) -> SlotPlan:
+        """The engine's branch and buffer-slot tables for `table`, built once per options."""
+        return build_slot_plan(self.table)
 
 
 def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
@@ -67,12 +98,15 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
     parallel, train, model = config.parallel, config.train, config.model
     errors = []
     name, v, m = parallel.pipeline_schedule, parallel.virtual_stages, parallel.num_microbatches
+    kind = None
     if name not in SCHEDULE_NAMES:
         errors.append(f"parallel.pipeline_schedule={name!r} is not one of {SCHEDULE_NAMES}")
+    else:
+        kind = schedule_kind(name)
     if v < 1:
         errors.append(f"parallel.virtual_stages={v} must be >= 1")
-    elif v > 1 and name != "interleaved_1f1b":
-        errors.append(f"parallel.virtual_stages={v} needs parallel.pipeline_schedule='interleaved_1f1b' (got {name!r})")
+    elif kind and (problem := kind.virtual_stage_problem(v)):
+        errors.append(problem)
     if m < 0:
         errors.append(f"parallel.num_microbatches={m} must be >= 1 (or 0: mesh.{PIPELINE})")
     if parallel.pipeline_vocab not in PLACEMENTS:
@@ -108,8 +142,7 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
             )
     else:
         errors += [f"{key}={list(split)} {problem}" for problem in split_problems(split, layers, p, v)]
-    if name == "interleaved_1f1b" and m % p:
-        errors.append(f"parallel.num_microbatches={m} must be a multiple of mesh.{PIPELINE}={p} for interleaved_1f1b")
+    errors += kind.constraints(p, m, v)  # the schedule's own microbatch constraints
     if has_aux_losses and parallel.zero_stage == 3:
         # ZeRO-3 leaves the batch axes to the partitioner inside the engine, so the expert dispatch
         # would nest its own shard_map over them inside the pipeline's; Shardy rejects that.

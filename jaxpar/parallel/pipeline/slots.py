@@ -1,29 +1,37 @@
 """Turns a schedule table into what the SPMD engine indexes each step: branches and buffer slots.
 
-Pure numpy, computed once per (schedule, p, m, v). The engine (`engine.py`) keeps two buffers per
-rank in its scan carry:
+Pure numpy, computed once per table. The engine (`engine.py`) keeps two buffers per rank in its
+scan carry:
 
-  acts[K_a + 1]   stage inputs. The activation a rank receives for step t is written to slot
-                  `recv_act[t]`; it stays until the stage's last backward-type action (B, or W
-                  when the backward is split) has recomputed from it. This one buffer is both the
-                  "received but not yet consumed" mailbox (zb_h1 / interleaved wait several steps)
-                  and the 1F1B stash. Within a step the engine runs B/W, then writes the arrival,
-                  then F, so a slot released by this step's B/W takes this step's arrival.
+  acts[K_a + 1]   stage inputs. An activation arriving at the start of step t is written to slot
+                  `recv_act{h}[t]`, h the hop that carried it (see below); it stays until the
+                  stage's last backward-type action (B, or W when the backward is split) has
+                  recomputed from it. This one buffer is both the "received but not yet consumed"
+                  mailbox (zb_h1 / interleaved wait several steps) and the 1F1B stash. Within a
+                  step the engine runs B/W, then writes the arrivals, then F, so a slot released by
+                  this step's B/W takes this step's arrival.
   grads[K_g + 1]  output gradients, written at the start of the step (B may use one at once) and
                   kept until B (or W, which needs it again). They come from the next stage
-                  (`recv_grad`) or, for the last stage, from the LM head, which every rank runs
+                  (`recv_grad{h}`) or, for the last stage, from the LM head, which every rank runs
                   right after the last stage's F (`recv_head`: the head's gradient of the last
                   stage's output, computed at step t, is stored at t + 1).
 
+Hops. Stage s sends its output to stage s + 1 on rank(s + 1), over rank distance d =
+(rank(s + 1) - rank(s)) mod p (`Schedule.hops`: one hop per distance the stage map uses, d = 0
+staying on the rank); the gradient goes back over the same hop. The engine moves every step's
+output over every hop (one `ppermute` per hop and direction, none for d = 0), so each rank
+receives one value per hop per step; the `recv_*{h}` fields say which of those are real and
+where they go. Liveness and slots follow the actual receiving rank of each value.
+
 Slots are assigned per rank by interval colouring over [arrival step, release step]; slot K (the
-extra last one) is a write-only trash slot for steps where nothing arrives, so the engine never
-branches on writes. Stage 0 reads its input from the embedding, not `acts`.
+extra last one) is a write-only trash slot for steps where nothing real arrives, so the engine
+never branches on writes. Stage 0 reads its input from the embedding, not `acts`.
 
 Branches. `fwd_branch`: 0 idle, 1 run the stage's layers (every stage, the last one too: its
 output feeds the head). `back_branch` indexes `SlotPlan.back_branches`: entry 0 is idle, every
 other entry a `BackBranch` naming what one B or W differentiates — deduplicated, so stages share
 a branch (they differ only in where their input comes from and their input gradient goes, which
-the engine decides outside the branches).
+the engine decides outside the branches). `fwd_stage` / `back_stage` are local virtual stages.
 
 Per-step fields (the same for every rank, `STEP_FIELDS`): which microbatch stage 0 embeds for
 its F and for its B/W (every rank takes part in the vocab-parallel lookup), and whether and for
@@ -38,12 +46,13 @@ import functools
 import numpy as np
 
 from jaxpar.parallel.pipeline.checks import validate
-from jaxpar.parallel.pipeline.schedules import B, F, W, Schedule, make_schedule
+from jaxpar.parallel.pipeline.schedules import make_schedule
+from jaxpar.parallel.pipeline.table import B, F, W, Schedule
 
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
-# Per-(step, rank) int32 fields the engine scans over.
+# Per-(step, rank) int32 fields the engine scans over, besides one `recv_act{h}` and one
+# `recv_grad{h}` per hop h (`SlotPlan.recv_fields`).
 FIELDS = (
-    "recv_act", "recv_grad",
     "fwd_branch", "fwd_kind", "fwd_mb", "fwd_stage", "fwd_slot",
     "back_branch", "back_kind", "back_mb", "back_stage", "back_slot", "back_grad_slot", "recv_head",
 )
@@ -67,12 +76,21 @@ class SlotPlan:
     act_slots: int  # K_a: live stage inputs per rank, at most (buffer has K_a + 1 slots)
     grad_slots: int  # K_g
     back_branches: tuple  # (None, BackBranch, ...): index 0 idle
-    tables: dict  # field -> int32 [T, p]
+    tables: dict  # FIELDS and `recv_fields` -> int32 [T, p]
     steps: dict  # STEP_FIELDS -> int32 [T]
 
     @property
     def split_backward(self) -> bool:
         return self.schedule.split_backward
+
+    @property
+    def hops(self) -> tuple:
+        return self.schedule.hops
+
+    @property
+    def recv_fields(self) -> tuple:
+        """(activation field, gradient field) per hop, in `hops` order."""
+        return tuple((f"recv_act{h}", f"recv_grad{h}") for h in range(len(self.hops)))
 
 
 def _kind(stage: int, num_stages: int) -> int:
@@ -105,48 +123,56 @@ def build_slot_plan(schedule: Schedule) -> SlotPlan:
     p, S = schedule.num_ranks, schedule.num_stages
     split = schedule.split_backward
     release_kind = W if split else B
+    rank = [r for r, _ in schedule.stages]
+    hop = {hop.distance: h for h, hop in enumerate(schedule.hops)}
+    via = [hop[(rank[s + 1] - rank[s]) % p] for s in range(S - 1)]  # the hop from stage s to s + 1
     when = {}  # (kind, mb, global stage) -> step
     for t, row in enumerate(schedule.grid):
         for r, cell in enumerate(row):
             for a in cell:
                 when[(a.kind, a.mb, schedule.global_stage(r, a.vstage))] = t
 
-    # Liveness per rank: a value sent at step t arrives at the start of t + 1.
+    # Liveness on the receiving rank: a value sent at step t arrives at the start of t + 1.
+    # (mb, stage) -> (arrival, release, field the arrival is read from)
     act_live = [dict() for _ in range(p)]
     grad_live = [dict() for _ in range(p)]
     for (kind, mb, s), t in when.items():
         if kind == F and s < S - 1:
-            act_live[(s + 1) % p][(mb, s + 1)] = (t + 1, when[(release_kind, mb, s + 1)])
+            act_live[rank[s + 1]][(mb, s + 1)] = (t + 1, when[(release_kind, mb, s + 1)], f"recv_act{via[s]}")
         if kind == B and s > 0:
-            grad_live[(s - 1) % p][(mb, s - 1)] = (t + 1, when[(release_kind, mb, s - 1)])
+            grad_live[rank[s - 1]][(mb, s - 1)] = (t + 1, when[(release_kind, mb, s - 1)], f"recv_grad{via[s - 1]}")
         if kind == F and s == S - 1:  # the head's gradient of the last stage's output
-            grad_live[s % p][(mb, s)] = (t + 1, when[(release_kind, mb, s)])
+            grad_live[rank[s]][(mb, s)] = (t + 1, when[(release_kind, mb, s)], "recv_head")
     act_slot, grad_slot = [], []
     k_act = k_grad = 0
     for r in range(p):
-        slots, k = _colour(act_live[r], reuse_at_release=True)
+        slots, k = _colour({key: x[:2] for key, x in act_live[r].items()}, reuse_at_release=True)
         act_slot.append(slots)
         k_act = max(k_act, k)
-        slots, k = _colour(grad_live[r], reuse_at_release=False)
+        slots, k = _colour({key: x[:2] for key, x in grad_live[r].items()}, reuse_at_release=False)
         grad_slot.append(slots)
         k_grad = max(k_grad, k)
 
     T = schedule.num_steps
-    tab = {f: np.zeros((T, p), np.int32) for f in FIELDS}
-    tab["recv_act"][:], tab["fwd_slot"][:], tab["back_slot"][:] = k_act, k_act, k_act  # trash slots
-    tab["recv_grad"][:], tab["back_grad_slot"][:], tab["recv_head"][:] = k_grad, k_grad, k_grad
+    recv = [f"recv_{x}{h}" for h in range(len(hop)) for x in ("act", "grad")]
+    tab = {f: np.zeros((T, p), np.int32) for f in FIELDS + tuple(recv)}
+    for f in tab:  # trash slots
+        if f.startswith("recv_act") or f in ("fwd_slot", "back_slot"):
+            tab[f][:] = k_act
+        elif f.startswith("recv_") or f == "back_grad_slot":
+            tab[f][:] = k_grad
     for r in range(p):
-        for (mb, s), (start, _) in act_live[r].items():
-            tab["recv_act"][start, r] = act_slot[r][(mb, s)]
-        for (mb, s), (start, _) in grad_live[r].items():
-            tab["recv_head" if s == S - 1 else "recv_grad"][start, r] = grad_slot[r][(mb, s)]
+        for (mb, s), (start, _, field) in act_live[r].items():
+            tab[field][start, r] = act_slot[r][(mb, s)]
+        for (mb, s), (start, _, field) in grad_live[r].items():
+            tab[field][start, r] = grad_slot[r][(mb, s)]
     steps = {f: np.zeros(T, np.int32) for f in STEP_FIELDS}
     branches = [None]
     for (kind, mb, s), t in when.items():
-        r, pre, stage_kind = s % p, "fwd" if kind == F else "back", _kind(s, S)
+        (r, u), pre, stage_kind = schedule.locate(s), "fwd" if kind == F else "back", _kind(s, S)
         tab[f"{pre}_kind"][t, r] = stage_kind
         tab[f"{pre}_mb"][t, r] = mb
-        tab[f"{pre}_stage"][t, r] = s // p
+        tab[f"{pre}_stage"][t, r] = u
         tab[f"{pre}_slot"][t, r] = act_slot[r].get((mb, s), k_act)
         if kind == F:
             tab["fwd_branch"][t, r] = 1
@@ -166,5 +192,6 @@ def build_slot_plan(schedule: Schedule) -> SlotPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def slot_plan_for(name: str, p: int, m: int, v: int) -> SlotPlan:
+def slot_plan_for(name, p: int, m: int, v: int) -> SlotPlan:
+    """The slot plan of `make_schedule(name, p, m, v)` (a name or a `ScheduleKind`), cached."""
     return build_slot_plan(make_schedule(name, p, m, v))
