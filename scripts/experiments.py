@@ -32,6 +32,10 @@ _SECTIONS = flags.DEFINE_list(
 )
 _FIT = flags.DEFINE_bool("fit", False, "Print the matmul efficiency each FITTED published run implies, and exit.")
 _SWEEPS = flags.DEFINE_list("sweeps", [], "Directories written by scripts/sweep.py to summarise.")
+_KEEP = flags.DEFINE_bool(
+    "keep_others", False, "Recompute only --sections; keep every other section as it stands in --out (sections are "
+    "numbered in the default order).",
+)
 _EXPERT_STEPS = flags.DEFINE_integer("expert_steps", 120, "Training steps per Mixtral run.")
 
 GIB = 2**30
@@ -427,6 +431,17 @@ def section_zero_context() -> list[str]:
     return section(get_config(), seq=131072, batch=64, hardware="h100-80g", n=128, compiled_seq=32768)
 
 
+def _existing_sections(path: str) -> dict[int, list[str]]:
+    """Section number -> its lines in an earlier docs/experiments.md (for --keep_others)."""
+    out, number = {}, None
+    for line in open(path).read().splitlines():
+        if line.startswith("## "):
+            number = int(line[3:].split(".")[0])
+        if number is not None:
+            out.setdefault(number, []).append(line)
+    return out
+
+
 def main(argv):
     del argv
     os.environ["XLA_FLAGS"] = " ".join([
@@ -446,8 +461,12 @@ def main(argv):
         "published": section_published, "zero_context": section_zero_context,
     }
     start = time.perf_counter()
+    kept = _existing_sections(_OUT.value) if _KEEP.value else {}
     body = []
-    for name in _SECTIONS.value:
+    for number, name in enumerate(_SECTIONS.default if _KEEP.value else _SECTIONS.value, 1):
+        if name not in _SECTIONS.value:
+            body += kept.get(number, [])
+            continue
         t = time.perf_counter()
         body += sections[name]()
         print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
