@@ -36,6 +36,9 @@ _KEEP = flags.DEFINE_bool(
     "keep_others", False, "Recompute only --sections; keep every other section as it stands in --out (sections are "
     "numbered in the default order).",
 )
+_PLANNER = flags.DEFINE_bool(
+    "published_planner", True, "Section published: also the planner's best layout per run (a whole search per run: slow).",
+)
 _EXPERT_STEPS = flags.DEFINE_integer("expert_steps", 120, "Training steps per Mixtral run.")
 
 GIB = 2**30
@@ -421,7 +424,7 @@ def section_fidelity(dirs: list[str]) -> list[str]:
 def section_published() -> list[str]:
     from jaxpar.analysis.published import section
 
-    return section()
+    return section(with_planner=_PLANNER.value)
 
 
 def section_zero_context() -> list[str]:
