@@ -51,6 +51,9 @@ def base_config() -> ConfigDict:
     c.parallel = ConfigDict(
         dict(
             zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
+            # The mesh axes ZeRO shards over: "data", "data+context", or "auto" (data x context whenever
+            # mesh.context > 1, except ZeRO-3 with a pipeline: `jaxpar.parallel.zero` says why it is the default).
+            zero_axes="auto",
             sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
             # auto | none | full | save_dots. auto: the fastest measured for the backend
             # (`jaxpar.parallel.plan.AUTO_REMAT`: full on CPU, none elsewhere).
@@ -133,6 +136,12 @@ def base_config() -> ConfigDict:
             profile_steps=0,
             tensorboard=True,
             peak_flops_per_device=0.0,
+            # Before anything is allocated the loop compares the compiled step's memory per device with
+            # what a device holds and stops (exit 2) when it does not fit (`jaxpar.train.fit`); True skips it.
+            skip_fit_check=False,
+            # The planner's predicted step time (`scripts/train.py --plan` sets it): every metrics record
+            # then carries it as predicted_step_s beside the measured step_s. 0: none.
+            predicted_step_s=0.0,
         )
     )
 

@@ -7,8 +7,8 @@ mesh axis appearing twice in one array's spec, raises `ShardingRuleError` — ne
 fallback.
 
 Two tables exist per run, both built from the parallel plan (`jaxpar.parallel.plan`): one for
-parameters and activations, one for optimizer state. They differ only in where ZeRO puts `data`
-(stage 1: optimizer state only; stage 3: both).
+parameters and activations, one for optimizer state. They differ only in where ZeRO puts its axes (`data`,
+and with `parallel.zero_axes` also `context`; stage 1: optimizer state only; stage 3: both).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.axes import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR
+from jaxpar.axes import CONTEXT, EXPERT, PIPELINE, TENSOR
 
 # The residual stream between blocks: [batch, sequence, embed].
 RESIDUAL = ("batch", "act_seq", "act_embed")
@@ -86,7 +86,7 @@ def constrain(rules: Rules | None, x, names):
 
 def rules_table(plan, *, zero_on_params: bool) -> dict:
     tensor, pipeline = plan.tensor, plan.pipeline
-    zero = (DATA,) if zero_on_params else ()
+    zero = tuple(plan.zero.axes) if zero_on_params else ()
     # Context parallelism splits the sequence of every activation (and of the batch's tokens,
     # targets, positions) over `context`; sequence parallelism splits each shard over `tensor`.
     context = (CONTEXT,) if plan.context is not None else ()

@@ -4,8 +4,10 @@
         [--global_batch_size=512 --seq_len=8192] [--compare=tensor=4,pipeline=2] [--top=5] \
         [--config.mesh.tensor=8 ...]
 
-Prints the top meshes that fit with their memory / compute / communication split, which vertex
-of the memory–compute–communication triangle binds and why the winner wins. When nothing fits,
+Prints the top meshes that fit with their predicted step time, tokens/s per device and MFU (at
+achieved rates, `jaxpar.analysis.efficiency`; `--efficiency=1` for the peak bound), their memory /
+compute / communication split, which vertex of the memory–compute–communication triangle binds and
+why the winner wins. When nothing fits,
 one line starting `no mesh fits` says which memory term overflows and the smallest device count
 that fits, then the ranking for that count. `--compare` discusses a given mesh (e.g. the source
 article's TP 4 x PP 2) on every hardware profile and on the device count that fits. Keys given
@@ -24,7 +26,11 @@ _BATCH = flags.DEFINE_integer("global_batch_size", None, "Override train.global_
 _SEQ = flags.DEFINE_integer("seq_len", None, "Override train.seq_len.")
 _TOP = flags.DEFINE_integer("top", 5, "Meshes to show.")
 _COMPARE = flags.DEFINE_string("compare", "", "A mesh to discuss, e.g. tensor=4,pipeline=2.")
-_EFFICIENCY = flags.DEFINE_float("efficiency", 1.0, "Fraction of peak FLOP/s the matmuls reach.")
+_EFFICIENCY = flags.DEFINE_string(
+    "efficiency", "achieved", "achieved: each matmul at its shape's efficiency, attention at its kernel's, ZeRO-3 "
+    "gathers hidden behind compute (jaxpar.analysis.efficiency); or a number: every matmul at that fraction of peak, "
+    "nothing overlapped (1: the peak bound)."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -52,9 +58,13 @@ def main(argv):
         config.train.seq_len = _SEQ.value
     fixed = command_line_keys(sys.argv)
     try:
+        efficiency = None if _EFFICIENCY.value == "achieved" else float(_EFFICIENCY.value)
+    except ValueError:
+        raise app.UsageError(f"--efficiency={_EFFICIENCY.value!r} is neither 'achieved' nor a number") from None
+    try:
         text = report(
             config, _HARDWARE.value, _DEVICES.value, top=_TOP.value, compare=parse_mesh(_COMPARE.value),
-            fixed=fixed, efficiency=_EFFICIENCY.value,
+            fixed=fixed, efficiency=efficiency,
         )
     except HardwareError as e:
         raise app.UsageError(f"--hardware: {e}") from None

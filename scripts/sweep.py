@@ -38,6 +38,10 @@ _RECOMPILE = flags.DEFINE_list(
     "recompile_gradient", [], "With --reprice: compile again the layouts whose gradient strategy is one of these "
     "(e.g. per_rank, after its code changed); the rest are re-priced from OUT/compiled.pkl."
 )
+_RECOMPILE_ZERO = flags.DEFINE_bool(
+    "recompile_zero_over_context", False, "With --reprice: compile again the layouts whose ZeRO spans data x context "
+    "(parallel.zero_axes); the rest are re-priced from OUT/compiled.pkl."
+)
 flags.mark_flags_as_required(["config", "out"])
 
 
@@ -69,12 +73,14 @@ def main(argv):
     start = time.perf_counter()
     screen = Screen(config, _DEVICES.value)
     if _REPRICE.value:
-        again = set(_RECOMPILE.value)
+        from jaxpar.analysis.comm_zero import spans_context
+
+        again, zero = set(_RECOMPILE.value), _RECOMPILE_ZERO.value
         rows = sw.reprice(
             config, pickled, _DEVICES.value, _HARDWARE.value,
-            recompile=(lambda layout: layout.gradient.value in again) if again else None,
+            recompile=(lambda layout: layout.gradient.value in again or (zero and spans_context(layout))) if again or zero else None,
         )
-        if again:
+        if again or zero:
             sw.save(rows, pickled)
         for candidate in candidates(config, _DEVICES.value, space):  # the refusal counts, as when compiled
             screen.admit(candidate)

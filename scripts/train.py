@@ -4,10 +4,12 @@
       [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite] [--plan=a100-80g]
 
 Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
-problem on stderr; 1 a checkpoint could not be written or read (a full disk included); 3 stopped
-for non-finite values; 4 another process of a multi-process run was lost (`jaxpar.peers`); 130 /
-143 interrupted by SIGINT / SIGTERM (during start-up: nothing changed; in the loop: after a final
-checkpoint; a second signal quits at once, without one).
+problem on stderr, or a step that does not fit the devices' memory (checked before anything is
+allocated: needed vs available per device, the largest term, the planner's best layout that fits);
+1 a checkpoint could not be written or read (a full disk included); 3 stopped for non-finite values;
+4 another process of a multi-process run was lost (`jaxpar.peers`); 130 / 143 interrupted by
+SIGINT / SIGTERM (during start-up: nothing changed; in the loop: after a final checkpoint; a second
+signal quits at once, without one).
 Multi-process: see `--help` and README ("Multi-process runs").
 """
 
@@ -48,6 +50,7 @@ def run(args, config) -> int:
 
     from jaxpar import distributed
     from jaxpar.checkpoint import CheckpointError
+    from jaxpar.train.fit import DoesNotFit
     from jaxpar.train.preflight import ConfigError
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
@@ -69,6 +72,9 @@ def run(args, config) -> int:
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
+    except DoesNotFit as e:  # before ConfigError, which it is: one line with the planner's way out
+        _error(f"{e}; {fit_advice(config, e)}")
+        return EXIT_USAGE
     except (ConfigError, WorkdirError, distributed.DistributedError, *plan_errors) as e:
         _error(e)
         return EXIT_USAGE
@@ -89,19 +95,37 @@ def run(args, config) -> int:
     return 0
 
 
-def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> None:
-    """Fills the layout keys from the planner's best layout for `num_devices` devices of
-    `hardware` (before preflight: a plan that fits nothing raises PlanError, one line)."""
+def fit_advice(config, error) -> str:
+    """The planner's best layout for these devices (imported only now: a run that fits never loads it)."""
     import jax
 
-    from jaxpar.analysis.planner import apply_layout, best_layout
+    from jaxpar.analysis.fit_advice import advice
 
-    keys, why = best_layout(config, hardware, num_devices, fixed=explicit)
+    try:
+        return advice(config, jax.devices(), error.available)
+    except Exception as e:  # noqa: BLE001 - the fit verdict stands even if the planner cannot help
+        return f"the planner found no advice ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> None:
+    """Fills the layout keys from the planner's best layout for `num_devices` devices of
+    `hardware` (before preflight: a plan that fits nothing raises PlanError, one line), and sets
+    `train.predicted_step_s` to its predicted step time, which every metrics record then carries."""
+    import jax
+
+    from jaxpar.analysis import plan_text
+    from jaxpar.analysis.planner import apply_layout, best_plan, prediction_line
+
+    plan = best_plan(config, hardware, num_devices, fixed=explicit)
+    keys = {k: v for k, v in plan.best.candidate.values.items() if k not in explicit}
     apply_layout(config, keys, explicit)
+    config.train.predicted_step_s = float(plan.best.estimate.time.seconds)
     if jax.process_index() == 0:
         chosen = " ".join(f"--config.{key}={value}" for key, value in sorted(keys.items()))
         print(f"plan for {num_devices} x {hardware}: {chosen}")
-        print(why, flush=True)
+        print(plan_text.choice(plan))
+        platform = jax.devices()[0].platform
+        print(prediction_line(plan) + ("" if platform == "gpu" or platform == "tpu" else f"; this run is on {platform} devices"), flush=True)
 
 
 if __name__ == "__main__":

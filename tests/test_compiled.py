@@ -159,6 +159,20 @@ def test_zero_stages_divide_memory_over_data(zero_stage, params_div, opt_div):
     assert bytes_per_device(mu, program.state_shardings.opt_state[1][0].mu) == norms + (full - norms) // opt_div
 
 
+@pytest.mark.parametrize("zero_axes, shards", [("auto", 8), ("data", 4)])
+def test_zero_over_data_and_context_divides_the_state_by_both(zero_axes, shards):
+    """data 4 x context 2: ZeRO-1 over data x context (the default) splits the optimizer state 8
+    ways, over data alone 4 ways; the parameters stay whole either way."""
+    config = tiny.with_overrides(tiny.llama(), {"data": 4, "context": 2}, parallel={"zero_stage": 1, "zero_axes": zero_axes})
+    program = build(config, jax.devices())
+    abstract = jax.eval_shape(program.init)
+    full = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(models.param_shapes(config.model)))
+    norms = 4 * config.model.hidden_size * (2 * config.model.num_hidden_layers + 1)
+    assert bytes_per_device(abstract.params, program.state_shardings.params) == full
+    mu = abstract.opt_state[1][0].mu
+    assert bytes_per_device(mu, program.state_shardings.opt_state[1][0].mu) == norms + (full - norms) // shards
+
+
 # ---- the HLO reader itself ---------------------------------------------------------------------
 
 

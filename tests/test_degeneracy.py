@@ -44,6 +44,13 @@ CASES = {
     "expert_data_tensor_zero1": ({}, {}, {"data": 2, "expert": 2, "tensor": 2}, {"zero_stage": 1}),
     # Tied embeddings: the one table is the vocab-parallel embedding and the LM head.
     "tied_tensor4": ({"tie_word_embeddings": True}, {}, {"data": 2, "tensor": 4}, {}),
+    # ZeRO over data x context (`parallel.zero_axes`, "auto" with mesh.context > 1): the optimizer
+    # state (and at stage 3 the parameters) split over both, with and without per-rank accumulation.
+    "zero1_data_x_context": ({}, {}, {"data": 4, "context": 2}, {"zero_stage": 1}),
+    "zero1_data_x_context_accum2": ({}, {"grad_accum": 2}, {"data": 2, "context": 2, "tensor": 2}, {"zero_stage": 1}),
+    "zero3_data_x_context_tensor2_sp": (
+        {}, {}, {"data": 2, "context": 2, "tensor": 2}, {"zero_stage": 3, "sequence_parallel": True, "remat": "full"}
+    ),
     # One KV head under tensor 4: every tensor rank gets a copy.
     "one_kv_head_tensor4": ({"num_key_value_heads": 1}, {}, {"data": 2, "tensor": 4}, {}),
     # Without sequence parallelism the sequence need not divide by tensor.

@@ -55,6 +55,9 @@ def test_meshes_are_every_factorization():
     assert len(list(meshes(8, moe=True))) == math.comb(7, 4)
 
 
+# ~2,000 candidates (1,554 before parallel.zero_axes doubled the context layouts' ZeRO variants), each
+# through preflight: minutes of CPU on a loaded machine.
+@pytest.mark.timeout(900)
 def test_screen_refuses_exactly_what_preflight_refuses():
     config = small_llama()
     config.parallel.sequence_parallel = True

@@ -60,7 +60,8 @@ def test_train_script_rejects_bad_config_before_compiling(tmp_path):
 
 def test_train_script_takes_the_planners_layout(tmp_path):
     """--plan fills the layout keys the planner picks for the visible devices (printed with the
-    reason) before preflight; a key given on the command line wins over the plan."""
+    reason and the predicted step time, which metrics.jsonl then carries beside the measured one)
+    before preflight; a key given on the command line wins over the plan."""
     from jaxpar.analysis.planner import best_layout
     from jaxpar.train.cli import load_config
 
@@ -88,6 +89,13 @@ def test_train_script_takes_the_planners_layout(tmp_path):
         section, name = key.split(".")
         assert written[section][name] == value, key
     assert written["mesh"]["tensor"] == 2
+    # The prediction the run is measured against: printed, and logged beside the measured step time.
+    from jaxpar.analysis.planner import best_plan
+
+    predicted = best_plan(config, "a100-80g", 4, fixed={"mesh.tensor"}).best.estimate.time.seconds
+    assert any(line.startswith(f"predicted for 4 x a100-80g: step_s {predicted:.4g}") for line in done.stdout.splitlines())
+    record = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["predicted_step_s"] == written["train"]["predicted_step_s"] == predicted and record["step_s"] > 0
 
     bad = subprocess.run(cmd[:-4] + ["--plan=b200x"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown hardware 'b200x'"), bad.stderr

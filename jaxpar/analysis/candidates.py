@@ -10,8 +10,9 @@ enumerated for MoE models: on a dense model it is data parallelism under another
 is split over data × expert and nothing else uses it), so it would only repeat the data meshes.
 Context sizes are enumerated like any axis.
 
-Knobs only vary where they matter: ZeRO stage when mesh.data > 1, sequence parallelism when
-mesh.tensor > 1, the context-parallel implementation when mesh.context > 1, schedule and
+Knobs only vary where they matter: ZeRO stage when mesh.data > 1 (and its axes, data or data x
+context, when mesh.context > 1 too), sequence parallelism when mesh.tensor > 1, the context-parallel
+implementation when mesh.context > 1, schedule and
 microbatch count when mesh.pipeline > 1, gradient accumulation otherwise.
 """
 
@@ -27,12 +28,14 @@ from collections.abc import Iterable, Iterator
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.families import facts
 from jaxpar.parallel.pipeline.schedules import schedule_kind
+from jaxpar.parallel.zero import resolve_axes
 from jaxpar.train.preflight import ConfigError, check
 
 SCHEDULE_KEY = "parallel.pipeline_schedule"
 MICROBATCH_KEY = "parallel.num_microbatches"
 ACCUM_KEY = "train.grad_accum"
 CONTEXT_IMPL_KEY = "parallel.context_impl"
+ZERO_AXES_KEY = "parallel.zero_axes"
 
 
 def _divisors(n: int) -> list[int]:
@@ -74,6 +77,7 @@ class Space:
     # (pipeline microbatches, or gradient accumulation without a pipeline), overriding the above.
     microbatch_rows: int = 0
     context_impls: tuple | None = ("all_gather", "ring", "all_to_all")  # with mesh.context > 1
+    zero_axes: tuple | None = ("auto", DATA)  # with mesh.context > 1 and ZeRO: over data x context or data
 
     @classmethod
     def of_config(cls, zero_stages=(0, 1, 3), remats=None, microbatch_rows: int = 0) -> "Space":
@@ -81,7 +85,7 @@ class Space:
         `microbatch_rows` rows per microbatch on every mesh)."""
         return cls(
             zero_stages=zero_stages, remats=remats, sequence_parallel=None, schedules=None, microbatch_options=0,
-            microbatch_rows=microbatch_rows, context_impls=None,
+            microbatch_rows=microbatch_rows, context_impls=None, zero_axes=None,
         )
 
 
@@ -110,7 +114,9 @@ class Candidate:
         v, mesh = self.values, self.mesh
         parts = [" ".join(f"{k}={s}" for k, s in mesh.items() if s > 1) or "1 device"]
         if mesh[DATA] > 1 and v.get("parallel.zero_stage"):
-            parts.append(f"zero{v['parallel.zero_stage']}")
+            stage = v["parallel.zero_stage"]
+            spans = CONTEXT in resolve_axes(v.get(ZERO_AXES_KEY, "auto"), stage, mesh)
+            parts.append(f"zero{stage}" + ("@dxc" if spans else ""))
         if mesh[TENSOR] > 1 and v.get("parallel.sequence_parallel"):
             parts.append("sp")
         if mesh[CONTEXT] > 1 and CONTEXT_IMPL_KEY in v:
@@ -202,7 +208,15 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
             keys["parallel.sequence_parallel"] = sp
         if impl is not None:
             keys[CONTEXT_IMPL_KEY] = impl
-        yield keys
+        if mesh[CONTEXT] == 1 or not zero:
+            yield keys
+            continue
+        seen = set()  # choices resolving to the same axes (ZeRO-3 with a pipeline: data) once
+        for choice in space.zero_axes or (par.zero_axes,):
+            axes = resolve_axes(choice, zero, mesh)
+            if axes not in seen:
+                seen.add(axes)
+                yield {**keys, ZERO_AXES_KEY: choice}
 
 
 def candidates(config, num_devices: int, space: Space | None = None, fixed: Iterable[str] = ()) -> Iterator[Candidate]:

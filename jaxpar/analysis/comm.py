@@ -20,7 +20,7 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
 - data / expert-as-data (batch axes): gradients all-reduced over the batch axes once per step
   (per-replica / per-rank accumulation) or once per microbatch (MoE, ZeRO-3: plain accumulation). ZeRO-1:
   reduce-scatter of the gradients over data, then all-gather of the updated parameters (param
-  dtype); the embedding's gradient instead moves its cotangent activations by all-to-all (and
+  dtype); over data x context (`parallel.zero_axes`) `jaxpar.analysis.comm_zero`; the embedding's gradient instead moves its cotangent activations by all-to-all (and
   the token ids by all-gather). ZeRO-3: each layer's weights all-gathered (compute dtype) inside
   the layer scan and again in the backward (three times in a pipeline stage, whose backward
   re-runs its forward), and each layer's gradient reduce-scattered, per microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
@@ -61,6 +61,7 @@ from __future__ import annotations
 from jaxpar.analysis.comm_context import (  # noqa: F401 (context_collectives: re-exported)
     context_collectives, context_gradients, dispatch_manual_over_context, context_reduced_with_data,
 )
+from jaxpar.analysis.comm_zero import spans_context, zero1, zero3_embedding, zero3_gathers
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
 from jaxpar.analysis.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
@@ -206,7 +207,12 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if not layout.zero.shard_optimizer_state:
         out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
         return out
-    # ZeRO shards over `data` only; an expert axis (dense model) stays a plain all-reduce.
+    if spans_context(layout) and layout.zero.gathers_updated_params:  # ZeRO-1 over data x context
+        reduced = context_reduced_with_data(layout)
+        if reduced:
+            out.append(Planned(_scatter(layout), batch, grads, k, "ZeRO-1: gradient reduce-scatter"))
+        return out + zero1(layout, counts, grads, k, reduced)
+    # ZeRO over `data`: an expert axis (dense model) stays a plain all-reduce.
     data, zero_axes = present_axes(layout, DATA), batch
     # Per-replica accumulation reduces the table's gradient with the rest (measured: zero1
     # accum2), and so does a vocab-parallel table (tensor > 1: measured, data 2 x tensor 4).
@@ -247,19 +253,25 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     # Layer gradients are reduce-scattered over data; the expert weights' are the dispatch's
     # all-reduce above when apart. With experts on their own axis the rest are all-reduced over
     # data x expert (measured, MoE data 2 x expert 4), else reduce-scattered over data.
-    out.append(Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)"))
+    spanned = spans_context(layout)  # over data x context: `comm_zero`
+    if spanned:
+        out += zero3_gathers(layout, counts, gathers)
+    else:
+        out.append(Planned(ALL_GATHER, data, cb * layer, L * m * gathers, "ZeRO-3: layer weights (fwd and bwd)", overlap=True))
+        out.append(Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"))
     if not (layout.is_moe and layout.e > 1):
         scattered = layer - (counts.experts if apart else 0)
-        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients"))
-    out += [
-        Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"),
-        Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"),
-    ]
+        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients", overlap=True))
+    if not (spanned and layout.is_moe and layout.e > 1):
+        out.append(Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"))
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, present_axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
-        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients"))
-        out.append(_embedding_cotangent_replicated(layout))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients", overlap=True))
+        if not spanned:
+            out.append(_embedding_cotangent_replicated(layout))
+    if spanned:
+        return out + zero3_embedding(layout, counts)
     if layout.t == 1 and layout.e == 1:
         out += _embedding_by_all_to_all(layout, data, forward=True)
     else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)

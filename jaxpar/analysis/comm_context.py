@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from jaxpar.analysis.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.layout import CONTEXT, EXPERT, TENSOR, Layout, LayoutError
+from jaxpar.analysis.comm_zero import spans_context
 from jaxpar.analysis.memory import ParamCounts
 from jaxpar.analysis.planned import Planned
 from jaxpar.parallel.data import GradientStrategy
@@ -90,8 +91,8 @@ def context_collectives(layout: Layout) -> list[Planned]:
     if impl == "ring":
         block = kv / c
         return [
-            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)"),
-            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)"),
+            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)", overlap=True),
+            Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)", overlap=True),
         ]
     if impl == "all_to_all":
         q = positions * hq
@@ -131,15 +132,22 @@ def context_gradients(layout: Layout, counts: ParamCounts) -> list[Planned]:
         # The engine, manual over context, accumulates per context rank: one all-reduce of the
         # data shards after it (measured, Llama 3 70B data 2 x pipeline 2 x context 2).
         return [Planned(ALL_REDUCE, (CONTEXT,), 4 * counts.as_params, 1, "CP: gradient shards over context (ZeRO-3, after the engine)")]
+    spanned = spans_context(layout)  # ZeRO over data x context (`comm_zero`): its table's gradient is its own
+    if spanned and layout.zero.gathers_updated_params:
+        return []  # reduce-scattered over data x context with the rest
     if layout.zero.shard_params:
         whole = 4 * (layout.layers_per_device * counts.layer_gathered + counts.shared_gathered) - experts
         out = []
-        if layout.is_moe and layout.e > 1:
+        if spanned:
+            whole -= 4 * counts.embedding
+            if layout.is_moe and layout.e > 1:
+                whole -= 4 * counts.head
+        elif layout.is_moe and layout.e > 1:
             # One vocab table's data shard is summed over context and expert together instead
             # (measured, Mixtral 8x7B data 2 x context 2 x expert 2).
             whole -= 4 * counts.head
             out.append(Planned(ALL_REDUCE, (CONTEXT, EXPERT), 4 * counts.head / layout.d, m, "CP x EP: a vocab table's shard (ZeRO-3 MoE)"))
-        return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)")]
+        return out + [Planned(ALL_REDUCE, (CONTEXT,), whole, m, "CP: gradients over context (ZeRO-3, per microbatch)", overlap=True)]
     # Dense models below ZeRO-3 with accumulation returned above: m > 1 here is MoE, which reduces
     # per microbatch by design (`_reductions_per_step`).
     if layout.zero.gathers_updated_params:

@@ -16,8 +16,6 @@ import dataclasses
 import time
 from collections import defaultdict
 
-import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxpar.analysis import hlo
@@ -128,22 +126,12 @@ def _known(c: hlo.Collective, branch_runs: dict | None):
     return None
 
 
-def abstract_inputs(program, config):
-    """(state, batch) as ShapeDtypeStructs carrying the program's shardings; nothing allocated."""
-    state = jax.eval_shape(program.init)
-    state = jax.tree.map(
-        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, program.state_shardings
-    )
-    rows, width = config.train.global_batch_size, config.train.seq_len + 1
-    batch = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=program.batch_sharding)
-    return state, batch
-
-
 def compile_step(config, devices=None, *, keep_text: bool = False, checked: bool = False) -> CompiledStep:
     """AOT-compiles jaxpar's train step for `config` on `devices` (default: all). `checked`: run
     `jaxpar.train.preflight.check` first (`ConfigError`, one line per problem), as scripts taking user
     input do; the sweep's candidates were screened by preflight already."""
-    from jaxpar.train.harness import checked_build  # late: keeps `import jaxpar.analysis` light
+    from jaxpar.train.fit import abstract_inputs  # late: keeps `import jaxpar.analysis` light
+    from jaxpar.train.harness import checked_build
     from jaxpar.train.setup import build
 
     start = time.perf_counter()

@@ -22,6 +22,14 @@ Sources (vendor datasheets / docs, figures as published):
   direction (300 GB/s); the ICI domain (one pod) is the "node"; DCN per chip 6.25 GB/s (a 200 Gb/s
   host NIC shared by 4 chips) for anything crossing slices.
 
+Achieved rates (`jaxpar.analysis.efficiency`): the attention kernel's fraction of peak is taken
+from kernel benchmarks, not fitted: FlashAttention-2 (Dao 2023, arXiv 2307.08691) runs forward +
+backward at 50-73% of an A100's peak (0.55: the backward, two thirds of the work, sits low); on H100
+a flash forward (head dim 128, bf16) measured 287-304 TFLOP/s with FlashAttention-2 and 397-429 with
+a Hopper (CUTLASS) kernel from 1k to 16k tokens (pytorch/benchmark PR #2296), 0.30-0.43 of 989
+(0.35 for forward + backward on cuDNN's kernel). TPU v5p: nominal 0.8 / 0.5, not validated. The
+fixed time per kernel (launch and tail) is 4 us everywhere.
+
 1 GB = 1e9 bytes for bandwidths (vendors' unit). HBM capacities: NVIDIA's "80GB" parts report
 81920 MiB (A100) / 81559 MiB (H100) in nvidia-smi, so their GB figure is taken as GiB, and so is
 H200's 141 and TPU v5p's 95 GiB.
@@ -34,6 +42,13 @@ import dataclasses
 GB = 1e9
 GIB = 2**30
 TFLOPS = 1e12
+
+# The fraction of the bf16 peak a large GEMM reaches end to end in a training step, one constant per
+# GPU generation, fitted on one published run each (`jaxpar.analysis.published.FITTED`; refit with
+# `python scripts/experiments.py --sections=published --fit`): everything else the model does not
+# price (element-wise kernels, clocks under load, launch gaps) is folded into it.
+A100_MATMUL_EFFICIENCY = 0.536
+H100_MATMUL_EFFICIENCY = 0.497
 
 
 class HardwareError(ValueError):
@@ -51,6 +66,12 @@ class Hardware:
     devices_per_node: int  # devices that share the intra-node fabric
     intra_node_link: str = "NVLink"  # names for the reports
     inter_node_link: str = "InfiniBand"
+    kind: str = "gpu"  # the XLA lowering the cost model prices for it (`jaxpar.analysis.layout.TARGETS`)
+    # Achieved rates (`jaxpar.analysis.efficiency`): the fraction of peak a large GEMM reaches, the
+    # fraction the fused attention kernel reaches at long sequences, and a fixed time per kernel.
+    matmul_efficiency: float = 0.8
+    attention_efficiency: float = 0.5
+    kernel_seconds: float = 4e-6
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -66,6 +87,8 @@ A100_80G = Hardware(
     intra_node_bandwidth=300 * GB,  # NVLink 3: 600 GB/s bidirectional
     inter_node_bandwidth=25 * GB,  # 200 Gb/s HDR InfiniBand per GPU
     devices_per_node=8,
+    matmul_efficiency=A100_MATMUL_EFFICIENCY,
+    attention_efficiency=0.55,  # FlashAttention-2 fwd + bwd: 50-73% of peak on A100 (Dao 2023)
 )
 
 H100_80G = Hardware(
@@ -76,6 +99,8 @@ H100_80G = Hardware(
     intra_node_bandwidth=450 * GB,  # NVLink 4: 900 GB/s bidirectional
     inter_node_bandwidth=50 * GB,  # 400 Gb/s ConnectX-7 per GPU
     devices_per_node=8,
+    matmul_efficiency=H100_MATMUL_EFFICIENCY,
+    attention_efficiency=0.35,  # fused flash attention on H100, bf16, head dim 128: see module doc
 )
 
 H200 = Hardware(
@@ -86,6 +111,8 @@ H200 = Hardware(
     intra_node_bandwidth=450 * GB,
     inter_node_bandwidth=50 * GB,
     devices_per_node=8,
+    matmul_efficiency=H100_MATMUL_EFFICIENCY,
+    attention_efficiency=0.35,  # fused flash attention on H100, bf16, head dim 128: see module doc
 )
 
 TPU_V5P = Hardware(
@@ -98,6 +125,7 @@ TPU_V5P = Hardware(
     devices_per_node=8960,  # one pod is one ICI domain
     intra_node_link="ICI",
     inter_node_link="DCN",
+    kind="tpu",
 )
 
 PROFILES = {hw.name: hw for hw in (A100_80G, H100_80G, H200, TPU_V5P)}

@@ -292,7 +292,8 @@ class Layout:
 
     def describe(self) -> str:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
-        extra = [f"zero{self.zero.stage}" if self.zero.stage else "", "sp" if self.sequence_parallel else ""]
+        spans = self.zero.stage and self.c > 1 and CONTEXT in self.zero.axes
+        extra = [f"zero{self.zero.stage}" + ("@dxc" if spans else "") if self.zero.stage else "", "sp" if self.sequence_parallel else ""]
         if self.c > 1:
             extra.append(f"cp={self.context_impl}")
         extra.append(f"remat={self.remat}")

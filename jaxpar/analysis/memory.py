@@ -46,7 +46,7 @@ import jax
 from ml_collections import ConfigDict
 
 from jaxpar import models
-from jaxpar.analysis.layout import DATA, Layout
+from jaxpar.analysis.layout import Layout
 from jaxpar.kernels.grouped_matmul import TILE
 from jaxpar.parallel.context.blockwise import chunk_size
 from jaxpar.parallel.data import GradientStrategy
@@ -140,13 +140,13 @@ class ParamCounts:
 
     as_params: int  # sharded like the parameters (ZeRO-3: over data too)
     as_optimizer: int  # sharded like the optimizer state (ZeRO >= 1: over data)
-    layer_gathered: int  # one layer's weights with the data split removed (what ZeRO-3 gathers)
+    layer_gathered: int  # one layer's weights with ZeRO's split removed (what ZeRO-3 gathers)
     shared: int  # embedding / head / final norm, as parameters
-    shared_gathered: int  # the same without the data split (as the pipeline reduces their gradients)
+    shared_gathered: int  # the same without ZeRO's split (as the pipeline reduces their gradients)
     total: int  # unsharded
-    embedding: int  # the token table, without the data split
-    head: int  # the LM head (0 when tied), without the data split
-    experts: int  # one layer's expert weights, without the data split (0 for dense)
+    embedding: int  # the token table, without ZeRO's split
+    head: int  # the LM head (0 when tied), without ZeRO's split
+    experts: int  # one layer's expert weights, without ZeRO's split (0 for dense)
 
 
 def param_counts(layout: Layout) -> ParamCounts:
@@ -174,6 +174,7 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
     params_table = rules_table(plan, zero_on_params=plan.zero.shard_params)
     opt_table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
     mesh = dict(plan.mesh_shape)
+    zero = tuple(plan.zero.axes)  # what ZeRO splits: data, and with parallel.zero_axes context too
     as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
     leaves = _model_leaves(model_json)
     # Layer stacks (`layers`, and `dense_layers` for dense layers among MoE layers): per layer
@@ -185,15 +186,15 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
         as_params += here
         as_opt += _shard_elements(shape, names, opt_table, mesh)
         if keys[0] in LAYER_STACKS:
-            # Per layer: drop the stacked dim (split over pipeline when p > 1) and the data split.
-            one = _shard_elements(shape[1:], names[1:], params_table, mesh, drop=(DATA,))
+            # Per layer: drop the stacked dim (split over pipeline when p > 1) and ZeRO's split.
+            one = _shard_elements(shape[1:], names[1:], params_table, mesh, drop=zero)
             if len(stacks) > 1:
                 one = one * stacks[keys[0]] / sum(stacks.values())
             layer += one
             experts += one if "experts" in keys else 0
         else:
             shared += here
-            whole = _shard_elements(shape, names, params_table, mesh, drop=(DATA,))
+            whole = _shard_elements(shape, names, params_table, mesh, drop=zero)
             shared_gathered += whole
             embedding += whole if keys[0] == "embed" else 0
             head += whole if keys[0] == "lm_head" else 0

@@ -30,9 +30,10 @@ def mesh_text(mesh: dict) -> str:
 
 
 def comm_text(p: Priced, hardware: hw.Hardware) -> str:
-    mesh = p.estimate.layout.mesh
+    mesh, exposed = p.estimate.layout.mesh, p.estimate.time.exposed_by_axes
     parts = [
         f"{'+'.join(axes)} {_s(sec)} {hw.link_name(hardware, mesh, axes)}"
+        + (f" ({_s(exposed[axes])} exposed)" if exposed[axes] < 0.995 * sec else "")
         for axes, sec in sorted(p.estimate.time.comm_by_axes.items(), key=lambda kv: -kv[1])
         if sec > 0
     ]
@@ -41,9 +42,11 @@ def comm_text(p: Priced, hardware: hw.Hardware) -> str:
 
 def time_split(p: Priced, hardware: hw.Hardware) -> str:
     t = p.estimate.time
+    hidden = f", {_s(t.hidden)} of it hidden behind compute" if t.hidden > 0 else ""
     return (
         f"compute {_s(t.compute)} ({_pct(t.compute, t.seconds)}), communication {_s(t.comm)} "
-        f"({_pct(t.comm, t.seconds)}: {comm_text(p, hardware)}), bubble {_s(t.bubble)} ({_pct(t.bubble, t.seconds)})"
+        f"({_pct(t.exposed_comm, t.seconds)} exposed{hidden}: {comm_text(p, hardware)}), bubble {_s(t.bubble)} "
+        f"({_pct(t.bubble, t.seconds)})"
     )
 
 
@@ -78,13 +81,15 @@ def ranking(plan: Plan, top: int = 5) -> str:
     lines = [
         f"{len(meshes)} meshes fit ({len(plan.fitting)} layouts of {len(plan.fitting) + len(plan.too_big)} priced; "
         f"{plan.screen.summary()}" + (f"; not priced: {sum(plan.unpriced.values())} ({next(iter(plan.unpriced))})" if plan.unpriced else "") + ")",
-        f"{'#':>2}  {'layout':<52} {'step':>8} {'tok/s':>9} {'MFU':>4}  {'compute':>8} {'comm':>8} {'bubble':>8}  {'peak GiB':>8}",
+        f"{'#':>2}  {'layout':<52} {'step':>8} {'tok/s/dev':>9} {'MFU':>4}  {'compute':>8} {'comm':>8} {'exposed':>8} "
+        f"{'bubble':>8}  {'peak GiB':>8}",
     ]
     for i, p in enumerate(meshes[:top]):
         t = p.estimate.time
         lines.append(
-            f"{i + 1:>2}  {p.describe():<52} {_s(t.seconds):>8} {p.estimate.tokens_per_second:>9,.0f} "
-            f"{p.estimate.mfu:>4.0%}  {_s(t.compute):>8} {_s(t.comm):>8} {_s(t.bubble):>8}  {p.peak / GIB:>8.1f}"
+            f"{i + 1:>2}  {p.describe():<52} {_s(t.seconds):>8} {p.estimate.tokens_per_second_per_device:>9,.0f} "
+            f"{p.estimate.mfu:>4.0%}  {_s(t.compute):>8} {_s(t.comm):>8} {_s(t.exposed_comm):>8} {_s(t.bubble):>8}  "
+            f"{p.peak / GIB:>8.1f}"
         )
     return "\n".join(lines)
 
@@ -94,17 +99,18 @@ def ranking(plan: Plan, top: int = 5) -> str:
 
 def _largest_time(p: Priced, hardware: hw.Hardware) -> str:
     t = p.estimate.time
-    part = max(("compute", t.compute), ("communication", t.comm), ("bubble", t.bubble), key=lambda kv: kv[1])[0]
+    part = max(("compute", t.compute), ("communication", t.exposed_comm), ("bubble", t.bubble), key=lambda kv: kv[1])[0]
     if part == "compute":
         return (
-            f"compute binds: {_pct(t.compute, t.seconds)} of the step is matmul time at "
-            f"{hardware.peak(p.estimate.layout.compute_dtype_name) / 1e12:.0f} TFLOP/s; only more devices, "
+            f"compute binds: {_pct(t.compute, t.seconds)} of the step is matmul time "
+            f"({p.estimate.flops_per_device / t.compute / 1e12:.0f} TFLOP/s achieved of "
+            f"{hardware.peak(p.estimate.layout.compute_dtype_name) / 1e12:.0f}); only more devices, "
             "less recomputation or faster matmuls shorten it"
         )
-    if part == "communication":
-        axes, sec = max(p.estimate.time.comm_by_axes.items(), key=lambda kv: kv[1])
+    if part == "communication":  # the exposed part: what hides behind compute costs nothing
+        axes, sec = max(p.estimate.time.exposed_by_axes.items(), key=lambda kv: kv[1])
         return (
-            f"communication binds: {_pct(t.comm, t.seconds)} of the step, most of it over {'+'.join(axes)} "
+            f"communication binds: {_pct(t.exposed_comm, t.seconds)} of the step, most of it over {'+'.join(axes)} "
             f"({_s(sec)} on {hw.link_name(hardware, p.estimate.layout.mesh, axes)})"
         )
     return f"the pipeline bubble binds: {_pct(t.bubble, t.seconds)} of the step is idle ranks"
@@ -144,7 +150,7 @@ def _tradeoff(a: Priced, b: Priced) -> list[tuple[float, str]]:
     ta, tb = a.estimate.time, b.estimate.time
     out = [(ta.compute - tb.compute, f"compute{_compute_reason(a, b)}"),
            (ta.bubble - tb.bubble, f"pipeline bubble ({a.estimate.layout.bubble_fraction:.0%} idle)")]
-    comm_a, comm_b = ta.comm_by_axes, tb.comm_by_axes
+    comm_a, comm_b = ta.exposed_by_axes, tb.exposed_by_axes  # what hides behind compute costs no time
     for axes in set(comm_a) | set(comm_b):
         link = hw.link_name(a.estimate.hardware, a.estimate.layout.mesh if axes in comm_a else b.estimate.layout.mesh, axes)
         out.append((comm_a.get(axes, 0.0) - comm_b.get(axes, 0.0), f"{'+'.join(axes)} communication over {link}"))
@@ -185,7 +191,8 @@ def choice(plan: Plan) -> str:
     best = plan.best
     return "\n".join([
         f"plan for {plan.num_devices} x {plan.hardware.name}: {best.describe()}: {_s(best.seconds)}/step predicted, "
-        f"{best.estimate.tokens_per_second:,.0f} tokens/s, MFU {best.estimate.mfu:.0%}",
+        f"{best.estimate.tokens_per_second:,.0f} tokens/s ({best.estimate.tokens_per_second_per_device:,.0f} per device), "
+        f"MFU {best.estimate.mfu:.0%}",
         f"  time: {time_split(best, plan.hardware)}",
         f"  memory: {memory_split(best, plan.usable)}",
         f"  {binding(plan)}",

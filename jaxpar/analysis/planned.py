@@ -50,6 +50,7 @@ class Planned:
     what: str
     quirk: bool = False  # a known jaxpar inefficiency (see `jaxpar_quirks`)
     group_size: int = 0  # devices per group when smaller than the axes (0: all of them)
+    overlap: bool = False  # XLA can run it behind compute (`jaxpar.analysis.efficiency`, rule 3)
 
     def group(self, mesh: dict) -> int:
         if self.group_size:

@@ -26,15 +26,33 @@ class PlanError(ValueError):
     """No layout fits (the message is one line starting `no mesh fits`)."""
 
 
-def best_layout(config, hardware, num_devices: int, *, fixed: Iterable[str] = (), efficiency: float = 1.0):
-    """(config keys of the fastest layout that fits, explanation). Keys in `fixed` keep the
-    config's value. Raises PlanError (one line, starting `no mesh fits`) when nothing fits."""
+def best_plan(config, hardware, num_devices: int, *, fixed: Iterable[str] = (), efficiency: float | None = None):
+    """The ranked `Plan` whose `best` fits; raises PlanError (one line, starting `no mesh fits`)
+    when nothing does."""
     plan = plan_layouts(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
     if plan.best is None:
         bigger = smallest_fitting_plan(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
         raise PlanError(plan_text.no_fit_line(plan, bigger))
+    return plan
+
+
+def best_layout(config, hardware, num_devices: int, *, fixed: Iterable[str] = (), efficiency: float | None = None):
+    """(config keys of the fastest layout that fits, explanation). Keys in `fixed` keep the
+    config's value. Raises PlanError (one line, starting `no mesh fits`) when nothing fits."""
+    plan = best_plan(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
     keys = {k: v for k, v in plan.best.candidate.values.items() if k not in set(fixed)}
     return keys, plan_text.choice(plan)
+
+
+def prediction_line(plan) -> str:
+    """What the run will be measured against: the winner's predicted step time, tokens/s and MFU
+    in the units of metrics.jsonl (`step_s`, `tokens_per_sec` for all devices, `mfu`)."""
+    est = plan.best.estimate
+    return (
+        f"predicted for {plan.num_devices} x {plan.hardware.name}: step_s {est.time.seconds:.4g}, tokens_per_sec "
+        f"{est.tokens_per_second:,.0f} ({est.tokens_per_second_per_device:,.0f} per device), mfu {est.mfu:.3f} "
+        "(metrics.jsonl logs the measured fields with predicted_step_s beside them)"
+    )
 
 
 def apply_layout(config, keys: dict, explicit: Iterable[str] = ()):
@@ -52,7 +70,7 @@ def command_line_keys(argv: Iterable[str]) -> set[str]:
     return {m.group(1) for m in map(_CONFIG_FLAG.match, argv) if m}
 
 
-def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | None = None, fixed=(), efficiency=1.0) -> str:
+def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | None = None, fixed=(), efficiency=None) -> str:
     """Everything `scripts/plan.py` prints."""
     hardware = hw.get(hardware) if isinstance(hardware, str) else hardware
     plan = plan_layouts(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
@@ -67,7 +85,12 @@ def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | 
     out += [plan_text.ranking(ranked, top), "", plan_text.choice(ranked)]
     if compare:
         out += ["", plan_text.discuss_mesh(config, hardware, plan, ranked, compare)]
-    peak = "at peak FLOP/s (optimistic)" if efficiency == 1 else f"at {efficiency:g} x peak FLOP/s"
-    out += ["", f"(step time = matmuls {peak} + communication at link bandwidth, not overlapped with compute "
-                "(pessimistic) + pipeline bubble)"]
+    if efficiency is None:
+        out += ["", "(step time = matmuls at the efficiency their shapes reach and attention at its kernel's "
+                    "(jaxpar.analysis.efficiency) + communication at link bandwidth, ZeRO-3's per-layer gathers and "
+                    "reductions and the context ring hidden behind compute where it is long enough + pipeline bubble)"]
+    else:
+        peak = "at peak FLOP/s (optimistic)" if efficiency == 1 else f"at {efficiency:g} x peak FLOP/s"
+        out += ["", f"(step time = matmuls {peak} + communication at link bandwidth, not overlapped with compute "
+                    "(pessimistic) + pipeline bubble)"]
     return "\n".join(out)

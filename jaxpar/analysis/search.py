@@ -18,7 +18,9 @@ import re
 from collections.abc import Iterable
 
 from jaxpar.analysis import hardware as hw
-from jaxpar.analysis.candidates import ACCUM_KEY, CONTEXT_IMPL_KEY, MICROBATCH_KEY, Candidate, Screen, Space, candidates
+from jaxpar.analysis.candidates import (
+    ACCUM_KEY, CONTEXT_IMPL_KEY, MICROBATCH_KEY, ZERO_AXES_KEY, Candidate, Screen, Space, candidates,
+)
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.analysis.memory import MemoryEstimate
 from jaxpar.axes import MESH_AXES, PIPELINE
@@ -38,6 +40,7 @@ PLANNER_SPACE = Space(microbatch_options=3)
 LAYOUT_KEYS = tuple(f"mesh.{a}" for a in MESH_AXES) + (
     "parallel.zero_stage", "parallel.remat", "parallel.sequence_parallel", "parallel.pipeline_schedule",
     "parallel.num_microbatches", "parallel.virtual_stages", "train.grad_accum", "parallel.context_impl",
+    "parallel.zero_axes",
 )
 
 
@@ -128,7 +131,7 @@ def plan_layouts(
     *,
     space: Space = PLANNER_SPACE,
     fixed: Iterable[str] = (),
-    efficiency: float = 1.0,
+    efficiency: float | None = None,
     usable_fraction: float = USABLE_FRACTION,
 ) -> Plan:
     hardware = _hardware(hardware)
@@ -158,7 +161,7 @@ def plan_layouts(
         for c in group:
             knobs = (
                 c.get("parallel.zero_stage"), c.get("parallel.remat"), c.get("parallel.sequence_parallel"),
-                c.get(CONTEXT_IMPL_KEY),
+                c.get(CONTEXT_IMPL_KEY), c.get(ZERO_AXES_KEY),
             )
             if c.mesh[PIPELINE] == 1 and knobs in fit_accum:
                 continue

@@ -26,7 +26,8 @@ from jaxpar.optim import DEFAULT_OPTIMIZER, OPTIMIZER_NAMES, resume_keys
 MUST_MATCH = ("model.", "data.")
 FREE = (
     "mesh", "parallel", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
-    "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf",
+    "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf", "train.skip_fit_check",
+    "train.predicted_step_s",
 )
 _ABSENT = object()
 

@@ -20,7 +20,7 @@ from jaxpar.parallel.context.plan import ContextPlan, context_plan
 from jaxpar.parallel.data import BATCH_AXES, GradientStrategy, gradient_strategy
 from jaxpar.parallel.pipeline.options import PipelineOptions, pipeline_options
 from jaxpar.parallel.tensor import TensorPlan, tensor_plan
-from jaxpar.parallel.zero import ZeroPlan, zero_plan
+from jaxpar.parallel.zero import ZeroPlan, resolve_axes, zero_plan
 
 # `parallel.remat` names (the policies themselves: `jaxpar.models.decoder.REMAT_POLICIES`).
 REMAT_NAMES = ("none", "full", "save_dots")
@@ -88,7 +88,7 @@ def make_plan(config, mesh: dict, facts, backend: str | None = None) -> Parallel
     """From `config`, resolved mesh sizes (`jaxpar.mesh.resolve_mesh_shape`), the model's facts and
     the backend compiled for (default: jax's); run preflight first."""
     backend = backend or jax.default_backend()
-    zero = zero_plan(config.parallel.zero_stage)
+    zero = zero_plan(config.parallel.zero_stage, resolve_axes(config.parallel.zero_axes, config.parallel.zero_stage, mesh))
     pipeline = pipeline_options(config, mesh, facts)
     grad_accum = config.train.grad_accum
     return ParallelPlan(

@@ -1,14 +1,15 @@
-"""The training loop: preflight, lock, build, resume or init, compile, then step, record, save.
+"""The training loop: preflight, lock, build, compile and fit check, resume or init, then step, record, save.
 
 Order matters for never losing data: everything a run reads is checked first (`preflight.check_run`,
-no writes); then the workdir is locked; the program is built, the state restored (newest complete
-checkpoint that fits) or initialised, and the step compiled. Only then — the run is known to start —
-is anything of an earlier run touched: `--overwrite` moves it aside (`jaxpar.train.aside`: deleted at
-this run's first complete checkpoint, put back if this run fails before), or a resumed
-`metrics.jsonl` is cut back to the restored step. A signal during start-up stops the run at the end
-of its phase (`StopSignals.check`), one in the loop after the step with a final checkpoint. Each
-step's bookkeeping is its own function (`_record`, `_after_step`), so the loop body stays a short
-list of calls.
+no writes); then the workdir is locked; the program is built and its step compiled on abstract inputs
+and checked against the devices' memory (`jaxpar.train.fit`, before any data is read or state
+allocated), then the data loaded and the state restored (newest complete checkpoint that fits) or
+initialised. Only then — the run is known to start — is anything of an earlier run touched:
+`--overwrite` moves it aside (`jaxpar.train.aside`: deleted at this run's first complete checkpoint,
+put back if this run fails before), or a resumed `metrics.jsonl` is cut back to the restored step. A
+signal during start-up stops the run at the end of its phase (`StopSignals.check`), one in the loop
+after the step with a final checkpoint. Each step's bookkeeping is its own function (`_record`,
+`_after_step`), so the loop body stays a short list of calls.
 
 Checkpoint step numbers count the batches consumed (the data position), which is also the
 `step` field of metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps).
@@ -38,6 +39,7 @@ from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.train import aside as asides
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
+from jaxpar.train.fit import compile_fitting
 from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
@@ -239,23 +241,27 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         _say(note)
     if not is_remote(plan.checkpoint_dir):
         check_shared_storage(plan.checkpoint_dir)
-    tokens = load_tokens(config.data)
-    for warning in corpus_warnings(config.data, tokens):
-        _say(f"warning: {warning}")
-    corpus = {workdirs.CORPUS_TOKENS: len(tokens), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
-    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
-    signals.check("loading data", resuming)
     program = build(config, devices)
     if jax.process_index() == 0:
         for line in report(program.mesh):
             print(line)
         print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
         print(memory_report(program), flush=True)
-    check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before compiling, not at the first save
     signals.check("build", resuming)
+    # Compiled on abstract inputs and checked against the devices' memory before any data is read or
+    # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
+    step_fn, compile_s = compile_fitting(program, config, devices)
+    signals.check("compile", resuming)
+    tokens = load_tokens(config.data)
+    for warning in corpus_warnings(config.data, tokens):
+        _say(f"warning: {warning}")
+    corpus = {workdirs.CORPUS_TOKENS: len(tokens), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
+    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
+    signals.check("loading data", resuming)
+    check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before the state, not at the first save
     run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, corpus, signals, progress)
     try:
-        history = _run(run, resuming, batches.shape)
+        history = _run(run, resuming, step_fn, compile_s)
     except BaseException as error:
         _amend(error, _finish(run, failed=True))
         raise
@@ -263,7 +269,8 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     return history
 
 
-def _run(run: _Run, resuming: bool, batch_shape: tuple) -> list[dict]:
+def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
+    """Restore or initialise the state, then the steps (`step_fn`: the fit-checked executable)."""
     config, program, signals, train_cfg = run.config, run.program, run.signals, run.config.train
     if resuming:
         run.checkpoints = _open_checkpoints(config, run.plan)
@@ -275,11 +282,6 @@ def _run(run: _Run, resuming: bool, batch_shape: tuple) -> list[dict]:
     if start >= train_cfg.steps:
         _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
         return []
-    compile_started = time.perf_counter()
-    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=program.batch_sharding)
-    step_fn = program.step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - compile_started
-    signals.check("compile", resuming)
     _start(run, start if resuming else None)
     run.observer = Observer(config, run.plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))

@@ -9,7 +9,8 @@
     (`jaxpar.analysis.profile`, which reads `HLO_DIR` and `STEP_ANNOTATION` from here);
   - `observer.throughput(step, seconds)` — `step_s` (execution only: the loop compiles ahead of
     time), `tokens_per_sec`, `mfu` (model FLOPs `ModelFacts.model_flops_per_step` / step time / peak FLOP/s of the
-    devices), and on the first step run `compile_s`, the ahead-of-time compile;
+    devices), on the first step run `compile_s`, the ahead-of-time compile, and with
+    `train.predicted_step_s` (set by `scripts/train.py --plan`) the planner's prediction beside them;
   - `observer.log(record)` — every numeric field of the metrics record as a TensorBoard scalar under
     `WORKDIR/tensorboard` (tensorboardX; list-valued MoE router statistics one scalar per expert).
 
@@ -90,6 +91,8 @@ def checks(config) -> list[str]:
         errors.append(f"train.profile_start={train.profile_start} must be >= 1 (the first step is 1)")
     if train.peak_flops_per_device < 0:
         errors.append(f"train.peak_flops_per_device={train.peak_flops_per_device} must be >= 0 (0: table or measured)")
+    if train.predicted_step_s < 0:
+        errors.append(f"train.predicted_step_s={train.predicted_step_s} must be >= 0 (0: no prediction)")
     return errors
 
 
@@ -124,6 +127,7 @@ class Observer:
         self.profile_last = train.profile_start + train.profile_steps - 1
         self._profiling = False
         self._compile_s = compile_s  # reported with the first step, then 0
+        self.predicted_step_s = float(train.predicted_step_s)
         self.writer = None
         if train.tensorboard and jax.process_index() == 0:
             from tensorboardX import SummaryWriter
@@ -156,6 +160,8 @@ class Observer:
             record["mfu"] = self.flops_per_step / step_s / self.peak_flops
         if self._compile_s:
             record["compile_s"], self._compile_s = self._compile_s, 0.0
+        if self.predicted_step_s > 0:  # the planner's prediction (`--plan`), beside the measurement
+            record["predicted_step_s"] = self.predicted_step_s
         return record
 
     def log(self, record: dict):
