@@ -1,7 +1,6 @@
 """Reproduce the source article's experiments with jaxpar and write docs/experiments.md.
 
-    python scripts/experiments.py --out=docs/experiments.md \
-        [--sections=tp,pipeline,context,expert,plan,fidelity] [--sweeps=docs/sweeps/A,docs/sweeps/B]
+    python scripts/experiments.py --out=docs/experiments.md [--sections=tp,...] [--sweeps=docs/sweeps/A,...]
 
 Sections (each measured here, on emulated CPU devices, or priced by `jaxpar.analysis`):
   tp        Llama-2-7B on 8 devices, TP 1/2/4/8: compiled per-device memory and collective bytes
@@ -15,8 +14,7 @@ Sections (each measured here, on emulated CPU devices, or priced by `jaxpar.anal
   fidelity  the compiled sweeps in --sweeps (`scripts/sweep.py` outputs), summarised.
   published published bf16 GPU training runs beside the model's prediction (`jaxpar.analysis.published`;
             --fit prints the constants its FITTED runs imply, for `jaxpar.analysis.hardware`).
-  zero_context  ZeRO over data x context on Llama-3-70B at long sequences, compiled and planned
-            (`jaxpar.analysis.zero_memory`).
+  zero_context  ZeRO over data x context, Llama-3-70B, long sequences (`jaxpar.analysis.zero_memory`).
 The article: ../shared/docs/000_8ef74b506aaf51aa.txt (Chinese), sections 2, 4, 5, 6.
 """
 
@@ -25,6 +23,8 @@ import sys
 import time
 
 from absl import app, flags
+
+from jaxpar.analysis.markdown import table as _table
 
 _OUT = flags.DEFINE_string("out", "docs/experiments.md", "Markdown file to write.")
 _SECTIONS = flags.DEFINE_list(
@@ -36,37 +36,20 @@ _KEEP = flags.DEFINE_bool(
     "keep_others", False, "Recompute only --sections; keep every other section as it stands in --out (sections are "
     "numbered in the default order).",
 )
-_PLANNER = flags.DEFINE_bool(
-    "published_planner", True, "Section published: also the planner's best layout per run (a whole search per run: slow).",
-)
+_PLANNER = flags.DEFINE_bool("published_planner", True, "Section published: also the planner's best layout per run "
+                             "(a whole search per run: slow).")
 _EXPERT_STEPS = flags.DEFINE_integer("expert_steps", 120, "Training steps per Mixtral run.")
 
 GIB = 2**30
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows
-    ]
 
 
 # ---- TP on Llama-2-7B --------------------------------------------------------------------------------
 
 
 def llama2_7b():
-    from jaxpar.config import base_config
-    from jaxpar.models.llama import model_config as llama_model_config
+    from jaxpar.train.cli import load_config
 
-    c = base_config()
-    c.model = llama_model_config(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, max_position_embeddings=4096,
-    )
-    # The article's setting: batch 16, 2 accumulation steps (its sequence length is not given:
-    # Llama-2's 4096), fp16/bf16 mixed precision (fp32 master weights, AdamW).
-    c.train.update(global_batch_size=16, grad_accum=2, seq_len=4096, compute_dtype="bfloat16", param_dtype="float32")
-    c.parallel.update(remat="full")
-    return c
+    return load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "llama2_7b.py"))
 
 
 def section_tp() -> list[str]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.analysis.markdown import table as _table
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.cost_model import Estimate, estimate
 from jaxpar.axes import DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
@@ -262,9 +263,6 @@ def planner_rows() -> list[list[str]]:
         out.append([run.name, plan.best.describe(), f"{best.tokens_per_second_per_device:,.0f}", f"{100 * gain:+.0f}%"])
     return out
 
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def section(with_planner: bool = True) -> list[str]:

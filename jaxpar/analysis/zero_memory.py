@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+from jaxpar.analysis.markdown import table as _table
 from jaxpar.analysis.candidates import ZERO_AXES_KEY, set_keys
 from jaxpar.analysis.cost_model import estimate
 from jaxpar.analysis.search import plan_layouts
@@ -72,9 +73,6 @@ def planner_rows(config, hardware: str, n: int, top: int = 5) -> list[list[str]]
             break
     return out
 
-
-def _table(header, rows) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def section(config, seq: int, batch: int, hardware: str, n: int, compiled_seq: int) -> list[str]:
