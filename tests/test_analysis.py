@@ -82,6 +82,11 @@ def mixtral(batch: int):
     return c
 
 
+def with_optimizer(c, name: str):
+    c.train.optimizer = name
+    return c
+
+
 def qwen3(batch: int):
     c = llama(batch)
     c.model = qwen3_model_config(**MODEL)
@@ -169,6 +174,12 @@ CASES = {
     "zero3_remat_full": (llama(32), {"data": 8}, {"zero_stage": 3, "remat": "full"}),
     "tensor4": (llama(8), {"data": 2, "tensor": 4}, {}),
     "tensor4_remat_full": (llama(8), {"data": 2, "tensor": 4}, {"remat": "full"}),
+    # The optimizer record's state (Adafactor: factored moments) and Muon's whole-matrix gathers
+    # and Newton-Schulz FLOPs (`jaxpar.analysis.optimizer_terms`).
+    "zero1_adafactor": (with_optimizer(llama(32), "adafactor"), {"data": 8}, {"zero_stage": 1}),
+    "tensor4_zero1_muon": (with_optimizer(llama(8), "muon"), {"data": 2, "tensor": 4}, {"zero_stage": 1}),
+    # Held out from MUON_WORKING's calibration (the case above): gathers over data alone.
+    "zero1_muon": (with_optimizer(llama(32), "muon"), {"data": 8}, {"zero_stage": 1}),
     "expert4_mixtral": (mixtral(16), {"data": 2, "expert": 4}, {}),
     # The new families: QK-norm under tensor; fine-grained experts (4 per expert rank); a shared
     # expert and q/k/v biases under expert x tensor; dense layers among MoE layers.
@@ -251,6 +262,8 @@ def _fidelity(name):
 # ways (a permute over data x tensor and a gather within tensor here; an all-to-all over data at
 # other shapes): ~1% of the step's bytes, which the model does not price; they stay listed.
 MINOR = {
+    # The embedding table re-laid over data for the lookup under ZeRO-1 x TP (0.5% of the bytes).
+    "tensor4_zero1_muon": 0.01,
     "zero3_tensor4": 0.01, "context2_tensor2_zero3": 0.01,
     # ZeRO-1 over data x context with experts on their own axis: beside the embedding cotangent's
     # all-to-all over data x expert (priced), norm-sized all-reduces there (0.03 MB, 0.03% of the step).

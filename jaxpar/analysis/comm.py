@@ -68,6 +68,7 @@ from jaxpar.analysis.planned import (  # noqa: F401 (wire_bytes, XlaLowering, ID
     IDEAL, XLA_CPU, Planned, XlaLowering, lowering_for, present_axes, wire_bytes,
 )
 from jaxpar.parallel.data import GradientStrategy
+from jaxpar.analysis.optimizer_terms import optimizer_collectives
 from jaxpar.analysis.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
 
 
@@ -450,6 +451,7 @@ def planned_collectives(layout: Layout, counts: ParamCounts | None = None) -> li
         + context_collectives(layout)
         + context_gradients(layout, counts)
         + jaxpar_quirks(layout, counts)
+        + optimizer_collectives(layout)
     )
 
 

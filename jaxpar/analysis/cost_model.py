@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.analysis.optimizer_terms import optimizer_terms
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.comm import Planned, planned_collectives
 from jaxpar.analysis.context_work import attention_fraction
@@ -201,7 +202,9 @@ def flops_by_part(layout: Layout, skip_masked: bool = True) -> dict:
         for k in LAYER_PARTS:
             out[k] = layout.layers * (3 * parts[k] + again[k])
         out["head"] = 3 * parts["head"]
-    return {k: v * layout.tokens for k, v in out.items()}
+    out = {k: v * layout.tokens for k, v in out.items()}
+    optimizer = optimizer_terms(layout).flops  # Muon's Newton-Schulz on whole matrices, once per step
+    return {**out, "optimizer": float(optimizer)} if optimizer else out
 
 
 def flops_per_device(layout: Layout, skip_masked: bool = True) -> float:

@@ -86,6 +86,7 @@ def part_shapes(layout: Layout) -> dict:
         "kv": (m, layout.kv_heads * layout.head_dim / tk, d),
         "mlp": (m, layout.ffn / t, d),
         "head": (m, layout.vocab / layout.vocab_shards, d),
+        "optimizer": (d, d, layout.ffn),  # Muon's Newton-Schulz: products of whole weight matrices
     }
     if layout.is_moe:
         moe = layout.facts.moe

@@ -39,14 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 
-import jax
-from ml_collections import ConfigDict
-
-from jaxpar import models
 from jaxpar.analysis.layout import Layout
+from jaxpar.analysis.leaves import model_leaves as _model_leaves, shard_elements as _shard_elements
+from jaxpar.analysis.optimizer_terms import optimizer_terms
 from jaxpar.kernels.grouped_matmul import TILE
 from jaxpar.parallel.context.blockwise import chunk_size
 from jaxpar.parallel.data import GradientStrategy
@@ -88,6 +85,7 @@ class MemoryEstimate:
     pipeline_buffers: int = 0
     grad_carry: int = 0  # with accumulation: the running sum and a microbatch's fresh gradients
     optimizer_grad_buffers: int = OPTIMIZER_GRAD_BUFFERS  # gradient-sized buffers while AdamW updates (a count)
+    optimizer_working: int = 0  # the optimizer record's own temporaries beyond that (Muon's whole matrices)
 
     @property
     def state(self) -> int:
@@ -104,7 +102,7 @@ class MemoryEstimate:
 
     @property
     def optimizer_phase(self) -> int:
-        return self.optimizer_grad_buffers * self.grads
+        return self.optimizer_grad_buffers * self.grads + self.optimizer_working
 
     @property
     def temp(self) -> int:
@@ -120,14 +118,6 @@ class MemoryEstimate:
 
 
 # ---- parameters under the rules table ------------------------------------------------------------
-
-
-def _shard_elements(shape, names, table, mesh, drop=()) -> int:
-    total = 1
-    for dim, name in zip(shape, names):
-        axes = [a for a in (table[name] if name is not None else ()) if a not in drop]
-        total *= -(-dim // math.prod(mesh[a] for a in axes))
-    return total
 
 
 # The params' stacked layer trees (`jaxpar.models.decoder`).
@@ -151,20 +141,6 @@ class ParamCounts:
 
 def param_counts(layout: Layout) -> ParamCounts:
     return _param_counts(layout.config.model.to_json(), layout.plan)
-
-
-@functools.lru_cache(maxsize=64)
-def _model_leaves(model_json: str) -> tuple:
-    """((path keys, shape, logical names), ...) of the model's parameters; cached because the
-    planner prices thousands of layouts of one model (abstract init costs milliseconds)."""
-    model = ConfigDict(json.loads(model_json))
-    shapes, logical = models.param_shapes(model), models.logical_axes(model)
-    return tuple(
-        (tuple(getattr(k, "key", str(k)) for k in path), leaf.shape, names)
-        for (path, leaf), names in zip(
-            jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
-        )
-    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -315,7 +291,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
     params = counts.as_params * pb
-    optimizer = 2 * counts.as_optimizer * pb
+    optimizer = optimizer_terms(layout).state_bytes
     grads = 4 * (counts.as_optimizer if layout.zero.shard_optimizer_state else counts.as_params)
     carry, buffers = 0, OPTIMIZER_GRAD_BUFFERS
     if layout.microbatches > 1:
@@ -356,6 +332,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         working=int(working),
         grad_carry=carry,
         optimizer_grad_buffers=buffers,
+        optimizer_working=optimizer_terms(layout).working,
     )
 
 
@@ -452,7 +429,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     working = _working_set(layout, counts, mb_tokens, chunk_layers)
     return MemoryEstimate(
         params=counts.as_params * pb,
-        optimizer=2 * counts.as_optimizer * pb,
+        optimizer=optimizer_terms(layout).state_bytes,
         grads=grads,
         stash=int(stage),
         param_cast=counts.as_params * cb if cb != pb else 0,
@@ -462,4 +439,5 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         # engine's (temp 4.0 x the gradients: Llama 3 70B and Mixtral 8x7B pipeline 2-8 with
         # data, context, tensor, ZeRO 0 and 3); ZeRO-1's whole gradients are counted in `grads`.
         optimizer_grad_buffers=OPTIMIZER_GRAD_BUFFERS + (not layout.zero.gathers_updated_params),
+        optimizer_working=optimizer_terms(layout).working,
     )

@@ -17,6 +17,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
+from jaxpar.analysis.optimizer_terms import state_bytes_per_param as optimizer_state_per_param
 from jaxpar.analysis import hardware as hw
 from jaxpar.analysis.candidates import (
     ACCUM_KEY, CONTEXT_IMPL_KEY, MICROBATCH_KEY, ZERO_AXES_KEY, Candidate, Screen, Space, candidates,
@@ -180,9 +181,9 @@ def plan_layouts(
 
 
 def state_bytes_per_param(config) -> float:
-    """Parameters + AdamW moments + fp32 gradients (+ the compute-dtype copy) per parameter."""
+    """Parameters + the optimizer record's state + fp32 gradients (+ the compute-dtype copy) per parameter."""
     pb, cb = DTYPE_BYTES[config.train.param_dtype], DTYPE_BYTES[config.train.compute_dtype]
-    return 3 * pb + 4 + (cb if cb != pb else 0)
+    return pb + optimizer_state_per_param(config) + 4 + (cb if cb != pb else 0)
 
 
 def device_counts_after(num_devices: int, hardware: hw.Hardware, limit: int = 16384) -> list[int]:
