@@ -8,8 +8,8 @@
   checkpoint is damaged first, so the run names it, falls back to the previous one and redoes a step;
 - an incompatible model or data config, or the same data config over a corpus that changed, is
   refused in one line naming the keys; `overwrite=True` replaces the earlier run instead.
-The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
-iterator's.
+The corpus is a `tokens` file (with its sidecar, no offsets: windows of seq_len + 1 tokens, each
+a document filling a row), so the saved data position is the packer's over those windows.
 The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
 changes nothing else.
 """
@@ -125,7 +125,9 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(runs / "stopped", workdir)
     with open(workdir / "checkpoints" / "3" / "data_iterator" / "metadata") as f:
-        assert json.load(f) == {"step": 3, "corpus_tokens": 20_000}, "the token iterator's state is in the checkpoint"
+        saved = json.load(f)
+    # The data position: the step and where the packer stands in the document stream.
+    assert saved["step"] == 3 and saved["corpus_tokens"] == 20_000 and saved["packer"]["stream"]["index"] > 0, saved
     before = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     other = config()
     other.model.hidden_size = 128

@@ -1,15 +1,19 @@
 """Text → the flat binary `tokens` format that `data.source="tokens"` memory-maps.
 
 The output is one flat array of `uint16` / `uint32` token ids (native byte order, no header): each
-document's ids followed by the tokenizer's EOS id (if it has one). A sidecar `FILE.json` records the
-dtype, vocabulary size, token count and tokenizer, so a run can refuse a model whose vocab_size is
-too small for the file or a `data.token_dtype` that misreads it (`token_file_problems`).
+document's ids wrapped the way the tokenizer wraps a text (e.g. a BOS in front) and followed by its
+EOS id (if it has one; `jaxpar.data.tokenizer.special_tokens`, as the "datasets" source does). A
+sidecar `FILE.json` records the dtype, vocabulary size, token count and tokenizer, so a run can
+refuse a model whose vocab_size is too small for the file or a `data.token_dtype` that misreads it
+(`token_file_problems`); `FILE.offsets.npy` holds where each document starts (int64, documents + 1
+entries), which the "tokens" source cuts the file by.
 
-Documents: every text file is one document; in a `.jsonl` file every line is one (its "text"
-field). Large text files are read and tokenized in chunks cut after a newline, so a token never
+Documents: every text file is one document; in a `.jsonl` file every line is one (its
+`text_field`), as every record of a `.json`, `.parquet` or `.arrow` file (read with Hugging Face
+`datasets`, `jaxpar.data.hf_stream`). Large text files are read and tokenized in chunks cut after a newline, so a token never
 spans a chunk boundary: a tokenizer that merges across a newline (e.g. "\\n\\n" as one token) may
 split such a pair into two tokens at a chunk boundary, one place per `CHUNK_BYTES` of text.
-The file is written as FILE.partial and renamed when complete, the sidecar last.
+The file is written as FILE.partial and renamed when complete, the offsets then the sidecar last.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from collections.abc import Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from jaxpar.data.documents import offsets_path
+from jaxpar.data.tokenizer import special_tokens
 
 DTYPES = ("uint16", "uint32")
 CHUNK_BYTES = 4 << 20  # text per tokenizer call; bounds memory for multi-GB files
@@ -82,21 +89,37 @@ def input_files(inputs: list[str]) -> list[str]:
     return files
 
 
-def _pieces(path: str) -> Iterator[tuple[str, bool, int]]:
+RECORD_FORMATS = (".json", ".parquet", ".arrow")  # read with `datasets`, one document per record
+
+
+def _pieces(path: str, text_field: str = "text") -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, bytes read) for one input file."""
     if path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        text = json.loads(line)["text"]
+                        text = json.loads(line)[text_field]
+                        if not isinstance(text, str):
+                            raise TypeError
                     except (ValueError, KeyError, TypeError):
                         raise PrepareError(
-                            f'--input file {path} line {number} is not a JSON object with a "text" field'
+                            f"--input file {path} line {number} is not a JSON object with a {text_field!r} text field"
                         ) from None
                     yield text, True, len(line)
                 else:
                     yield "", False, len(line)
+        return
+    if path.endswith(RECORD_FORMATS):
+        from jaxpar.data.hf_stream import open_stream
+
+        count = 0
+        for count, record in enumerate(open_stream([path]), 1):
+            text = record.get(text_field)
+            if not isinstance(text, str):
+                raise PrepareError(f"--input file {path} record {count} has no {text_field!r} text field")
+            yield text, True, 0
+        yield "", False, os.path.getsize(path)  # the progress bar's share of the file
         return
     if os.path.getsize(path) == 0:
         return  # no document, not an EOS-only one
@@ -121,14 +144,19 @@ def sidecar_path(token_file: str) -> str:
 
 
 def prepare(
-    tokenizer_path: str, inputs: list[str], output: str, dtype: str | None = None, progress: bool = True
+    tokenizer_path: str, inputs: list[str], output: str, dtype: str | None = None, progress: bool = True,
+    text_field: str = "text",
 ) -> dict:
-    """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json."""
+    """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json
+    (and the documents' offsets to `output`.offsets.npy)."""
     files = input_files(inputs)
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size = len(tokenizer)  # includes added special tokens
     dtype = choose_dtype(vocab_size, dtype)
     eos = tokenizer.eos_token_id
+    prefix, suffix = special_tokens(tokenizer)
+    offsets = [0]  # where each document starts, then the end
+    starting = True  # the next piece starts a document
     if os.path.dirname(os.path.abspath(output)) and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
         raise PrepareError(f"--output={output}: its folder does not exist")
     partial = output + ".partial"
@@ -139,23 +167,27 @@ def prepare(
     )
 
     def flush(batch, out):
-        nonlocal num_tokens, num_documents, largest
+        nonlocal num_tokens, num_documents, largest, starting
         encoded = tokenizer([text for text, _, _ in batch], add_special_tokens=False)["input_ids"]
-        for ids, (_, ends, nbytes) in zip(encoded, batch):
-            if ends and eos is not None:
-                ids = ids + [eos]
+        for ids, (text, ends, nbytes) in zip(encoded, batch):
+            if starting and (ids or ends):
+                ids, starting = prefix + ids, False
+            if ends:
+                ids, starting = ids + suffix, True
             num_documents += ends
             if ids:
                 array = np.asarray(ids, dtype=np.int64)
                 largest = max(largest, int(array.max()))
                 array.astype(dtype).tofile(out)
                 num_tokens += len(ids)
+            if ends:
+                offsets.append(num_tokens)
             bar.update(nbytes)
 
     with open(partial, "wb") as out:
         batch = []
         for path in files:
-            for piece in _pieces(path):
+            for piece in _pieces(path, text_field):
                 batch.append(piece)
                 if len(batch) >= BATCH_PIECES:
                     flush(batch, out)
@@ -170,6 +202,11 @@ def prepare(
         os.remove(partial)
         raise PrepareError(f"--tokenizer={tokenizer_path} produced id {largest} >= its {vocab_size} tokens")
     os.replace(partial, output)
+    if offsets[-1] != num_tokens:  # a last document without an end (cannot happen: every file ends one)
+        offsets.append(num_tokens)
+    with open(offsets_path(output) + ".partial", "wb") as f:
+        np.save(f, np.asarray(offsets, np.int64))
+    os.replace(offsets_path(output) + ".partial", offsets_path(output))
     sidecar = {
         "format": SIDECAR_FORMAT,
         "dtype": dtype,
@@ -178,6 +215,7 @@ def prepare(
         "num_documents": num_documents,
         "eos_token_id": eos,
         "tokenizer": os.path.abspath(tokenizer_path),
+        "offsets": os.path.basename(offsets_path(output)),
         "num_input_files": len(files),
     }
     with open(sidecar_path(output), "w") as f:

@@ -7,8 +7,11 @@ is anything of an earlier run touched: `--overwrite` clears it, or a resumed `me
 back to the restored step. Each step's bookkeeping is its own function (`_record`, `_after_step`),
 so the loop body stays a short list of calls.
 
-Checkpoint step numbers count the batches consumed (the data position), which is also the
-`step` field of metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps).
+Checkpoint step numbers count the batches consumed, which is also the `step` field of
+metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps). Each checkpoint
+also holds the data position (`DocumentBatches.get_state`). With an eval set (`jaxpar.train.eval`)
+the run evaluates every `eval.every_steps` steps and at the end, each evaluation its own
+metrics.jsonl record.
 Multi-process: every process runs the loop; logging, metrics and workdir files are written by
 process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 """
@@ -27,11 +30,14 @@ from jax.experimental import multihost_utils
 from jaxpar.train import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
 from jaxpar.checkpoint.manager import is_remote
-from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
+from jaxpar.data.batches import DocumentBatches, to_global
+from jaxpar.data.corpus import corpus_tokens, describe, training_stream
+from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
-from jaxpar.mesh import describe
+from jaxpar.mesh import describe as describe_mesh
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
+from jaxpar.train.eval import Evaluator, evaluator
 from jaxpar.train.nonfinite import NonFiniteGuard
 from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
@@ -129,13 +135,15 @@ class _Run:
     config: object
     plan: workdirs.WorkdirPlan
     program: object
-    iterator: BatchIterator
+    iterator: DocumentBatches
     checkpoints: Checkpoints | None
     corpus_tokens: int
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
     observer: Observer | None = None
+    evaluator: Evaluator | None = None
+    evaluated: int = -1  # the last step evaluated
 
 
 def _say(line: str) -> None:
@@ -160,7 +168,7 @@ def _restore(run: _Run):
     if saved_tokens is not None and saved_tokens != run.corpus_tokens:
         raise CheckpointError(workdirs.corpus_changed_problem(restored.path, saved_tokens, run.corpus_tokens))
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
-    return restored.state, int(restored.data_state["step"])
+    return restored.state, restored.data_state
 
 
 def _initial_state(run: _Run):
@@ -192,30 +200,34 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         _say(note)
     if not is_remote(plan.checkpoint_dir):
         check_shared_storage(plan.checkpoint_dir)
-    tokens = load_tokens(config.data)
-    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
+    packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
+    batches = DocumentBatches(packer)
     program = build(config, devices)
     if jax.process_index() == 0:
         for line in report(program.mesh):
             print(line)
-        print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
+        print(f"mesh: {describe_mesh(program.mesh)} on {len(devices)} {devices[0].platform} devices")
+        print(describe(config))
         print(memory_report(program), flush=True)
     resuming = plan.resume_step is not None
-    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, len(tokens))
+    run = _Run(config, plan, program, batches, None, corpus_tokens(config.data))
     if resuming:
         run.checkpoints = _open_checkpoints(config, plan)
-        state, start = _restore(run)
+        state, data_state = _restore(run)
+        run.iterator.set_state(data_state)
     else:
-        state, start = _initial_state(run), 0
-    run.iterator.set_state({"step": start})
+        state = _initial_state(run)
+    start = run.iterator.step
     if start >= train_cfg.steps:
         _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
         run.checkpoints.close()
         return []
-    batch_shape = jax.ShapeDtypeStruct(batches.shape, np.int32, sharding=program.batch_sharding)
+    batch_shape = (train_cfg.global_batch_size, 2, train_cfg.seq_len + 1)
+    batch_shape = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=program.batch_sharding)
     compile_started = time.perf_counter()
     step_fn = program.step.lower(state, batch_shape).compile()
     compile_s = time.perf_counter() - compile_started
+    run.evaluator = evaluator(config, program)  # compiled now too: before anything is written
     _start(run, start if resuming else None)
     run.observer = Observer(config, plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
@@ -224,7 +236,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     try:
         with signals.deferred():
             for step in range(start + 1, train_cfg.steps + 1):
-                batch = next(run.iterator)
+                batch = to_global(next(run.iterator), program.batch_sharding)
                 with run.observer.step(step):  # the profile window, if this step is in it
                     started = time.perf_counter()
                     state, metrics = step_fn(state, batch)
@@ -233,11 +245,23 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
                 record = _record(step, metrics, config, run.observer.throughput(step, seconds))
                 history.append(record)
                 _after_step(run, step, state, record, metrics, signals)
+            if run.evaluator is not None and run.evaluated != train_cfg.steps:
+                _evaluate(run, train_cfg.steps, state)
         _save(run, train_cfg.steps, state, force=True)
         _wait(run, train_cfg.steps)
     finally:
         _finish(run)
     return history
+
+
+def _evaluate(run: _Run, step: int, state) -> None:
+    """One evaluation on the eval set: its own metrics.jsonl record and TensorBoard scalars."""
+    record = run.evaluator.run(state.params, step)
+    run.evaluated = step
+    run.metrics.write(record)
+    run.observer.log(record)
+    _say(f"eval at step {step}: loss {record['eval_loss']:.4f}, perplexity {record['eval_perplexity']:.2f} "
+         f"over {record['eval_tokens']} tokens")
 
 
 def _record(step: int, metrics: dict, config, timing: dict) -> dict:
@@ -262,6 +286,8 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     run.observer.log(record)
     run.progress.update(record)
     run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
+    if run.evaluator is not None and run.evaluator.due(step):
+        _evaluate(run, step, state)
     _save(run, step, state)
     signum = signals.agreed()
     if signum is not None:
@@ -296,6 +322,7 @@ def _naming_failures(run: _Run, step: int):
 
 
 def _finish(run: _Run) -> None:
+    run.iterator.close()
     if run.observer is not None:
         run.observer.close()
     if run.progress is not None:

@@ -34,7 +34,7 @@ from etils import epath
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.manager import is_remote
-from jaxpar.data.sources import corpus_tokens
+from jaxpar.data.corpus import corpus_tokens
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
 OVERWRITE_HINT = "pass --overwrite to start afresh (it deletes the earlier run) or choose another --workdir"
