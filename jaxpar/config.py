@@ -12,6 +12,34 @@ from jaxpar.axes import DATA, MESH_AXES
 from jaxpar.models.llama.schema import model_config as llama_model_config
 
 
+def resolve_derived(config: dict) -> dict:
+    """A config as a plain nested dict (e.g. saved JSON) with every derived default made explicit
+    and every key its other keys leave unused dropped, so two configs that describe the same run
+    compare equal: `model.head_dim` None -> hidden_size // num_attention_heads; the llama3 fields
+    of `model.rope_scaling` under rope_type "default"; `data.token_dtype` unless data.source is
+    "tokens", `data.path` unless "text" or "tokens", `data.max_corpus_bytes` unless "stdlib"."""
+    config = ConfigDict(config)  # a deep copy, and sections by attribute
+    model = config.get("model")
+    if isinstance(model, ConfigDict):
+        if model.get("head_dim") is None and {"hidden_size", "num_attention_heads"} <= set(model.keys()):
+            model.head_dim = model.hidden_size // model.num_attention_heads
+        scaling = model.get("rope_scaling")
+        if isinstance(scaling, ConfigDict) and scaling.get("rope_type", "default") == "default":
+            model.rope_scaling = ConfigDict({"rope_type": "default"})
+    try:
+        data = config.data  # by attribute: the section's name is also a mesh axis name (jaxpar.axes)
+    except AttributeError:
+        data = None
+    if isinstance(data, ConfigDict) and "source" in data:
+        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes")}.get(
+            data.source, ("token_dtype", "path")
+        )
+        for key in unused:
+            if key in data:
+                del data[key]
+    return config.to_dict()
+
+
 def base_config() -> ConfigDict:
     c = ConfigDict()
     c.model = llama_model_config()

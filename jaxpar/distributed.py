@@ -6,7 +6,9 @@ Where the run's shape comes from, first match wins:
    JAX_PROCESS_ID, as `scripts/launch_local.py` sets them (JAX reads only the first one itself);
 3. a SLURM job step with more than one task: JAX detects coordinator, count and id itself.
 Otherwise the run is single-process and nothing happens. The CPU device count of a process is JAX's
-own `JAX_NUM_CPU_DEVICES` (with JAX_PLATFORMS=cpu), which launch_local also sets.
+own `JAX_NUM_CPU_DEVICES` (with JAX_PLATFORMS=cpu), which launch_local also sets. Once joined, every
+process watches the others (`jaxpar.peers`): a lost process ends the survivors within seconds, one
+line each, exit code `peers.EXIT_PEER_LOST`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 import os
 
 import jax
+
+from jaxpar import peers
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +66,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             raise DistributedError(f"{PROCESS_ID_ENV}={process_id} must be in [0, {NUM_PROCESSES_ENV}={num_processes})")
         log.info("jax.distributed: process %d of %d, coordinator %s", process_id, num_processes, coordinator)
         jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        peers.watch()
         return True
     if _in_slurm_job_with_several_tasks():
         log.info("jax.distributed: SLURM job step with %s tasks", os.environ["SLURM_NTASKS"])
         jax.distributed.initialize()
+        peers.watch()
         return True
     return False

@@ -1,13 +1,15 @@
 """Convert between transformers checkpoints and jaxpar (Orbax) training checkpoints.
 
-  python scripts/convert.py --from_hf=HF_DIR --to_checkpoint=OUT [--config=configs/X.py --config.K=V ...]
+  python scripts/convert.py --from_hf=HF_DIR --to_checkpoint=OUT --config=configs/X.py [--config.K=V ...]
   python scripts/convert.py --from_checkpoint=DIR --to_hf=OUT [--overwrite] [--max_shard_bytes=N]
 
---from_hf: the model comes from HF_DIR/config.json, everything else from --config (default: the
-  base config); OUT receives step 0 of a training run of that config (params from HF, fresh
-  optimizer state). Train from it with the same --config and --config.checkpoint.dir=OUT: the run
-  resumes from step 0 straight onto its own mesh. Each process reads only the slices of the
-  safetensors tensors its devices hold (`jaxpar.interop.sharded`).
+--from_hf: the model comes from HF_DIR/config.json (fields config.json cannot hold, such as
+  Mixtral's router_z_loss_coef, from --config), everything else from --config; OUT, an empty or new
+  directory (not a workdir), receives step 0 of a training run of that config (params from HF, fresh
+  optimizer state). The train.py command printed at the end trains from it: the same --config and
+  overrides, --config.model.KEY=VALUE for each model field where HF_DIR differs from --config, and
+  --config.checkpoint.dir=OUT; the run resumes from step 0 straight onto its own mesh. Each process
+  reads only the slices of the safetensors tensors its devices hold (`jaxpar.interop.sharded`).
 --from_checkpoint: DIR is a checkpoint directory or a workdir holding checkpoints/; its newest
   complete checkpoint's params go to OUT as config.json + float32 safetensors, sharded into files
   of at most --max_shard_bytes (default 5 GiB) with an index, fetched one layer at a time.
@@ -45,45 +47,102 @@ def _config(args, problems: list[str]):
         return None
 
 
+def _destination_problems(out: str) -> list[str]:
+    """--to_checkpoint must be a checkpoint directory of its own: not a workdir, no checkpoints yet."""
+    from jaxpar.checkpoint.listing import finished_steps
+    from jaxpar.checkpoint.storage import remote_problem
+    from jaxpar.train.workdir import CHECKPOINTS, CONFIG_FILE, LOCK_FILE, METRICS_FILE
+
+    if problem := remote_problem(out, key="--to_checkpoint"):
+        return [problem]
+    if os.path.isdir(out):
+        found = [name for name in (CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS) if os.path.exists(os.path.join(out, name))]
+        if found:
+            return [
+                f"--to_checkpoint={out} is a training workdir (it holds {', '.join(found)}); give a new or empty directory "
+                f"and train with --config.checkpoint.dir pointing at it"
+            ]
+    if finished_steps(out):
+        return [f"--to_checkpoint={out} already holds checkpoints; choose an empty directory"]
+    return []
+
+
+def _override_text(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "None" if value is None else str(value)
+
+
+def _flat(tree: dict, prefix: str) -> dict:
+    flat = {}
+    for key, value in tree.items():
+        flat.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return flat
+
+
+def train_command(args, given_model, saved_model) -> str:
+    """The train.py command that resumes from the converted checkpoint: convert's own config and
+    overrides, then each model field where the checkpoint differs from --config's model."""
+    import shlex
+
+    from jaxpar.config import resolve_derived
+
+    given = _flat(resolve_derived({"model": given_model.to_dict()}), "")
+    saved = _flat(resolve_derived({"model": saved_model.to_dict()}), "")
+    words = ["python", "scripts/train.py", f"--config={args.config}"]
+    words += [f"--config.{key}={text}" for key, text in args.overrides]
+    words += [f"--config.{key}={_override_text(value)}" for key, value in saved.items() if given.get(key, value) != value]
+    words += [f"--config.checkpoint.dir={os.path.abspath(args.to_checkpoint)}", "--workdir=WORKDIR"]
+    words += [f"--cpu_devices={args.cpu_devices}"] if args.cpu_devices else []
+    return " ".join(shlex.quote(word) for word in words)
+
+
 def to_checkpoint(args) -> int:
     import jax
 
     from jaxpar.train import preflight
     from jaxpar.checkpoint import Checkpoints
-    from jaxpar.checkpoint.listing import finished_steps
+    from jaxpar.checkpoint.listing import CONVERTED_FROM
     from jaxpar.interop import hf, sharded
     from jaxpar.train.setup import build
 
     problems = []
-    config = _config(args, problems)
+    if not args.config:
+        problems.append("--from_hf needs --config=CONFIG.py: the config of the run that will train from the checkpoint")
+    config = _config(args, problems) if args.config else None
     try:
         model = hf.model_config(args.from_hf)
     except (OSError, ValueError) as e:
         return _error("\n".join(problems + [f"--from_hf={args.from_hf}: {e}"]))
     if config is None:
         return _error("\n".join(problems))
-    config.model = model
+    given_model = config.model
+    if given_model.get("model_type") != model.model_type:
+        return _error(
+            f"--config={args.config} has model.model_type={given_model.get('model_type')!r} but --from_hf={args.from_hf} "
+            f"holds a {model.model_type!r} model; give a {model.model_type} config"
+        )
+    config.model = hf.with_jaxpar_fields(model, given_model)
     devices = jax.devices()
     try:
         preflight.check(config, len(devices), devices[0].platform)
     except preflight.ConfigError as e:
         problems.append(str(e))
     problems += sharded.problems(args.from_hf, config.model, key="--from_hf")
-    if finished_steps(args.to_checkpoint):
-        problems.append(f"--to_checkpoint={args.to_checkpoint} already holds checkpoints; choose an empty directory")
+    problems += _destination_problems(args.to_checkpoint)
     if problems:
         return _error("\n".join(problems))
     program = build(config, devices)
     params = sharded.load_params_onto(args.from_hf, config.model, program.state_shardings.params, config.train.param_dtype)
     state = program.init_from_params(params)
+    # Tells a run refusing this checkpoint that it holds converted weights, not an earlier run.
+    data_state = {"step": 0, CONVERTED_FROM: os.path.abspath(args.from_hf)}
     with Checkpoints(args.to_checkpoint, every_steps=0, keep=None) as checkpoints:
-        checkpoints.save(0, state, data_state={"step": 0}, config=config.to_json_best_effort(), force=True)
+        checkpoints.save(0, state, data_state=data_state, config=config.to_json_best_effort(), force=True)
         checkpoints.wait()
     if jax.process_index() == 0:
-        print(
-            f"wrote {os.path.join(os.path.abspath(args.to_checkpoint), '0')} ({config.model.model_type}); train from it "
-            f"with the same --config and --config.checkpoint.dir={args.to_checkpoint}"
-        )
+        print(f"wrote {os.path.join(os.path.abspath(args.to_checkpoint), '0')} ({config.model.model_type}); train from it with")
+        print(f"  {train_command(args, given_model, config.model)}")
     return 0
 
 
@@ -114,9 +173,12 @@ def to_hf(args) -> int:
 
     from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state
     from jaxpar.checkpoint.listing import finished_steps, saved_config
+    from jaxpar.checkpoint.storage import remote_problem
     from jaxpar.interop import hf
     from jaxpar.train.setup import build
 
+    if problem := remote_problem(args.from_checkpoint, key="--from_checkpoint"):
+        return _error(problem)
     directory = _checkpoint_dir(args.from_checkpoint)
     steps = finished_steps(directory)
     if not steps:

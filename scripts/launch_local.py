@@ -5,8 +5,9 @@
 
 Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES, JAX_PROCESS_ID
 (read by `jaxpar.distributed.initialize`), JAX_PLATFORMS=cpu and JAX_NUM_CPU_DEVICES (read by JAX).
-Output lines are prefixed with `[i]`. If a process fails, the others are terminated; the exit status
-is the first failure's (or 0).
+Output lines are prefixed with `[i]`. If a process fails, one line names it and why (killed by which
+signal, or what its exit code means), the others are terminated (SIGTERM, then SIGKILL after
+GRACE_S); the exit status is the first failure's (or 0; a signal N as the shell's 128 + N).
 """
 
 from __future__ import annotations
@@ -24,6 +25,27 @@ import time
 # Kept equal to jaxpar.distributed's names; this script does not import jaxpar (it may run from anywhere).
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for the survivors of a failed run
+# scripts/train.py's exit codes (its docstring); kept here because this script does not import jaxpar.
+EXIT_MEANINGS = {
+    1: "a checkpoint could not be written or read",
+    2: "bad input",
+    3: "stopped for non-finite values",
+    4: "it lost another process",
+    130: "interrupted by SIGINT",
+    143: "interrupted by SIGTERM",
+}
+
+
+def describe_exit(returncode: int) -> str:
+    """"was killed by SIGKILL", "exited with 2 (bad input)", ..."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}" + (" (out of memory? a kill -9? a lost node?)" if name == "SIGKILL" else "")
+    meaning = EXIT_MEANINGS.get(returncode)
+    return f"exited with {returncode}" + (f" ({meaning})" if meaning else "")
 
 
 def free_port() -> int:
@@ -100,7 +122,7 @@ def launch(command: list[str], processes: int, devices_per_process: int, env: di
                 status = failed[0].returncode
                 with lock:
                     print(
-                        f"[launch_local] process {procs.index(failed[0])} exited with {status}; stopping the others",
+                        f"[launch_local] process {procs.index(failed[0])} {describe_exit(status)}; stopping the others",
                         flush=True,
                     )
                 _stop(procs)

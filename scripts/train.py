@@ -4,8 +4,10 @@
       [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite] [--plan=a100-80g]
 
 Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
-problem on stderr; 1 a checkpoint could not be written or read; 3 stopped for non-finite values;
-130 / 143 interrupted by SIGINT / SIGTERM (after a final checkpoint).
+problem on stderr; 1 a checkpoint could not be written or read (a full disk included); 3 stopped
+for non-finite values; 4 another process of a multi-process run was lost (`jaxpar.peers`); 130 /
+143 interrupted by SIGINT / SIGTERM (during start-up: nothing changed; in the loop: after a final
+checkpoint; a second signal quits at once, without one).
 Multi-process: see `--help` and README ("Multi-process runs").
 """
 
@@ -50,7 +52,7 @@ def run(args, config) -> int:
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
     from jaxpar.train.signals import Interrupted
-    from jaxpar.train.workdir import WorkdirBusy
+    from jaxpar.train.workdir import WorkdirError
 
     plan_errors = ()
     if args.plan:  # the planner (the whole cost model) is imported only when asked for
@@ -67,7 +69,7 @@ def run(args, config) -> int:
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
-    except (ConfigError, WorkdirBusy, distributed.DistributedError, *plan_errors) as e:
+    except (ConfigError, WorkdirError, distributed.DistributedError, *plan_errors) as e:
         _error(e)
         return EXIT_USAGE
     except CheckpointError as e:

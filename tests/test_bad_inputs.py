@@ -185,11 +185,15 @@ CASES = [
     ("workdir_is_a_file", lambda t: ([f"--workdir={write(t.root / 'afile', 'x')}"], "afile is a file, not a directory")),
     ("workdir_parent_file", lambda t: ([f"--workdir={write(t.root / 'bfile', 'x')}/run"], "bfile is a file")),
     ("workdir_unwritable", lambda t: (t.unwritable(), "is not writable")),
+    ("gcs_without_gcsfs", lambda t: (t.without_module("gcsfs", ["--config.checkpoint.dir=gs://jaxpar-test-bucket/run"]), 'checkpoint.dir=gs://jaxpar-test-bucket/run needs the gcsfs package: pip install -e ".[gcs]"')),
     ("checkpoint_dir_file", lambda t: ([f"--config.checkpoint.dir={write(t.root / 'cfile', 'x')}"], "checkpoint.dir=")),
     ("earlier_run_no_checkpoint", lambda t: (t.no_overwrite(t.earlier_logs_only()), "holds an earlier run (metrics.jsonl, config.json) but no complete checkpoint")),
     ("earlier_run_other_model", lambda t: (t.no_overwrite(["--config.model.hidden_size=128"]), "model.hidden_size (saved 64, now 128)")),
     ("earlier_run_other_data", lambda t: (t.no_overwrite(["--config.data.max_corpus_bytes=90000"]), "data.max_corpus_bytes (saved 100000, now 90000)")),
     ("workdir_locked", lambda t: (t.locked(), "is in use by another run (host elsewhere, pid")),
+    # As root (the tests' user) /proc passes the permission checks, but no directory can be made in
+    # it: the lock's creation fails ("cannot create its lock file"); others get preflight's line.
+    ("workdir_lock_impossible", lambda t: (["--workdir=/proc/jaxpar-no-such-run"], "--workdir=/proc/jaxpar-no-such-run")),
     # -- transformers checkpoints (train.init_from_hf)
     ("hf_dir_missing", lambda t: ([f"--config.train.init_from_hf={t.root / 'nohf'}"], "train.init_from_hf=")),
     ("hf_no_config", hf_edit("no_config")),
@@ -247,6 +251,10 @@ class Setup:
         write(logs / "config.json", "{}")
         self.workdir = str(logs)
         return []
+
+    def without_module(self, name, argv):
+        self.monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
+        return argv
 
     def locked(self):
         self.holder = hold_lock(self.earlier)

@@ -217,6 +217,37 @@ def test_save_rejects_a_leaf_that_is_not_a_jax_array(tmp_path):
             checkpoints.save(1, {"count": 3}, data_state={}, config={})
 
 
+def test_a_checkpoint_that_would_not_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    """The free-space probe is faked (no real full disk): the save is refused in one line naming the
+    path and the bytes needed vs free, and nothing is written, not even an incomplete save."""
+    from jaxpar.checkpoint import storage
+
+    program = target_program({"data": 2, "tensor": 4}, 8)
+    state = program.init()
+    needed = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    free = {"bytes": needed - 1}
+    monkeypatch.setattr(storage, "free_bytes", lambda directory: free["bytes"])
+    directory = tmp_path / "checkpoints"
+    with Checkpoints(str(directory), every_steps=1) as checkpoints:
+        with pytest.raises(CheckpointError) as error:
+            checkpoints.save(1, state, data_state={"step": 1}, config={})
+        (line,) = str(error.value).splitlines()
+        assert line.startswith(f"checkpoint.dir={directory} has {needed - 1} bytes") and f"needs about {needed} bytes" in line
+        assert os.listdir(directory) == []
+        free["bytes"] = needed
+        assert checkpoints.save(1, state, data_state={"step": 1}, config={})
+        checkpoints.wait()
+    assert sorted(os.listdir(directory)) == ["1"]
+    # A run checks at start, before compiling, that its first checkpoint will fit.
+    from jaxpar.train.loop import train
+    from tests import tiny
+
+    free["bytes"] = 1000
+    with pytest.raises(CheckpointError, match=r"has 1000 bytes \(1000 B\) free but a checkpoint of this run needs about"):
+        train(tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 8}, data={"max_corpus_bytes": 100_000}), str(tmp_path / "run"), progress=False)
+    assert sorted(os.listdir(tmp_path / "run")) == [".lock", "checkpoints"] and os.listdir(tmp_path / "run" / "checkpoints") == []
+
+
 def test_compare_configs():
     saved = source_config()
     assert compare_configs(saved.to_json_best_effort(), saved.to_json_best_effort(), checkpoint="/c/3") == []
@@ -234,6 +265,29 @@ def test_compare_configs():
         "checkpoint /c/3 was saved with a different model: "
         "model.hidden_size (saved 64, now 128), model.num_hidden_layers (saved 2, now 3)"
     )
+
+
+def test_compare_configs_treats_derived_defaults_as_equal():
+    """A key left to its derived default and the value it derives to are the same config; keys
+    another key makes unused never differ; a real difference in either still refuses."""
+    explicit = source_config()
+    explicit.model.head_dim = explicit.model.hidden_size // explicit.model.num_attention_heads
+    derived = with_overrides(explicit, {"data": 2, "tensor": 4})
+    derived.model.head_dim = None
+    derived.model.rope_scaling.factor = 2.0  # unused by rope_type "default"
+    derived.data.token_dtype = "uint32"  # unused by data.source "stdlib"
+    derived.data.path = ""
+    assert compare_configs(explicit.to_json_best_effort(), derived.to_json_best_effort(), checkpoint="/c/3") == []
+    assert compare_configs(derived.to_json_best_effort(), explicit.to_json_best_effort(), checkpoint="/c/3") == []
+    derived.model.head_dim = 2 * explicit.model.head_dim
+    with pytest.raises(CheckpointError, match=r"model.head_dim \(saved 8, now 16\)"):
+        compare_configs(explicit.to_json_best_effort(), derived.to_json_best_effort(), checkpoint="/c/3")
+    llama3 = with_overrides(explicit, {"data": 2, "tensor": 4})
+    llama3.model.rope_scaling.rope_type = "llama3"
+    other = with_overrides(llama3, {"data": 2, "tensor": 4})
+    other.model.rope_scaling.factor = 2.0
+    with pytest.raises(CheckpointError, match=r"model.rope_scaling.factor \(saved 8.0, now 2.0\)"):
+        compare_configs(llama3.to_json_best_effort(), other.to_json_best_effort(), checkpoint="/c/3")
 
 
 def test_shared_storage_check_single_process(tmp_path):

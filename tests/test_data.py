@@ -248,3 +248,47 @@ def test_validate_data_config(tmp_path):
     assert len(msgs) == 1 and "model.vocab_size" in msgs[0] and "\n" not in msgs[0]
     small.data.update(dict(source="tokens", path=str(tmp_path)))  # a folder: tokens needs a file
     assert [m for m in validate_data_config(small) if "model.vocab_size" in m] == []
+
+
+def test_suspicious_corpora_are_named_not_silently_accepted(tmp_path):
+    from jaxpar.data.sources import corpus_warnings
+
+    ids = np.random.default_rng(0).integers(1, 250, 4000).astype(np.uint32)
+    ids.tofile(tmp_path / "wide.bin")  # uint32 ids, no sidecar, read as uint16
+    config = _data_config(source="tokens", path=str(tmp_path / "wide.bin"), token_dtype="uint16")
+    (warning,) = corpus_warnings(config, load_tokens(config))
+    assert warning.startswith(f"data.path={str(tmp_path / 'wide.bin')!r} has no sidecar") and "every second id is 0" in warning
+    ids.astype(np.uint16).tofile(tmp_path / "plain.bin")
+    config = _data_config(source="tokens", path=str(tmp_path / "plain.bin"), token_dtype="uint16")
+    (warning,) = corpus_warnings(config, load_tokens(config))
+    assert "has no sidecar" in warning and "every second id" not in warning
+    (tmp_path / "plain.bin.json").write_text("{}")
+    assert corpus_warnings(config, load_tokens(config)) == []
+
+    (tmp_path / "binary.dat").write_bytes(np.random.default_rng(0).integers(0, 256, 50_000).astype(np.uint8).tobytes())
+    config = _data_config(source="text", path=str(tmp_path / "binary.dat"))
+    (warning,) = corpus_warnings(config, load_tokens(config))
+    assert warning.startswith(f"data.path={str(tmp_path / 'binary.dat')!r} looks binary:"), warning
+    (tmp_path / "prose.txt").write_text("Zoë's naïve café: plain text, with accents.\n\ttabs and lines\n" * 500)
+    config = _data_config(source="text", path=str(tmp_path / "prose.txt"))
+    assert corpus_warnings(config, load_tokens(config)) == []
+
+
+def test_corpus_fingerprint_sees_content_at_the_same_size(tmp_path, monkeypatch):
+    from jaxpar.data import sources
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"x" * 3000)
+    (folder / "b.txt").write_bytes(b"y" * 5000)
+    config = _data_config(source="text", path=str(folder))
+    before = sources.corpus_fingerprint(config)
+    assert sources.corpus_fingerprint(config) == before
+    monkeypatch.setattr(sources, "FINGERPRINT_FULL_BYTES", 1000)  # sampled blocks, not the whole corpus
+    monkeypatch.setattr(sources, "FINGERPRINT_BLOCK_BYTES", 100)
+    monkeypatch.setattr(sources, "FINGERPRINT_BLOCKS", 8)
+    sampled = sources.corpus_fingerprint(config)
+    (folder / "b.txt").write_bytes(b"y" * 4999 + b"z")  # the last block is always sampled
+    assert sources.corpus_fingerprint(config) != sampled
+    monkeypatch.undo()
+    assert sources.corpus_fingerprint(config) != before

@@ -49,6 +49,13 @@ def test_launch_local_stops_the_others_when_one_fails():
     assert "[launch_local] process 1 exited with 3" in done.stdout
 
 
+def test_launch_local_names_the_process_that_died_and_why():
+    die = "import os, signal, time; os.kill(os.getpid(), signal.SIGKILL) if os.environ['JAX_PROCESS_ID'] == '1' else time.sleep(120)"
+    done = launch([sys.executable, "-c", die], timeout=60)
+    assert done.returncode == 128 + 9, done.stdout + done.stderr
+    assert "[launch_local] process 1 was killed by SIGKILL (out of memory? a kill -9? a lost node?); stopping the others" in done.stdout
+
+
 def test_initialize_is_a_no_op_without_a_multiprocess_setting(monkeypatch):
     for name in (
         distributed.COORDINATOR_ENV,

@@ -4,7 +4,10 @@
   checkpoint, reports and removes the incomplete one, and metrics.jsonl continues with every step
   exactly once;
 - SIGTERM / SIGINT (preemption, Ctrl-C): the step finishes, a final checkpoint is written, one line
-  says so, and the exit code is 143 / 130.
+  says so, and the exit code is 143 / 130; during start-up (every phase: preflight, data, build,
+  compile, restore, the first step) the run stops at the end of the phase with one line, never a
+  crash; a second signal quits at once even while the main thread is blocked in native code;
+- a checkpoint write that fails in Orbax's background threads: one line, exit 1.
 (A damaged checkpoint is in tests/test_resume.py, a non-finite stop in tests/test_nonfinite.py.)
 """
 
@@ -18,6 +21,7 @@ import time
 import pytest
 
 from jaxpar.checkpoint.listing import finished_steps, incomplete_saves
+from jaxpar.train.signals import StopSignals
 from tests.test_bad_inputs import write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,3 +101,129 @@ def test_signal_saves_a_final_checkpoint_and_exits_cleanly(tmp_path, signum):
     )
     assert f"received {name}: finishing this step and saving a checkpoint" in out
     assert (workdir / ".lock").read_text() == "", "the lock was not released"
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_write_that_fails_is_one_line(tmp_path):
+    """No file may grow past 64 KiB (RLIMIT_FSIZE), so the first checkpoint's array files fail to
+    write in Orbax's background threads, as on a disk that fills during the save: one line naming
+    the directory, step and OS error, exit 1, and none of Orbax's own reports of it."""
+    config = write(tmp_path / "config.py", CONFIG_FILE.format(vocab=256, steps=2, every=1))
+    workdir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, WORKER, "limit_file_size", str(64 << 10), "--", f"--config={config}", f"--workdir={workdir}", "--cpu_devices=4"],
+        capture_output=True, text=True, env=env(), timeout=200,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: writing checkpoints in {workdir / 'checkpoints'} failed at step 1") and "File too large" in line
+    assert finished_steps(str(workdir / "checkpoints")) == []
+
+
+def test_the_signal_handler_only_records():
+    """A signal can arrive while the main thread is inside XLA (a compile, a step): the handler must
+    never raise there. It records; the run decides at its next safe point."""
+    with StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(3):  # a few bytecodes: the Python-level handler has run by now
+            pass
+        assert signals.received == signal.SIGTERM
+        with signals.deferred():
+            assert signals.agreed() == signal.SIGTERM
+
+
+# (phase, signal): the phases in the order a run meets them; each run starts in the same workdir.
+PHASES = [
+    ("preflight", signal.SIGTERM), ("data", signal.SIGINT), ("build", signal.SIGTERM), ("compile", signal.SIGINT),
+    ("first_step", signal.SIGTERM), ("restore", signal.SIGINT),
+]
+
+
+@pytest.mark.timeout(600)
+def test_a_signal_at_every_start_up_phase_stops_with_one_line(tmp_path):
+    config = write(tmp_path / "config.py", CONFIG_FILE.format(vocab=256, steps=3, every=0))
+    workdir = tmp_path / "run"
+    args = [f"--config={config}", f"--workdir={workdir}", "--cpu_devices=4"]
+    checkpoints = str(workdir / "checkpoints")
+    for phase, signum in PHASES:
+        done = subprocess.run(
+            [sys.executable, WORKER, f"signal_at_{phase}", str(int(signum)), "--", *args],
+            capture_output=True, text=True, env=env(), timeout=200,
+        )
+        name = signal.Signals(signum).name
+        assert done.returncode == 128 + signum, (phase, done.returncode, done.stderr[-3000:])
+        assert "Traceback" not in done.stdout + done.stderr, phase
+        (line,) = done.stderr.strip().splitlines()
+        if phase == "first_step":  # in the loop: the step finishes and is saved
+            assert line == f"interrupted by {name} after step 1: checkpoint {checkpoints}/1 saved; rerun the same command to resume"
+            assert finished_steps(checkpoints) == [1] and [r["step"] for r in lines(workdir)] == [1]
+            continue
+        then = "resume" if phase == "restore" else "start"
+        said = {"data": "loading data"}.get(phase, phase)
+        assert line == f"interrupted by {name} during start-up ({said}); nothing of an earlier run was changed: rerun the same command to {then}"
+        assert f"received {name}: stopping after this start-up phase" in done.stdout
+        if phase == "restore":
+            assert finished_steps(checkpoints) == [1] and [r["step"] for r in lines(workdir)] == [1]
+        else:
+            assert not (workdir / "metrics.jsonl").exists() and not (workdir / "config.json").exists()
+            assert finished_steps(checkpoints) == []
+
+
+BLOCKED = """
+import os, signal, sys, threading, time
+import jax
+import jax.numpy as jnp
+from jaxpar.train.signals import StopSignals
+
+# An even counter never equals 7: a computation that never ends (on CPU it runs on the calling thread).
+forever = jax.jit(lambda x: jax.lax.while_loop(lambda c: c != 7, lambda c: c + 2, x)).lower(jnp.uint32(8)).compile()
+main = threading.main_thread().ident
+
+
+def where_main_is():
+    frame, chain = sys._current_frames()[main], []
+    while frame is not None:
+        chain.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return chain, sys._current_frames()[main].f_lasti
+
+
+def send_twice():
+    # Once the main thread is inside `blocked` and its Python frames no longer move: in native code.
+    # (Whenever they arrive, the new handling quits at once; the wait makes an old handler, which
+    # can only act between bytecodes, face the case it cannot handle.)
+    previous = None
+    while True:
+        chain, position = where_main_is()
+        if "blocked" in chain and (chain, position) == previous:
+            break
+        previous = (chain, position)
+        time.sleep(0.2)
+    os.kill(os.getpid(), signal.SIGINT)
+    while signals.received is None:  # two signals pending at once would merge into one
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def blocked():
+    forever(jnp.uint32(8)).block_until_ready()
+
+
+with StopSignals() as signals, signals.deferred():
+    threading.Thread(target=send_twice, daemon=True).start()
+    blocked()
+print("the computation ended")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_signal_quits_at_once_even_inside_native_code(tmp_path):
+    """The main thread waits on an XLA computation that never ends, where no Python handler can run;
+    two Ctrl-C: the process ends with one line and 130, not after the step."""
+    script = write(tmp_path / "blocked.py", BLOCKED)
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env(), timeout=90)
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "the computation ended" not in done.stdout
+    assert "received SIGINT: finishing this step and saving a checkpoint (send it again to quit at once)" in done.stdout
+    (line,) = done.stderr.strip().splitlines()
+    assert line == "interrupted by SIGINT again: quit at once without a final checkpoint; nothing of an earlier run was changed"

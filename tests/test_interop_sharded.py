@@ -8,6 +8,7 @@ sharded import must give the same bits on the mesh's shardings while reading onl
 import importlib.util
 import json
 import os
+import shlex
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxpar import models
+from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.interop import hf, sharded
 from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
@@ -151,3 +153,61 @@ def test_training_from_a_transformers_checkpoint_starts_from_its_weights(tmp_pat
     (second,) = train(config, str(tmp_path / "b"), progress=False)
     assert first["loss"] == second["loss"] and first["grad_norm"] == second["grad_norm"]
     assert sharded.problems(str(tmp_path / "hf"), config.model) == []
+
+
+CONVERT_THEN_TRAIN_CONFIG = """
+from tests import tiny
+def get_config():
+    # head_dim None (derived: 64 / 8 heads = 8), which config.json writes out as 8; Mixtral's
+    # router_z_loss_coef (0.01 here) is not in config.json at all.
+    return tiny.with_overrides(
+        tiny.{family}(vocab_size=256, head_dim=None), {mesh}, data={{"max_corpus_bytes": 100_000}}, train={{"steps": 1}}
+    )
+"""
+
+
+def train_script():
+    spec = importlib.util.spec_from_file_location("train_script", os.path.join(ROOT, "scripts", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_converted_checkpoint_trains_exactly_as_convert_prints(family, tmp_path, capsys):
+    from jaxpar.train.cli import load_config
+
+    config_file = write(tmp_path / "config.py", CONVERT_THEN_TRAIN_CONFIG.format(family=family, mesh=FAMILIES[family][1]))
+    model = load_config(config_file).model
+    hf.save(tmp_path / "hf", model, random_params(model, 0))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["head_dim"] == 8 and model.head_dim is None
+    assert sharded.problems(str(tmp_path / "hf"), model) == [], "train.init_from_hf takes it as it is"
+    convert, script, ckpt = convert_script(), train_script(), tmp_path / "ckpt"
+
+    # A workdir's root is not a checkpoint directory: refused, nothing written into it.
+    workdir = tmp_path / "workdir"
+    write(workdir / "metrics.jsonl", "")
+    assert convert.main([f"--from_hf={tmp_path / 'hf'}", f"--to_checkpoint={workdir}", f"--config={config_file}"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: --to_checkpoint={workdir} is a training workdir") and len(error.splitlines()) == 1, error
+    assert os.listdir(workdir) == ["metrics.jsonl"]
+
+    argv = [f"--from_hf={tmp_path / 'hf'}", f"--to_checkpoint={ckpt}", f"--config={config_file}", "--config.train.seed=3"]
+    assert convert.main(argv) == 0
+    printed = capsys.readouterr().out
+    (command,) = [line.strip() for line in printed.splitlines() if "scripts/train.py" in line]
+    args = [arg.replace("WORKDIR", str(tmp_path / "run")) for arg in shlex.split(command)[2:]]
+
+    # Another model against the converted checkpoint: refused without blaming an earlier run or
+    # offering --overwrite; and --overwrite never deletes converted weights.
+    for extra, expected in [([], "was converted from"), (["--overwrite"], "--overwrite never deletes a converted checkpoint")]:
+        assert script.main(args + ["--config.model.intermediate_size=192", *extra]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and expected in error and "earlier run" not in error, error
+        assert "pass --overwrite" not in error and finished_steps(str(ckpt)) == [0]
+
+    assert script.main(args) == 0, capsys.readouterr().err[-3000:]
+    out = capsys.readouterr().out
+    assert f"resumed from checkpoint {ckpt}/0 (step 0)" in out, out[-3000:]
+    assert finished_steps(str(ckpt)) == [0, 1]

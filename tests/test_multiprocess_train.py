@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -75,3 +76,64 @@ def test_two_processes_train_and_checkpoint_one_process_resumes(tmp_path):
         error = float(np.max(np.abs(a - b) / np.abs(b)))
         print(f"{key}: 2-process run + 1-process resume vs 1-process run, max relative error {error:.2e}")
         assert error <= 1e-5, (key, a, b)
+
+
+LOST_CONFIG = """
+from tests import tiny
+def get_config():
+    return tiny.with_overrides(
+        tiny.llama(vocab_size=256), {"data": 2, "tensor": 4}, data={"max_corpus_bytes": 100_000},
+        train={"steps": 100_000}, checkpoint={"every_steps": 2, "keep": 0},
+    )
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_process_ends_the_other_with_one_line(tmp_path):
+    """Two processes started as a scheduler starts them (one command each, the JAX_* variables);
+    process 1 is killed with SIGKILL once a checkpoint is complete. Process 0 must end by itself,
+    within the subprocess timeout, with exit code 4 and one line naming process 1 — not a Gloo
+    traceback and JAX's abort — and the last complete checkpoint must restore."""
+    from jaxpar.checkpoint import Checkpoints, abstract_state
+    from jaxpar.checkpoint.listing import finished_steps
+    from jaxpar.peers import EXIT_PEER_LOST
+    from jaxpar.train.cli import load_config
+    from jaxpar.train.setup import build
+    from tests.test_multiprocess import _free_port
+
+    config_file = write(tmp_path / "config.py", LOST_CONFIG)
+    workdir, checkpoints = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", JAX_NUM_PROCESSES="2",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", PYTHONUNBUFFERED="1")
+    logs = [(open(tmp_path / f"out{i}", "w"), open(tmp_path / f"err{i}", "w")) for i in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, SCRIPT, f"--config={config_file}", f"--workdir={workdir}"],
+                         env=dict(env, JAX_PROCESS_ID=str(i)), stdout=out, stderr=err)
+        for i, (out, err) in enumerate(logs)
+    ]
+    try:
+        deadline = time.monotonic() + 300
+        while not finished_steps(checkpoints):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, (tmp_path / "err0").read_text()[-3000:]
+            time.sleep(0.2)
+        procs[1].kill()
+        procs[1].wait()
+        procs[0].wait(timeout=60)  # the bound: JAX alone takes its heartbeat timeout, then aborts
+    finally:
+        for p in procs:
+            p.kill()
+        for out, err in logs:
+            out.close()
+            err.close()
+    err = (tmp_path / "err0").read_text()
+    assert procs[0].returncode == EXIT_PEER_LOST, err[-3000:]
+    assert "Traceback" not in err and "Check failure" not in err and "Terminating process" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: process 1 of 2 is lost (its liveness port 127.0.0.1:") and "the process died or was killed" in line
+    steps = finished_steps(checkpoints)
+    assert f"the newest complete checkpoint, {checkpoints}/" in line and f"stopping process 0 too (exit {EXIT_PEER_LOST})" in line
+    program = build(load_config(config_file))
+    with Checkpoints(checkpoints, every_steps=0, read_only=True) as saved:
+        restored = saved.restore(None, abstract_state(jax.eval_shape(program.init), program.state_shardings))
+    assert restored.step == steps[-1] and restored.notes == ()

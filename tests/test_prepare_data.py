@@ -119,3 +119,35 @@ def test_chunked_reading_matches_whole_documents(tmp_path, monkeypatch):
     expected = tokenizer.encode(text, add_special_tokens=False).ids + [tokenizer.token_to_id("</s>")]
     np.testing.assert_array_equal(np.fromfile(tmp_path / "out.bin", dtype=np.uint16), expected)
     assert meta["num_documents"] == 1
+
+
+def test_an_existing_token_file_or_sidecar_is_never_overwritten_silently(tmp_path):
+    build_tokenizer(tmp_path / "tok")
+    (tmp_path / "a.txt").write_text(LINES[0])
+    output = tmp_path / "out.bin"
+    args = (str(tmp_path / "tok"), [str(tmp_path / "a.txt")], str(output))
+    for existing in (output, tmp_path / "out.bin.json"):
+        existing.write_bytes(b"earlier")
+        with pytest.raises(PrepareError, match=f"--output={output}: {existing} already exists; pass --overwrite"):
+            prepare(*args, progress=False)
+        assert existing.read_bytes() == b"earlier" and not os.path.exists(str(output) + ".partial")
+        existing.unlink()
+    (tmp_path / "out.bin.json").write_text("{}")
+    meta = prepare(*args, progress=False, overwrite=True)
+    assert json.loads((tmp_path / "out.bin.json").read_text()) == meta
+
+
+def test_undecodable_bytes_are_counted_and_a_binary_file_is_refused(tmp_path):
+    build_tokenizer(tmp_path / "tok")
+    text = (LINES[0] + "\n") * 40  # 1760 bytes of text with 3 bytes that are not UTF-8
+    (tmp_path / "mostly.txt").write_bytes(text[:100].encode() + b"\xff\xfe" + text[100:].encode() + b"\xc3")
+    meta = prepare(str(tmp_path / "tok"), [str(tmp_path / "mostly.txt")], str(tmp_path / "a.bin"), progress=False)
+    assert meta["undecodable_bytes"] == 3, meta
+    (tmp_path / "binary.dat").write_bytes(bytes(range(256)) * 8)
+    with pytest.raises(PrepareError, match=r"binary.dat: 1024 of 2048 bytes \(50.0%\) are not UTF-8"):
+        prepare(str(tmp_path / "tok"), [str(tmp_path / "binary.dat")], str(tmp_path / "b.bin"), progress=False)
+    assert not os.path.exists(tmp_path / "b.bin") and not os.path.exists(tmp_path / "b.bin.partial")
+    # The script: --overwrite replaces the file written above, and the replaced bytes are reported.
+    done = run_script(f"--tokenizer={tmp_path / 'tok'}", f"--input={tmp_path / 'mostly.txt'}", f"--output={tmp_path / 'a.bin'}", "--overwrite")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"warning: 3 bytes of 1763 were not UTF-8 and became U+FFFD (most in {tmp_path / 'mostly.txt'})" in done.stderr

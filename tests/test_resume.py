@@ -23,7 +23,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.train.preflight import ConfigError
+from jaxpar.data.corpus import corpus_fingerprint
+from jaxpar.train.preflight import ConfigError, check_run
 from jaxpar.train.loop import train
 from jaxpar.train.observe import TIMING_FIELDS
 from tests import tiny
@@ -126,8 +127,11 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     shutil.copytree(runs / "stopped", workdir)
     with open(workdir / "checkpoints" / "3" / "data_iterator" / "metadata") as f:
         saved = json.load(f)
-    # The data position: the step and where the packer stands in the document stream.
-    assert saved["step"] == 3 and saved["corpus_tokens"] == 20_000 and saved["packer"]["stream"]["index"] > 0, saved
+    # The data position (the step, where the packer stands in the document stream) and the corpus's identity.
+    assert saved["packer"]["stream"]["index"] > 0, saved
+    assert {k: v for k, v in saved.items() if k != "packer"} == {
+        "step": 3, "corpus_tokens": 20_000, "corpus_fingerprint": corpus_fingerprint(config().data)
+    }, saved
     before = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     other = config()
     other.model.hidden_size = 128
@@ -150,6 +154,21 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
             os.replace(file + ".orig", file)
     (line,) = str(error.value).splitlines()
     assert "saved reading a corpus of 20000 tokens but the corpus now has 30000" in line, line
+    # Rewritten at the same size (another seed): the sampled content tells.
+    ids = np.random.default_rng(1).integers(0, 256, 20_000).astype(np.uint16)
+    shutil.copy(corpus, corpus + ".orig")
+    ids.tofile(corpus)
+    try:
+        with pytest.raises(ConfigError) as error:
+            train(config(), str(workdir), progress=False)
+    finally:
+        os.replace(corpus + ".orig", corpus)
+    (line,) = str(error.value).splitlines()
+    assert "saved reading a corpus of the same size (20000 tokens) but other content" in line, line
+    # A resumed run does not read train.init_from_hf: said once, not silently.
+    plan = check_run(config(init_from_hf=str(tmp_path)), str(workdir), 8, "cpu").workdir
+    assert plan.resume_step == 3
+    assert f"train.init_from_hf={tmp_path} is ignored: this run resumes from checkpoint {workdir / 'checkpoints' / '3'}" in plan.notes
     after = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     assert after == before
 
@@ -165,3 +184,65 @@ def test_overwrite_replaces_the_earlier_run(runs, tmp_path):
     assert [r["step"] for r in metrics(workdir)] == [1, 2]
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2"]
     assert json.loads((workdir / "config.json").read_text())["model"]["num_hidden_layers"] == 1
+
+
+def snapshot(root) -> dict:
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        found.update({os.path.join(dirpath, d): "dir" for d in dirnames})
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                found[os.path.join(dirpath, name)] = f.read()
+    return found
+
+
+def fail_at_step(monkeypatch, failing_step: int):
+    """The run dies at `failing_step` (as of an out-of-memory error or a bad shard), before its save."""
+    from jaxpar.train.nonfinite import NonFiniteGuard
+
+    observe = NonFiniteGuard.observe
+
+    def dying(self, step, metrics):
+        if step == failing_step:
+            raise RuntimeError(f"RESOURCE_EXHAUSTED: out of memory at step {step}")
+        return observe(self, step, metrics)
+
+    monkeypatch.setattr(NonFiniteGuard, "observe", dying)
+
+
+@pytest.mark.timeout(300)
+def test_overwrite_keeps_the_earlier_run_until_the_new_run_has_a_checkpoint(runs, tmp_path, monkeypatch):
+    """A new run that dies before its first checkpoint leaves the earlier run exactly as it was."""
+    workdir = tmp_path / "run"
+    shutil.copytree(runs / "stopped", workdir)
+    before = snapshot(workdir)
+    other = config(steps=2)
+    other.model.num_hidden_layers = 1
+    fail_at_step(monkeypatch, 1)
+    with pytest.raises(RuntimeError) as error:
+        train(other, str(workdir), overwrite=True, progress=False)
+    assert str(error.value) == (
+        f"RESOURCE_EXHAUSTED: out of memory at step 1; this run wrote no checkpoint, so the earlier run is back in {workdir}"
+    )
+    assert snapshot(workdir) == before, "the earlier run was not restored byte for byte"
+
+
+@pytest.mark.timeout(300)
+def test_rerunning_a_run_that_wrote_no_checkpoint_starts_afresh(runs, tmp_path, capsys):
+    """What a run of the same config leaves when it dies before its first checkpoint (config.json and
+    metrics lines, no checkpoint) does not block the rerun; it is let go at the rerun's first
+    checkpoint. Another config's leftovers are still refused."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(config(steps=2).to_json_best_effort(indent=2))
+    (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    other = config(steps=2)
+    other.model.num_hidden_layers = 1
+    with pytest.raises(ConfigError, match="holds an earlier run .* but no complete checkpoint"):
+        train(other, str(workdir), progress=False)
+    history = train(config(steps=2), str(workdir), progress=False)
+    assert [r["step"] for r in history] == [1, 2] and [r["step"] for r in metrics(workdir)] == [1, 2]
+    out = capsys.readouterr().out
+    assert f"--workdir={workdir} holds a run of this model and data that wrote no checkpoint: starting afresh" in out
+    assert "moved the earlier run aside to" in out
+    assert sorted(os.listdir(workdir)) == [".lock", "checkpoints", "config.json", "metrics.jsonl", "tensorboard"], "let go"

@@ -105,3 +105,41 @@ def test_a_crashed_holder_is_noticed_quickly(tmp_path):
     with workdirs.WorkdirLock(str(tmp_path)) as lock:
         assert lock.stale is not None
     assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("outside", [False, True], ids=["checkpoints_inside", "checkpoint_dir_elsewhere"])
+def test_overwrite_moves_the_earlier_run_aside_then_restores_or_lets_go(tmp_path, outside):
+    from jaxpar.train import aside as asides
+
+    workdir = tmp_path / "run"
+    ckpt = tmp_path / "elsewhere" if outside else workdir / "checkpoints"
+    for path, text in [(workdir / "metrics.jsonl", "1\n"), (workdir / "config.json", "{}"), (workdir / "tensorboard" / "ev", "e"),
+                       (ckpt / "3" / "state", "s"), (ckpt / "4.orbax-checkpoint-tmp-1" / "x", "t"), (workdir / ".lock", "")]:
+        os.makedirs(path.parent, exist_ok=True)
+        path.write_text(text)
+    files = lambda: {p: open(p).read() for p in map(str, tmp_path.rglob("*")) if os.path.isfile(p)}  # noqa: E731
+    before = files()
+    aside = asides.set_aside(str(workdir), str(ckpt), workdirs.RUN_FILES)
+    assert not (workdir / "metrics.jsonl").exists() and not (ckpt / "3").exists() and (workdir / ".lock").exists()
+    # A process killed now leaves the folder(s), which every later start names.
+    run_config = config()
+    run_config.checkpoint.dir = str(ckpt)
+    plan, problems = workdirs.inspect(run_config, str(workdir), overwrite=True)
+    assert problems == [] and sum(folder in note for note in plan.notes for folder in aside.folders) == len(aside.folders)
+    # The new run writes its own files, then fails before a checkpoint: all of it goes, the earlier run comes back.
+    (workdir / "metrics.jsonl").write_text("new\n")
+    os.makedirs(ckpt / "1.orbax-checkpoint-tmp-9")
+    aside.restore()
+    assert files() == before and not asides.leftovers(str(workdir), str(ckpt))
+    # Or it completes a checkpoint: the earlier run is deleted.
+    aside = asides.set_aside(str(workdir), str(ckpt), workdirs.RUN_FILES)
+    aside.let_go()
+    assert not asides.leftovers(str(workdir), str(ckpt)) and not (workdir / "metrics.jsonl").exists()
+    assert asides.set_aside(str(workdir), str(ckpt), workdirs.RUN_FILES) is None, "nothing left to move"
+
+
+def test_a_lock_that_cannot_be_created_is_one_line():
+    with pytest.raises(workdirs.WorkdirError) as error:
+        workdirs.WorkdirLock("/proc/jaxpar-no-such-run").acquire()
+    (line,) = str(error.value).splitlines()
+    assert line.startswith("--workdir=/proc/jaxpar-no-such-run: cannot create its lock file /proc/jaxpar-no-such-run/.lock")

@@ -3,11 +3,19 @@
 python tests/train_worker.py kill_mid_save STEP -- TRAIN_ARGS...
     trains as scripts/train.py would, and SIGKILLs itself as soon as the async save of step STEP
     has started (save() returned, the background commit still writing), like a preempted node.
+python tests/train_worker.py signal_at_PHASE SIGNUM -- TRAIN_ARGS...
+    trains, sending itself signal SIGNUM as the start-up phase PHASE begins (preflight, data, build,
+    restore, compile; first_step: as the first step's batch is fetched), like a preemption notice
+    or a Ctrl-C that arrives at that moment.
+python tests/train_worker.py limit_file_size BYTES -- TRAIN_ARGS...
+    trains with no file allowed to grow past BYTES (RLIMIT_FSIZE; SIGXFSZ ignored, so a write past
+    it fails with EFBIG), like a disk that fills while a checkpoint is written.
 """
 
 import glob
 import importlib.util
 import os
+import resource
 import signal
 import sys
 
@@ -40,7 +48,48 @@ def kill_mid_save(step: int, train_args: list[str]) -> int:
     return load_train_script().main(train_args)
 
 
+def _phase_functions():
+    """Phase -> (owner, attribute): a function the phase calls first, patched to send the signal."""
+    import jax
+
+    from jaxpar.train import preflight
+    from jaxpar.checkpoint.manager import Checkpoints
+    from jaxpar.data.batches import BatchIterator
+    from jaxpar.train import loop
+
+    return {
+        "preflight": (preflight, "check_run"),
+        "data": (loop, "load_tokens"),
+        "build": (loop, "build"),
+        "restore": (Checkpoints, "restore"),
+        "compile": (jax.stages.Lowered, "compile"),
+        "first_step": (BatchIterator, "__next__"),
+    }
+
+
+def signal_at(phase: str, signum: int, train_args: list[str]) -> int:
+    owner, name = _phase_functions()[phase]
+    original, sent = getattr(owner, name), []
+
+    def signalling(*args, **kwargs):
+        if not sent:
+            sent.append(signum)
+            os.kill(os.getpid(), signum)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, signalling)
+    return load_train_script().main(train_args)
+
+
+def limit_file_size(limit: int, train_args: list[str]) -> int:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return load_train_script().main(train_args)
+
+
 if __name__ == "__main__":
-    mode, step, separator, *rest = sys.argv[1:]
-    assert mode == "kill_mid_save" and separator == "--"
-    sys.exit(kill_mid_save(int(step), rest))
+    mode, number, separator, *rest = sys.argv[1:]
+    assert separator == "--"
+    if mode.startswith("signal_at_"):
+        sys.exit(signal_at(mode[len("signal_at_"):], int(number), rest))
+    sys.exit({"kill_mid_save": kill_mid_save, "limit_file_size": limit_file_size}[mode](int(number), rest))

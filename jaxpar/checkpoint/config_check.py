@@ -5,7 +5,9 @@ meaning; the same corpus, so the saved data position means the same thing). How 
 (mesh, parallel), how long it runs (train.steps), how it logs, reacts to non-finite steps and
 checkpoints may change freely: restoring onto a different mesh is supported. Other differences
 (batch size, seed, learning-rate schedule, ...) are allowed but reported, since the resumed run then
-no longer equals an uninterrupted one.
+no longer equals an uninterrupted one. Both configs are compared with their derived defaults
+resolved (`jaxpar.config.resolve_derived`): `model.head_dim` None and the value it derives to are the
+same model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.checkpoint.errors import CheckpointError
+from jaxpar.config import resolve_derived
 
 # Config sections (written as key prefixes) a resumed run must share with its checkpoint.
 MUST_MATCH = ("model.", "data.")
@@ -55,7 +58,7 @@ def _describe(names, saved, current) -> str:
 def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint: str) -> list[str]:
     """Raises CheckpointError (one line) if the model or data sections differ; returns one-line notes
     for the other differing keys that change what an uninterrupted run would have done."""
-    saved_flat, current_flat = _flatten(as_dict(saved)), _flatten(as_dict(current))
+    saved_flat, current_flat = _flatten(resolve_derived(as_dict(saved))), _flatten(resolve_derived(as_dict(current)))
     differing = sorted(
         n for n in saved_flat.keys() | current_flat.keys() if saved_flat.get(n, _ABSENT) != current_flat.get(n, _ABSENT)
     )

@@ -14,6 +14,8 @@ from jaxpar.checkpoint.manager import CONFIG, DATA
 
 # What Orbax's JsonCheckpointHandler names the file of a JSON item.
 JSON_ITEM_FILE = "metadata"
+# The data-state key scripts/convert.py sets on a checkpoint it made from a transformers checkpoint.
+CONVERTED_FROM = "converted_from"
 
 
 def finished_steps(directory: str) -> list[int]:
@@ -40,6 +42,18 @@ def saved_config(directory: str, step: int) -> dict:
 def saved_data_state(directory: str, step: int) -> dict:
     """The data iterator's state step `step` was saved with; CheckpointError if unreadable."""
     return _json_item(directory, step, DATA)
+
+
+def converted_from(directory: str, steps) -> tuple[int, str] | None:
+    """(step, transformers checkpoint) of the first of `steps` that scripts/convert.py wrote, if any."""
+    for step in steps:
+        try:
+            origin = saved_data_state(directory, step).get(CONVERTED_FROM)
+        except CheckpointError:
+            continue
+        if origin:
+            return step, str(origin)
+    return None
 
 
 def _json_item(directory: str, step: int, item: str) -> dict:

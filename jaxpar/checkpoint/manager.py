@@ -26,6 +26,7 @@ agreed by a tiny all-gather, so every process falls back together.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -42,6 +43,8 @@ from jax.experimental import multihost_utils
 from jaxpar.checkpoint.config_check import as_dict
 from jaxpar.checkpoint.errors import CheckpointError
 from jaxpar.checkpoint.integrity import fingerprints, leaf_names, mismatches
+from jaxpar.checkpoint.quiet import NOISE
+from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +111,6 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
         registry.add(item, ocp.args.JsonSave, json_handler)
         registry.add(item, ocp.args.JsonRestore, json_handler)
     return registry
-
-
-def is_remote(directory: str) -> bool:
-    """gs://, s3:// and the like (paths Orbax reaches through etils.epath, not the local filesystem)."""
-    return "://" in directory
 
 
 def abstract_state(shapes, shardings):
@@ -192,6 +190,9 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handler_registry())
         self._pending: int | None = None  # the step of the last async save, until known finished
+        self.needed_bytes: int | None = None  # the size of the last state saved (the next save's estimate)
+        NOISE.open()
+        self._open = True
 
     # -- listing ---------------------------------------------------------------------------
 
@@ -233,6 +234,8 @@ class Checkpoints:
         if not self.should_save(step, force):
             return False
         _check_global_arrays(state)
+        self.needed_bytes = state_bytes(state)
+        check_free_space(self.directory, self.needed_bytes)
         items = {
             STATE: ocp.args.StandardSave(state),
             DATA: ocp.args.JsonSave(dict(data_state)),
@@ -240,19 +243,41 @@ class Checkpoints:
         }
         if self.verify:
             items[INTEGRITY] = ocp.args.JsonSave({"fingerprints": fingerprints(state)})
-        saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._writing(step if self._pending is None else self._pending):  # an earlier async save may fail here
+            saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         if saved:
             self._pending = step
         return saved
 
+    @contextlib.contextmanager
+    def _writing(self, step):
+        """Any failure of a (background) write becomes one CheckpointError line naming the directory
+        and step (a full disk says so, with the numbers); Orbax's own reports of it are dropped."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Orbax / TensorStore / OS errors alike
+            NOISE.take_first_error(failed=True)
+            raise CheckpointError(write_failure(e, self.directory, step, self.needed_bytes)) from None
+
     def wait(self) -> None:
         """Blocks until every started save is complete on storage."""
-        self._manager.wait_until_finished()
+        with self._writing(self._pending):
+            self._manager.wait_until_finished()
         self._pending = None
 
     def close(self) -> None:
-        self._manager.close()
-        self._pending = None
+        try:
+            with self._writing(self._pending):
+                self._manager.close()
+        finally:
+            self._pending = None
+            if self._open:
+                self._open = False
+                NOISE.close()
+                if (error := NOISE.take_first_error()) is not None:
+                    self._warn(f"Orbax reported an error in the background: {error}")
 
     def __enter__(self):
         return self

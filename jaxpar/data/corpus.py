@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 from collections.abc import Mapping
 
@@ -46,12 +47,15 @@ from jaxpar.data.sources import (
     SOURCES,
     TEXT_SOURCES,
     TOKEN_DTYPES,
+    load_tokens,
     source_problems,
     source_tokens,
     stdlib_files,
     text_files,
     token_range_problems,
 )
+from jaxpar.data.sources import corpus_fingerprint as source_fingerprint
+from jaxpar.data.sources import corpus_warnings as source_warnings
 from jaxpar.data.tokenizer import ByteTokenizer, TokenizerError, document_encoder
 from jaxpar.ranges import at_least, one_of, within
 
@@ -210,6 +214,23 @@ def corpus_tokens(data) -> int:
     """The training corpus's size (`source_tokens`, summed over a mixture) from the data section:
     checkpoints keep it, and a resumed run refuses a corpus that changed."""
     return sum(source_tokens(src) for src in training_sources(data))
+
+
+def corpus_fingerprint(data) -> str:
+    """A hash of every training source's size and content (`jaxpar.data.sources.corpus_fingerprint`)."""
+    parts = [source_fingerprint(src) for src in training_sources(data)]
+    return parts[0] if len(parts) == 1 else hashlib.blake2b("".join(parts).encode(), digest_size=16).hexdigest()
+
+
+def corpus_warnings(data) -> list[str]:
+    """What the training sources' preflight accepts but looks wrong (`jaxpar.data.sources.corpus_warnings`)."""
+    warnings = []
+    for src in training_sources(data):
+        if src.source == "tokens":
+            warnings += source_warnings(src, np.memmap(src.path, dtype=np.dtype(src.token_dtype), mode="r"))
+        elif src.source == "text" and not src.tokenizer:
+            warnings += source_warnings(src, load_tokens(src))
+    return [w.replace("data.path=", f"{src.key}=") if src.key != "data.path" else w for w in warnings]
 
 
 # ---------------------------------------------------------------- checks
@@ -417,5 +438,5 @@ def describe(config) -> str:
     return f"data: {', '.join(parts)} ({packing}; tokenizer {config.data.tokenizer or 'bytes'})"
 
 
-__all__ = ["DataError", "Source", "corpus_problems", "corpus_tokens", "eval_batches", "eval_stream",
+__all__ = ["DataError", "Source", "corpus_fingerprint", "corpus_problems", "corpus_tokens", "corpus_warnings", "eval_batches", "eval_stream",
            "training_stream", "validate_data_config"]

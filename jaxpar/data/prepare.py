@@ -13,11 +13,17 @@ Documents: every text file is one document; in a `.jsonl` file every line is one
 `datasets`, `jaxpar.data.hf_stream`). Large text files are read and tokenized in chunks cut after a newline, so a token never
 spans a chunk boundary: a tokenizer that merges across a newline (e.g. "\\n\\n" as one token) may
 split such a pair into two tokens at a chunk boundary, one place per `CHUNK_BYTES` of text.
-The file is written as FILE.partial and renamed when complete, the offsets then the sidecar last.
+The file is written as FILE.partial and renamed when complete, the offsets then the sidecar last. An existing FILE,
+sidecar or offsets file is replaced only with `overwrite=True`.
+
+Text is UTF-8: bytes that are not become U+FFFD (one per invalid sequence, as Python's "replace"),
+are counted (`undecodable_bytes` in the sidecar, and reported), and a file where more than
+`max_undecodable` of the bytes are not UTF-8 — a binary file, another encoding — is refused.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterator
@@ -32,6 +38,7 @@ DTYPES = ("uint16", "uint32")
 CHUNK_BYTES = 4 << 20  # text per tokenizer call; bounds memory for multi-GB files
 BATCH_PIECES = 64  # chunks/documents per batched (multi-threaded) tokenizer call
 SIDECAR_FORMAT = "jaxpar-tokens-v1"
+MAX_UNDECODABLE = 0.01  # fraction of a file's bytes that may be replaced before the file is refused
 
 
 class PrepareError(ValueError):
@@ -92,7 +99,49 @@ def input_files(inputs: list[str]) -> list[str]:
 RECORD_FORMATS = (".json", ".parquet", ".arrow")  # read with `datasets`, one document per record
 
 
-def _pieces(path: str, text_field: str = "text") -> Iterator[tuple[str, bool, int]]:
+class _Undecodable:
+    """Counts the bytes replaced by U+FFFD, per file and in all."""
+
+    def __init__(self, max_fraction: float):
+        self.max_fraction, self.total, self.in_file, self.worst = max_fraction, 0, 0, ("", 0)
+
+    def decode(self, data: bytes) -> str:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+        view, parts, start = memoryview(data), [], 0
+        while start < len(data):
+            try:
+                parts.append(codecs.utf_8_decode(view[start:], "strict", True)[0])
+                break
+            except UnicodeDecodeError as e:
+                parts += [codecs.utf_8_decode(view[start : start + e.start], "strict", True)[0], "\ufffd"]
+                self.in_file += e.end - e.start
+                start += e.end
+        return "".join(parts)
+
+    def check(self, path: str, size: int, *, at_end: bool) -> None:
+        """Refuses the file once more than `max_fraction` of its bytes are known not to be UTF-8
+        (mid-file, for files of several chunks: a binary file is refused without reading it all)."""
+        if self.in_file <= self.max_fraction * size:
+            return
+        count = f"{'' if at_end else 'at least '}{self.in_file} of {size} bytes"
+        raise PrepareError(
+            f"--input file {path}: {count} ({100 * self.in_file / size:.1f}%) are not UTF-8 (at most "
+            f"{100 * self.max_fraction:g}% may be); is it binary or in another encoding? convert it to UTF-8, "
+            f"leave it out, or raise --max_undecodable"
+        )
+
+    def end_file(self, path: str, size: int) -> None:
+        self.check(path, size, at_end=True)
+        self.total += self.in_file
+        if self.in_file > self.worst[1]:
+            self.worst = (path, self.in_file)
+        self.in_file = 0
+
+
+def _pieces(path: str, undecodable: _Undecodable, text_field: str = "text") -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, bytes read) for one input file."""
     if path.endswith(".jsonl"):
         with open(path, "rb") as f:
@@ -121,7 +170,8 @@ def _pieces(path: str, text_field: str = "text") -> Iterator[tuple[str, bool, in
             yield text, True, 0
         yield "", False, os.path.getsize(path)  # the progress bar's share of the file
         return
-    if os.path.getsize(path) == 0:
+    size = os.path.getsize(path)
+    if size == 0:
         return  # no document, not an EOS-only one
     with open(path, "rb") as f:
         pending = b""
@@ -129,27 +179,60 @@ def _pieces(path: str, text_field: str = "text") -> Iterator[tuple[str, bool, in
             block = f.read(CHUNK_BYTES)
             data = pending + block
             if not block:
-                yield data.decode("utf-8", errors="replace"), True, len(data)
+                text = undecodable.decode(data)
+                undecodable.end_file(path, size)
+                yield text, True, len(data)
                 return
             cut = data.rfind(b"\n") + 1  # keep a trailing partial line (and any split UTF-8 character)
             if cut == 0:
                 pending = data
                 continue
             pending = data[cut:]
-            yield data[:cut].decode("utf-8", errors="replace"), False, cut
+            text = undecodable.decode(data[:cut])
+            if size > CHUNK_BYTES:
+                undecodable.check(path, size, at_end=False)
+            yield text, False, cut
+
+
+def undecodable_note(meta: dict) -> str | None:
+    """The line reporting replaced bytes, if any."""
+    count = meta.get("undecodable_bytes", 0)
+    if not count:
+        return None
+    return (
+        f"{count} bytes of {meta['input_bytes']} were not UTF-8 and became U+FFFD "
+        f"(most in {meta['undecodable_worst_file']})"
+    )
 
 
 def sidecar_path(token_file: str) -> str:
     return token_file + ".json"
 
 
+def _refuse_existing(output: str) -> None:
+    for path in (output, sidecar_path(output), offsets_path(output)):
+        if os.path.lexists(path):
+            raise PrepareError(
+                f"--output={output}: {path} already exists; pass --overwrite to replace it or choose another --output"
+            )
+
+
 def prepare(
-    tokenizer_path: str, inputs: list[str], output: str, dtype: str | None = None, progress: bool = True,
+    tokenizer_path: str,
+    inputs: list[str],
+    output: str,
+    dtype: str | None = None,
+    progress: bool = True,
+    *,
     text_field: str = "text",
+    overwrite: bool = False,
+    max_undecodable: float = MAX_UNDECODABLE,
 ) -> dict:
     """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json
     (and the documents' offsets to `output`.offsets.npy)."""
     files = input_files(inputs)
+    if not overwrite:
+        _refuse_existing(output)
     tokenizer = load_tokenizer(tokenizer_path)
     vocab_size = len(tokenizer)  # includes added special tokens
     dtype = choose_dtype(vocab_size, dtype)
@@ -160,6 +243,7 @@ def prepare(
     if os.path.dirname(os.path.abspath(output)) and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
         raise PrepareError(f"--output={output}: its folder does not exist")
     partial = output + ".partial"
+    undecodable = _Undecodable(max_undecodable)
     num_tokens = num_documents = 0
     largest = -1
     bar = tqdm(
@@ -184,23 +268,30 @@ def prepare(
                 offsets.append(num_tokens)
             bar.update(nbytes)
 
-    with open(partial, "wb") as out:
-        batch = []
-        for path in files:
-            for piece in _pieces(path, text_field):
-                batch.append(piece)
-                if len(batch) >= BATCH_PIECES:
-                    flush(batch, out)
-                    batch = []
-        if batch:
-            flush(batch, out)
-    bar.close()
+    try:
+        with open(partial, "wb") as out:
+            batch = []
+            for path in files:
+                for piece in _pieces(path, undecodable, text_field):
+                    batch.append(piece)
+                    if len(batch) >= BATCH_PIECES:
+                        flush(batch, out)
+                        batch = []
+            if batch:
+                flush(batch, out)
+    except PrepareError:
+        os.remove(partial)
+        raise
+    finally:
+        bar.close()
     if num_tokens == 0:
         os.remove(partial)
         raise PrepareError(f"--input={','.join(inputs)} holds no text")
     if largest >= vocab_size:  # a tokenizer whose ids exceed len(tokenizer) would break the vocab check
         os.remove(partial)
         raise PrepareError(f"--tokenizer={tokenizer_path} produced id {largest} >= its {vocab_size} tokens")
+    if os.path.lexists(sidecar_path(output)):
+        os.remove(sidecar_path(output))  # never an old sidecar beside the new file, even for a moment
     os.replace(partial, output)
     if offsets[-1] != num_tokens:  # a last document without an end (cannot happen: every file ends one)
         offsets.append(num_tokens)
@@ -217,7 +308,11 @@ def prepare(
         "tokenizer": os.path.abspath(tokenizer_path),
         "offsets": os.path.basename(offsets_path(output)),
         "num_input_files": len(files),
+        "input_bytes": sum(os.path.getsize(f) for f in files),
+        "undecodable_bytes": undecodable.total,
     }
+    if undecodable.total:
+        sidecar["undecodable_worst_file"] = undecodable.worst[0]
     with open(sidecar_path(output), "w") as f:
         json.dump(sidecar, f, indent=2)
     return sidecar

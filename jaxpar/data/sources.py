@@ -16,16 +16,23 @@ flat 1-D token array. Documents — how every source is cut into them, packed an
 
 `token_range_problems` checks that a token file's ids lie in [0, vocab_size) — every id of a small
 file, evenly spaced blocks of a large one (`RANGE_SAMPLE_BLOCKS`).
+`corpus_warnings` names what is accepted but suspicious: a token file without the sidecar its dtype
+could be checked against (and ids that look like another dtype's), a text source that is mostly
+binary. `corpus_fingerprint` hashes one source's size and evenly spaced blocks of its bytes (all of
+a small one), cheaply, so a checkpoint can tell a corpus rewritten under it even at the same size.
 """
 
 from __future__ import annotations
 
+import bisect
 import glob
+import hashlib
 import os
 import sysconfig
 
 import numpy as np
 
+from jaxpar.data.prepare import sidecar_path
 from jaxpar.data.tokenizer import ByteTokenizer
 
 SOURCES = ("stdlib", "text", "tokens", "datasets")
@@ -41,6 +48,14 @@ _STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "t
 RANGE_FULL_TOKENS = 1 << 26
 RANGE_SAMPLE_BLOCKS = 64
 RANGE_BLOCK_TOKENS = 1 << 16
+# corpus_fingerprint: corpora up to FINGERPRINT_FULL_BYTES are hashed whole (~2 ms per MiB), larger
+# ones by FINGERPRINT_BLOCKS evenly spaced blocks of FINGERPRINT_BLOCK_BYTES, first and last included.
+FINGERPRINT_FULL_BYTES = 8 << 20
+FINGERPRINT_BLOCKS = 256
+FINGERPRINT_BLOCK_BYTES = 4096
+# corpus_warnings: a text source with more than this fraction of sampled bytes that are control
+# bytes or not UTF-8 looks binary (text has ~0; random bytes ~0.6).
+BINARY_FRACTION = 0.1
 
 
 def _sorted_files(root: str, skip_dir, keep_file) -> list[str]:
@@ -120,6 +135,99 @@ def source_tokens(data_config) -> int:
 
         return sum(os.path.getsize(f) for f in dataset_files(path))
     return os.path.getsize(path) // np.dtype(str(data_config.token_dtype)).itemsize
+
+
+def _segments(data_config) -> list[tuple[str, int]]:
+    """(file, bytes of it in the corpus), in corpus order (SEPARATORs left out)."""
+    source, path = data_config.source, str(data_config.path)
+    if source == "stdlib":
+        root, files = _stdlib_files()
+        room, segments = int(data_config.max_corpus_bytes), []
+        for rel in files:
+            if room <= 0:
+                break
+            size = min(os.path.getsize(os.path.join(root, rel)), room)
+            segments.append((os.path.join(root, rel), size))
+            room -= size + len(SEPARATOR)
+        return segments
+    if source == "datasets":
+        from jaxpar.data.hf_stream import dataset_files
+
+        return [(f, os.path.getsize(f)) for f in dataset_files(path)]
+    if source == "text" and os.path.isdir(path):
+        return [(os.path.join(path, rel), os.path.getsize(os.path.join(path, rel))) for rel in _text_files(path)]
+    return [(path, os.path.getsize(path))]
+
+
+def _read_span(segments, starts, offset: int, length: int) -> bytes:
+    """`length` bytes at `offset` of the segments' concatenation."""
+    parts, index = [], bisect.bisect_right(starts, offset) - 1
+    while length > 0 and index < len(segments):
+        path, size = segments[index]
+        within = offset - starts[index]
+        take = min(length, size - within)
+        with open(path, "rb") as f:
+            f.seek(within)
+            parts.append(f.read(take))
+        offset, length, index = offset + take, length - take, index + 1
+    return b"".join(parts)
+
+
+def corpus_fingerprint(data_config) -> str:
+    """A hash of the corpus's size and content (all of it if small, else evenly spaced blocks)."""
+    segments = _segments(data_config)
+    starts = list(np.cumsum([0] + [size for _, size in segments[:-1]]))
+    total = sum(size for _, size in segments)
+    digest = hashlib.blake2b(str(total).encode(), digest_size=16)
+    if total <= FINGERPRINT_FULL_BYTES:
+        spans = [(start, size) for start, (_, size) in zip(starts, segments)]
+    else:
+        offsets = np.linspace(0, total - FINGERPRINT_BLOCK_BYTES, FINGERPRINT_BLOCKS).astype(np.int64)
+        spans = [(int(o), FINGERPRINT_BLOCK_BYTES) for o in offsets]
+    for offset, length in spans:
+        digest.update(_read_span(segments, starts, offset, length))
+    return digest.hexdigest()
+
+
+def _sample(array: np.ndarray, blocks: int = 16, size: int = 4096) -> np.ndarray:
+    if len(array) <= blocks * size:
+        return np.asarray(array)
+    starts = np.linspace(0, len(array) - size, blocks).astype(np.int64)
+    return np.concatenate([np.asarray(array[s : s + size]) for s in starts])
+
+
+def _binary_fraction(data: bytes) -> float:
+    """Fraction of `data` that is control bytes (other than tab, newline, CR) or not UTF-8."""
+    if not data:
+        return 0.0
+    raw = np.frombuffer(data, np.uint8)
+    control = int(np.count_nonzero(((raw < 32) & ~np.isin(raw, (9, 10, 13))) | (raw == 127)))
+    invalid = data.decode("utf-8", errors="replace").count("\ufffd")
+    return (control + invalid) / len(data)
+
+
+def corpus_warnings(data_config, tokens: np.ndarray) -> list[str]:
+    """One line each for what the corpus preflight accepts but looks wrong (module docstring)."""
+    source, path = data_config.source, str(data_config.path)
+    warnings = []
+    if source == "tokens" and not os.path.isfile(sidecar_path(path)):
+        dtype = str(data_config.token_dtype)
+        warning = (
+            f"data.path={path!r} has no sidecar {sidecar_path(path)} (scripts/prepare_data.py writes one): "
+            f"nothing confirms that it holds data.token_dtype={dtype!r} ids"
+        )
+        sample = _sample(tokens)
+        if np.dtype(dtype).itemsize < 4 and len(sample) >= 2 and np.all(sample[1::2] == 0) and np.any(sample[::2]):
+            warning += f"; every second id is 0, as when a file of {np.dtype(dtype).itemsize * 2}-byte ids is read as {dtype}"
+        warnings.append(warning)
+    if source == "text":
+        fraction = _binary_fraction(_sample(tokens).astype(np.uint8).tobytes())
+        if fraction > BINARY_FRACTION:
+            warnings.append(
+                f"data.path={path!r} looks binary: {100 * fraction:.0f}% of sampled bytes are control bytes or not UTF-8 "
+                f"(data.source='text' trains on its raw bytes)"
+            )
+    return warnings
 
 
 def _blocks(count: int):

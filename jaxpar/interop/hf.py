@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 from safetensors.numpy import save_file
 
+from jaxpar.config import resolve_derived
 from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
@@ -62,6 +63,23 @@ def model_config(path) -> ConfigDict:
         return adapter.to_model_config(hf_config)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{file}: {e}") from None
+
+
+def with_jaxpar_fields(model: ConfigDict, config_model: ConfigDict) -> ConfigDict:
+    """`model` (read from a config.json) with the fields config.json cannot carry — jaxpar's own,
+    e.g. Mixtral's router_z_loss_coef and capacity_factor — taken from `config_model` of the same
+    family. They are found as the fields a config.json round trip of `config_model` does not
+    preserve (derived defaults resolved, so head_dim None is not one of them)."""
+    if config_model.get("model_type") != model.model_type:
+        return model
+    adapter = _adapter(model.model_type)
+    trip = resolve_derived({"model": adapter.to_model_config(adapter.to_hf_config(config_model)).to_dict()})["model"]
+    mine = resolve_derived({"model": config_model.to_dict()})["model"]
+    merged = ConfigDict(model.to_dict())
+    for key in sorted(mine.keys() & trip.keys()):
+        if mine[key] != trip[key]:
+            merged[key] = config_model[key]
+    return merged
 
 
 def load(path) -> tuple[ConfigDict, dict]:

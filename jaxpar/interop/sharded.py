@@ -23,9 +23,9 @@ import os
 import jax
 import numpy as np
 
+from jaxpar.config import resolve_derived
 from jaxpar.dtypes import DTYPES
 from jaxpar.interop import hf, hf_core
-from jaxpar.model_facts import head_dim_of
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
 from jaxpar.models.hf_adapter import rows_cols, span
@@ -119,14 +119,13 @@ def problems(directory: str, model_config, key: str = "train.init_from_hf") -> l
         saved = hf.model_config(directory)
     except (OSError, ValueError) as e:
         return [f"{flag}: {e}"]
-    differing = sorted(
-        k for k in set(saved.keys()) | set(model_config.keys())
-        if k not in IGNORED_KEYS + ("head_dim",) and saved.get(k) != model_config.get(k)
-    )
-    if head_dim_of(saved) != head_dim_of(model_config):  # None means hidden_size / heads: compare the values
-        differing.append("head_dim")
+    # Fields config.json cannot hold (Mixtral's router_z_loss_coef) are the config's; derived
+    # defaults (head_dim None) are compared by their values.
+    saved = resolve_derived({"model": hf.with_jaxpar_fields(saved, model_config).to_dict()})["model"]
+    wanted = resolve_derived({"model": model_config.to_dict()})["model"]
+    differing = sorted(k for k in saved.keys() | wanted.keys() if k not in IGNORED_KEYS and saved.get(k) != wanted.get(k))
     if differing:
-        described = ", ".join(f"model.{k} (checkpoint {saved.get(k)!r}, config {model_config.get(k)!r})" for k in differing)
+        described = ", ".join(f"model.{k} (checkpoint {saved.get(k)!r}, config {wanted.get(k)!r})" for k in differing)
         return [f"{flag}: its config.json differs from config.model in {described}; set config.model to the checkpoint's"]
     try:
         with hf_core.Checkpoint(directory) as get:

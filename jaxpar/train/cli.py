@@ -24,7 +24,8 @@ USAGE = """usage: train.py --config=CONFIG.py[:ARG] --workdir=DIR [--config.SECT
   --config          a configs/*.py file defining get_config() (ARG is passed to it if given)
   --workdir         where config.json, metrics.jsonl, checkpoints/ and the run's lock live; a workdir
                     holding a run with a fitting checkpoint is resumed, any other earlier run refused
-  --overwrite       delete an earlier run in --workdir (once the new run is known to start)
+  --overwrite       replace an earlier run in --workdir: moved aside once the new run is known to
+                    start, deleted at the new run's first checkpoint, put back if it fails before
   --cpu_devices     emulate N CPU devices (0: the real devices; JAX_NUM_CPU_DEVICES wins if set)
   --plan            a hardware profile (a100-80g, h100-80g, h200, tpu-v5p, ...): set the mesh, ZeRO
                     stage, remat and microbatch keys to the planner's best layout for the visible

@@ -3,9 +3,12 @@
 Order matters for never losing data: everything a run reads is checked first (`preflight.check_run`,
 no writes); then the workdir is locked; the program is built, the state restored (newest complete
 checkpoint that fits) or initialised, and the step compiled. Only then — the run is known to start —
-is anything of an earlier run touched: `--overwrite` clears it, or a resumed `metrics.jsonl` is cut
-back to the restored step. Each step's bookkeeping is its own function (`_record`, `_after_step`),
-so the loop body stays a short list of calls.
+is anything of an earlier run touched: `--overwrite` moves it aside (`jaxpar.train.aside`: deleted at
+this run's first complete checkpoint, put back if this run fails before), or a resumed
+`metrics.jsonl` is cut back to the restored step. A signal during start-up stops the run at the end
+of its phase (`StopSignals.check`), one in the loop after the step with a final checkpoint. Each
+step's bookkeeping is its own function (`_record`, `_after_step`), so the loop body stays a short
+list of calls.
 
 Checkpoint step numbers count the batches consumed, which is also the `step` field of
 metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps). Each checkpoint
@@ -18,7 +21,6 @@ process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
 import time
@@ -27,18 +29,21 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpar import peers
 from jaxpar.train import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
-from jaxpar.checkpoint.manager import is_remote
+from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data.batches import DocumentBatches, to_global
-from jaxpar.data.corpus import corpus_tokens, describe, training_stream
+from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, training_stream
 from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
+from jaxpar.checkpoint.listing import finished_steps
+from jaxpar.train import aside as asides
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
 from jaxpar.train.eval import Evaluator, evaluator
-from jaxpar.train.nonfinite import NonFiniteGuard
+from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxpar.train.observe import Observer
 from jaxpar.train.progress import Progress
 from jaxpar.train.setup import build, bytes_per_device
@@ -99,13 +104,13 @@ def _lock(workdir: str) -> workdirs.WorkdirLock | None:
     if jax.process_index() == 0:
         try:
             lock = workdirs.WorkdirLock(workdir).acquire()
-        except workdirs.WorkdirBusy as e:
+        except workdirs.WorkdirError as e:
             error = e
     failed = _agree(error is None)
     if error is not None:
         raise error
     if failed:
-        raise workdirs.WorkdirBusy(f"--workdir={workdir} is in use by another run (see process 0's error)")
+        raise workdirs.WorkdirError(f"--workdir={workdir} could not be locked by process 0 (see its error)")
     if lock is not None and lock.stale:
         print(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
     return lock
@@ -115,17 +120,36 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     """Trains to `config.train.steps` steps (resuming from WORKDIR's checkpoints when they fit);
     returns the metrics of the steps run here, which it also appends to WORKDIR/metrics.jsonl.
 
-    Raises ConfigError (bad input, nothing written), WorkdirBusy, CheckpointError, NonFiniteStop or
-    Interrupted (after a final checkpoint); each message is one line."""
+    Raises ConfigError (bad input, nothing written), WorkdirError (busy, or no lock possible),
+    CheckpointError, NonFiniteStop or Interrupted (during start-up: nothing changed; in the loop:
+    after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
-    run = _run_preflight(config, workdir, devices, overwrite)
-    lock = _lock(workdir)
     try:
-        with StopSignals() as signals:
-            return _train(config, run, devices, signals, progress)
-    finally:
-        if lock is not None:
-            lock.release()
+        with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
+            run = _run_preflight(config, workdir, devices, overwrite)
+            signals.check("preflight", run.workdir.resume_step is not None)
+            peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
+            lock = _lock(workdir)
+            try:
+                return _train(config, run, devices, signals, progress)
+            finally:
+                if lock is not None:
+                    lock.release()
+    except (preflight.ConfigError, workdirs.WorkdirError, NonFiniteStop, Interrupted):
+        raise  # one-line errors every process reaches together
+    except CheckpointError:
+        peers.stop_if_peer_lost(collective_failed=False)  # a lost peer ends this process here (exit 4)
+        raise
+    except Exception:
+        peers.stop_if_peer_lost(collective_failed=True)
+        raise
+
+
+def _resume_point(checkpoint_dir: str) -> str:
+    steps = finished_steps(checkpoint_dir)
+    if not steps:
+        return f"no checkpoint was completed in {checkpoint_dir}"
+    return f"the newest complete checkpoint, {checkpoint_dir}/{steps[-1]}, is the resume point"
 
 
 @dataclasses.dataclass
@@ -137,13 +161,16 @@ class _Run:
     program: object
     iterator: DocumentBatches
     checkpoints: Checkpoints | None
-    corpus_tokens: int
+    corpus: dict  # the corpus's identity (size, fingerprint), saved with every checkpoint
+    signals: StopSignals
+    show_progress: bool
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
     observer: Observer | None = None
     evaluator: Evaluator | None = None
     evaluated: int = -1  # the last step evaluated
+    aside: asides.Aside | None = None  # the earlier run --overwrite moved aside (process 0), until let go
 
 
 def _say(line: str) -> None:
@@ -164,9 +191,8 @@ def _restore(run: _Run):
     # A fallback may have landed on an older checkpoint: its config must fit too.
     for note in compare_configs(restored.config, run.config.to_json_best_effort(), checkpoint=restored.path):
         _say(note)
-    saved_tokens = restored.data_state.get("corpus_tokens")
-    if saved_tokens is not None and saved_tokens != run.corpus_tokens:
-        raise CheckpointError(workdirs.corpus_changed_problem(restored.path, saved_tokens, run.corpus_tokens))
+    if problem := workdirs.corpus_changed_problem(restored.path, restored.data_state, run.corpus):
+        raise CheckpointError(problem)
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
     return restored.state, restored.data_state
 
@@ -184,7 +210,9 @@ def _start(run: _Run, resume_step: int | None) -> None:
     """The run is known to start (state ready, step compiled): now touch the workdir."""
     writer = jax.process_index() == 0
     if writer and run.plan.overwrite:
-        workdirs.clear_earlier_run(run.plan)
+        run.aside = asides.set_aside(run.plan.workdir, run.plan.checkpoint_dir, workdirs.RUN_FILES)
+        if run.aside is not None:
+            _say(f"moved the earlier run aside to {run.aside.where} until this run's first checkpoint")
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxpar-workdir-ready")
     if run.checkpoints is None:
@@ -192,16 +220,38 @@ def _start(run: _Run, resume_step: int | None) -> None:
     if writer:
         workdirs.write_config(run.plan.workdir, run.config)
     run.metrics = workdirs.MetricsLog(run.plan.workdir, resume_step, writer=writer)
+    _set_quit_note(run)
+
+
+def _set_quit_note(run: _Run) -> None:
+    """What a second signal (quit at once, no final checkpoint) leaves, for its one line."""
+    note = f"the newest complete checkpoint in {run.plan.checkpoint_dir} is where a rerun resumes"
+    if run.aside is not None:
+        note = f"this run has no checkpoint yet: the run --overwrite replaces is kept in {run.aside.where}"
+    run.signals.quit_note = note
+
+
+def _let_go_once_proven(run: _Run) -> None:
+    """--overwrite's earlier run is deleted once this run has a complete checkpoint of its own."""
+    if run.aside is not None and run.checkpoints.latest_step() is not None:
+        run.aside.let_go()
+        run.aside = None
+        _set_quit_note(run)
 
 
 def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, progress: bool) -> list[dict]:
     plan, train_cfg = pre.workdir, config.train
+    resuming = plan.resume_step is not None
     for note in plan.notes:
         _say(note)
     if not is_remote(plan.checkpoint_dir):
         check_shared_storage(plan.checkpoint_dir)
+    for warning in corpus_warnings(config.data):
+        _say(f"warning: {warning}")
+    corpus = {workdirs.CORPUS_TOKENS: corpus_tokens(config.data), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
     packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
     batches = DocumentBatches(packer)
+    signals.check("loading data", resuming)
     program = build(config, devices)
     if jax.process_index() == 0:
         for line in report(program.mesh):
@@ -209,49 +259,69 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         print(f"mesh: {describe_mesh(program.mesh)} on {len(devices)} {devices[0].platform} devices")
         print(describe(config))
         print(memory_report(program), flush=True)
-    resuming = plan.resume_step is not None
-    run = _Run(config, plan, program, batches, None, corpus_tokens(config.data))
+    check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before compiling, not at the first save
+    signals.check("build", resuming)
+    run = _Run(config, plan, program, batches, None, corpus, signals, progress)
+    try:
+        history = _run(run, resuming, (train_cfg.global_batch_size, 2, train_cfg.seq_len + 1))
+    except BaseException as error:
+        _amend(error, _finish(run, failed=True))
+        raise
+    _finish(run, failed=False)
+    return history
+
+
+def _run(run: _Run, resuming: bool, batch_shape: tuple) -> list[dict]:
+    config, program, signals, train_cfg = run.config, run.program, run.signals, run.config.train
     if resuming:
-        run.checkpoints = _open_checkpoints(config, plan)
+        run.checkpoints = _open_checkpoints(config, run.plan)
         state, data_state = _restore(run)
         run.iterator.set_state(data_state)
     else:
         state = _initial_state(run)
     start = run.iterator.step
+    signals.check("restore" if resuming else "init", resuming)
     if start >= train_cfg.steps:
         _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
-        run.checkpoints.close()
         return []
-    batch_shape = (train_cfg.global_batch_size, 2, train_cfg.seq_len + 1)
-    batch_shape = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=program.batch_sharding)
     compile_started = time.perf_counter()
-    step_fn = program.step.lower(state, batch_shape).compile()
+    batch = jax.ShapeDtypeStruct(batch_shape, np.int32, sharding=program.batch_sharding)
+    step_fn = program.step.lower(state, batch).compile()
     compile_s = time.perf_counter() - compile_started
     run.evaluator = evaluator(config, program)  # compiled now too: before anything is written
+    signals.check("compile", resuming)
     _start(run, start if resuming else None)
-    run.observer = Observer(config, plan.workdir, program, step_fn, compile_s)
+    run.observer = Observer(config, run.plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
-    run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=progress and jax.process_index() == 0)
+    run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=run.show_progress and jax.process_index() == 0)
     history = []
-    try:
-        with signals.deferred():
-            for step in range(start + 1, train_cfg.steps + 1):
-                batch = to_global(next(run.iterator), program.batch_sharding)
-                with run.observer.step(step):  # the profile window, if this step is in it
-                    started = time.perf_counter()
-                    state, metrics = step_fn(state, batch)
-                    metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
-                    seconds = time.perf_counter() - started
-                record = _record(step, metrics, config, run.observer.throughput(step, seconds))
-                history.append(record)
-                _after_step(run, step, state, record, metrics, signals)
-            if run.evaluator is not None and run.evaluated != train_cfg.steps:
-                _evaluate(run, train_cfg.steps, state)
-        _save(run, train_cfg.steps, state, force=True)
-        _wait(run, train_cfg.steps)
-    finally:
-        _finish(run)
+    with signals.deferred():
+        for step in range(start + 1, train_cfg.steps + 1):
+            batch = to_global(next(run.iterator), program.batch_sharding)
+            with run.observer.step(step):  # the profile window, if this step is in it
+                started = time.perf_counter()
+                state, metrics = step_fn(state, batch)
+                metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
+                seconds = time.perf_counter() - started
+            record = _record(step, metrics, config, run.observer.throughput(step, seconds))
+            history.append(record)
+            _after_step(run, step, state, record, metrics, signals)
+        if run.evaluator is not None and run.evaluated != train_cfg.steps:
+            _evaluate(run, train_cfg.steps, state)
+    _save(run, train_cfg.steps, state, force=True)
+    run.checkpoints.wait()
+    _let_go_once_proven(run)
     return history
+
+
+def _amend(error: BaseException, note: str | None) -> None:
+    """Adds `note` (what became of the earlier run) to the one-line message of the error ending the run."""
+    if note is None:
+        return
+    if error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}; {note}", *error.args[1:])
+    else:
+        _say(note)
 
 
 def _evaluate(run: _Run, step: int, state) -> None:
@@ -289,40 +359,27 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     if run.evaluator is not None and run.evaluator.due(step):
         _evaluate(run, step, state)
     _save(run, step, state)
+    _let_go_once_proven(run)
     signum = signals.agreed()
     if signum is not None:
         _save(run, step, state, force=True)
-        _wait(run, step)
+        run.checkpoints.wait()
+        _let_go_once_proven(run)
         path = run.checkpoints.path(step)
         name = signal.Signals(signum).name
         raise Interrupted(signum, f"interrupted by {name} after step {step}: checkpoint {path} saved; rerun the same command to resume")
 
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
-    data_state = {**run.iterator.get_state(), "corpus_tokens": run.corpus_tokens}
-    with _naming_failures(run, step):
-        run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+    # A failed (background) write surfaces at the next save or wait as one CheckpointError line.
+    data_state = {**run.iterator.get_state(), **run.corpus}
+    run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
 
 
-def _wait(run: _Run, step: int) -> None:
-    with _naming_failures(run, step):
-        run.checkpoints.wait()
-
-
-@contextlib.contextmanager
-def _naming_failures(run: _Run, step: int):
-    """A failed (background) write surfaces at the next save or wait: one line naming the directory."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - Orbax / TensorStore / OS errors alike
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"writing checkpoints in {run.checkpoints.directory} failed at step {step} ({type(e).__name__}: {first})") from None
-
-
-def _finish(run: _Run) -> None:
-    run.iterator.close()
+def _finish(run: _Run, failed: bool) -> str | None:
+    """Closes what the run opened; after a failure, puts back an earlier run --overwrite moved aside
+    if this run never completed a checkpoint. Returns a note on the earlier run's fate, if any."""
+    run.iterator.close()  # the packing thread
     if run.observer is not None:
         run.observer.close()
     if run.progress is not None:
@@ -332,5 +389,19 @@ def _finish(run: _Run) -> None:
     if run.checkpoints is not None:
         try:
             run.checkpoints.close()  # waits for a save still being written
-        except Exception as e:  # noqa: BLE001 - do not hide the error that ended the run
-            _say(f"closing checkpoints failed ({type(e).__name__}: {e})")
+        except CheckpointError:
+            if not failed:
+                raise
+            # else: the error that ended the run is the one reported (often this same failed write)
+    if run.aside is None:
+        return None
+    aside, run.aside = run.aside, None
+    if finished_steps(run.plan.checkpoint_dir):  # a save completed after all (e.g. while closing)
+        aside.let_go()
+        return None
+    where = aside.where
+    try:
+        aside.restore()
+    except OSError as e:
+        return f"the earlier run --overwrite replaces is kept in {where} (moving it back failed: {e})"
+    return f"this run wrote no checkpoint, so the earlier run is back in {run.plan.workdir}"

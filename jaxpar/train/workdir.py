@@ -5,8 +5,13 @@ elsewhere) and `.lock`. Before anything is written, `inspect` decides what a new
 - nothing there (or no such directory): a fresh run;
 - complete checkpoints whose saved config fits (same model and data; mesh, parallel, steps may
   change — `jaxpar.checkpoint.compare_configs`): resume from the newest;
-- anything else of an earlier run (another model or data, or logs without a checkpoint): refused in
-  one line naming what differs, unless `--overwrite`, which clears it once the run is known to start.
+- logs of a run of the same model and data that wrote no checkpoint (it failed or was killed
+  before its first): replaced, as by `--overwrite` — rerunning the command is what it asks for;
+- anything else of an earlier run (another model or data, logs of another config without a
+  checkpoint): refused in one line naming what differs, unless `--overwrite`.
+Replacing never deletes first: the earlier run is moved aside when the new run is known to start and
+deleted only at the new run's first complete checkpoint (`jaxpar.train.aside`). A `previous-*`
+folder left by a killed replacement is named at every start.
 
 `WorkdirLock` keeps two runs out of one workdir with `flock` on `.lock`: the kernel drops the lock
 when its holder dies, so a lock left by a killed run is stale by construction and simply taken over
@@ -20,7 +25,6 @@ continues without duplicated or missing steps.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import math
@@ -29,18 +33,25 @@ import socket
 import time
 from dataclasses import dataclass
 
-from etils import epath
-
 from jaxpar.checkpoint import CheckpointError, compare_configs
-from jaxpar.checkpoint.listing import finished_steps, saved_config, saved_data_state
-from jaxpar.checkpoint.manager import is_remote
-from jaxpar.data.corpus import corpus_tokens
+from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
+from jaxpar.checkpoint.storage import is_remote, remote_problem
+from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens
+from jaxpar.train import aside as asides
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
-OVERWRITE_HINT = "pass --overwrite to start afresh (it deletes the earlier run) or choose another --workdir"
+# A run's files and folders in its workdir besides checkpoints (the last two: jaxpar.train.observe's).
+RUN_FILES = (METRICS_FILE, CONFIG_FILE, "tensorboard", "profile")
+OVERWRITE_HINT = (
+    "pass --overwrite to replace it (it is kept aside until the new run's first checkpoint) or choose another --workdir"
+)
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used (its lock cannot be created); the message is one line."""
+
+
+class WorkdirBusy(WorkdirError):
     """Another live run holds the workdir; the message is one line naming its host and pid."""
 
 
@@ -54,7 +65,7 @@ class WorkdirPlan:
     workdir: str
     checkpoint_dir: str
     resume_step: int | None  # the newest complete checkpoint that fits the config; None: fresh run
-    overwrite: bool  # clear the earlier run's files when the run starts
+    overwrite: bool  # move the earlier run's files aside when the run starts (`jaxpar.train.aside`)
     notes: tuple[str, ...]  # one line each, printed at start
 
 
@@ -109,6 +120,8 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     inside = os.path.abspath(ckpt_dir).startswith(os.path.abspath(workdir) + os.sep)
     if not is_remote(ckpt_dir) and not (problems and inside) and (p := _directory_problem(ckpt_dir, "checkpoint.dir")):
         problems.append(p)
+    if p := remote_problem(ckpt_dir):
+        problems.append(p)
     if problems:
         return None, problems
     if (holder := lock_holder(workdir)) is not None:
@@ -117,9 +130,21 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     notes = []
     steps = finished_steps(ckpt_dir)
     earlier = _earlier_run_files(workdir) if os.path.isdir(workdir) else []
+    converted = converted_from(ckpt_dir, steps)
+    if overwrite and converted:
+        return None, [
+            f"checkpoint.dir={ckpt_dir} holds checkpoint {converted[0]}, converted from {converted[1]} by scripts/convert.py; "
+            f"--overwrite never deletes a converted checkpoint: drop --overwrite to train from it, or choose another "
+            f"checkpoint.dir"
+        ]
+    notes += [
+        f"{folder} holds a run an --overwrite replaced, kept because the replacing run was killed before its first "
+        f"checkpoint; move its files back to resume it, or delete it" for folder in asides.leftovers(workdir, ckpt_dir)
+    ]
+    replacing = "is moved aside when this run starts, deleted at its first checkpoint and restored if it fails before"
     if overwrite:
         if steps or earlier:
-            notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) is deleted when this run starts")
+            notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) {replacing}")
         return WorkdirPlan(workdir, ckpt_dir, None, bool(steps or earlier), tuple(notes)), []
     current = json.loads(config.to_json_best_effort())
     for step in reversed(steps):
@@ -132,13 +157,24 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
             notes += compare_configs(saved, current, checkpoint=os.path.join(ckpt_dir, str(step)))
             corpus_problem = _corpus_changed(config, ckpt_dir, step)
         except CheckpointError as e:
-            return None, [f"{e}; {OVERWRITE_HINT}"]
+            return None, [f"{e}; {_refusal_hint(ckpt_dir, step, converted)}"]
         if corpus_problem:
-            return None, [f"{corpus_problem}; {OVERWRITE_HINT}"]
+            return None, [f"{corpus_problem}; {_refusal_hint(ckpt_dir, step, converted)}"]
+        if config.train.init_from_hf:
+            notes.append(
+                f"train.init_from_hf={config.train.init_from_hf} is ignored: this run resumes from checkpoint "
+                f"{os.path.join(ckpt_dir, str(step))}"
+            )
         return WorkdirPlan(workdir, ckpt_dir, step, False, tuple(notes)), []
     if steps:
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
     if earlier:
+        if _same_run_without_checkpoint(workdir, current):
+            notes.append(
+                f"--workdir={workdir} holds a run of this model and data that wrote no checkpoint: starting afresh; "
+                f"it {replacing}"
+            )
+            return WorkdirPlan(workdir, ckpt_dir, None, True, tuple(notes)), []
         return None, [
             f"--workdir={workdir} holds an earlier run ({', '.join(earlier)}) but no complete checkpoint in {ckpt_dir} "
             f"to resume from; {OVERWRITE_HINT}"
@@ -146,22 +182,55 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     return WorkdirPlan(workdir, ckpt_dir, None, False, tuple(notes)), []
 
 
-def corpus_changed_problem(path: str, saved: int, now: int) -> str:
-    return (
-        f"checkpoint {path} was saved reading a corpus of {saved} tokens but the corpus now has {now}: "
-        f"its data position would point elsewhere; restore the corpus"
-    )
+def _same_run_without_checkpoint(workdir: str, current: dict) -> bool:
+    """Does WORKDIR/config.json describe the same model and data as `current` (a rerun of a run that
+    failed or was killed before its first checkpoint)?"""
+    try:
+        with open(os.path.join(workdir, CONFIG_FILE)) as f:
+            compare_configs(json.load(f), current, checkpoint=os.path.join(workdir, CONFIG_FILE))
+    except (OSError, ValueError, CheckpointError):
+        return False
+    return True
+
+
+def _refusal_hint(ckpt_dir: str, step: int, converted: tuple[int, str] | None) -> str:
+    if converted is not None and converted[0] == step:
+        return (
+            f"it was converted from {converted[1]} by scripts/convert.py: train with the command convert.py printed "
+            f"(the model of {converted[1]}, the config convert.py was given)"
+        )
+    return OVERWRITE_HINT
+
+
+# The data-state keys that identify the corpus a checkpoint was saved reading.
+CORPUS_TOKENS, CORPUS_FINGERPRINT = "corpus_tokens", "corpus_fingerprint"
+
+
+def corpus_changed_problem(path: str, saved: dict, now: dict) -> str | None:
+    """One line if a checkpoint's saved corpus identity (`saved`, its data state) differs from the
+    corpus now (`now`: CORPUS_TOKENS and CORPUS_FINGERPRINT), else None. Keys a checkpoint lacks
+    (older checkpoints, converted ones) are not compared."""
+    tokens, fingerprint = saved.get(CORPUS_TOKENS), saved.get(CORPUS_FINGERPRINT)
+    if tokens is not None and tokens != now[CORPUS_TOKENS]:
+        change = f"a corpus of {tokens} tokens but the corpus now has {now[CORPUS_TOKENS]}"
+    elif fingerprint is not None and fingerprint != now[CORPUS_FINGERPRINT]:
+        change = f"a corpus of the same size ({now[CORPUS_TOKENS]} tokens) but other content (its sampled blocks differ)"
+    else:
+        return None
+    return f"checkpoint {path} was saved reading {change}: its data position would point elsewhere; restore the corpus"
+
+
+def corpus_identity(data_config) -> dict:
+    return {CORPUS_TOKENS: corpus_tokens(data_config), CORPUS_FINGERPRINT: corpus_fingerprint(data_config)}
 
 
 def _corpus_changed(config, ckpt_dir: str, step: int) -> str | None:
     """Same data config but another corpus (a token file rewritten, a folder grown)?"""
-    saved = saved_data_state(ckpt_dir, step).get("corpus_tokens")
+    saved = saved_data_state(ckpt_dir, step)
     try:
-        now = corpus_tokens(config.data)
+        now = corpus_identity(config.data)
     except (OSError, ValueError):
         return None  # the data preflight reports an unreadable corpus
-    if saved is None or saved == now:
-        return None
     return corpus_changed_problem(os.path.join(ckpt_dir, str(step)), saved, now)
 
 
@@ -174,8 +243,17 @@ class WorkdirLock:
         self.stale: str | None = None  # the previous holder, if the lock was left by a killed run
 
     def acquire(self) -> "WorkdirLock":
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        f = open(self.path, "a+")
+        workdir = os.path.dirname(self.path)
+        try:
+            # The first write of a run: permission checks can pass where nothing can be created (as
+            # root under /proc, on a read-only mount), so the OS's answer is the one reported.
+            os.makedirs(workdir, exist_ok=True)
+            f = open(self.path, "a+")
+        except OSError as e:
+            raise WorkdirError(
+                f"--workdir={workdir}: cannot create its lock file {self.path} ({type(e).__name__}: {e.strerror or e}); "
+                f"choose a writable directory"
+            ) from None
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -218,20 +296,6 @@ def _replace_text(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
-
-
-def clear_earlier_run(plan: WorkdirPlan) -> None:
-    """--overwrite, once the run is known to start: delete the earlier run's logs and checkpoints."""
-    for name in (METRICS_FILE, CONFIG_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(plan.workdir, name))
-    ckpt = epath.Path(plan.checkpoint_dir)
-    if not ckpt.exists():
-        return
-    for child in ckpt.iterdir():
-        # Only what Orbax and jaxpar put there: step directories, interrupted and quarantined saves.
-        if child.name.split(".")[0].isdigit() and child.is_dir():
-            child.rmtree()
 
 
 def write_config(workdir: str, config) -> None:
