@@ -17,7 +17,7 @@ def resolve_derived(config: dict) -> dict:
     and every key its other keys leave unused dropped, so two configs that describe the same run
     compare equal: `model.head_dim` None -> hidden_size // num_attention_heads; the llama3 fields
     of `model.rope_scaling` under rope_type "default"; `data.token_dtype` unless data.source is
-    "tokens", `data.path` unless "text" or "tokens", `data.max_corpus_bytes` unless "stdlib"."""
+    "tokens", `data.path` unless "text", "tokens" or "datasets", `data.max_corpus_bytes` unless "stdlib"."""
     config = ConfigDict(config)  # a deep copy, and sections by attribute
     model = config.get("model")
     if isinstance(model, ConfigDict):
@@ -31,7 +31,8 @@ def resolve_derived(config: dict) -> dict:
     except AttributeError:
         data = None
     if isinstance(data, ConfigDict) and "source" in data:
-        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes")}.get(
+        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes"),
+                  "datasets": ("token_dtype", "max_corpus_bytes")}.get(
             data.source, ("token_dtype", "path")
         )
         for key in unused:
