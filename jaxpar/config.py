@@ -17,7 +17,7 @@ def resolve_derived(config: dict) -> dict:
     and every key its other keys leave unused dropped, so two configs that describe the same run
     compare equal: `model.head_dim` None -> hidden_size // num_attention_heads; the llama3 fields
     of `model.rope_scaling` under rope_type "default"; `data.token_dtype` unless data.source is
-    "tokens", `data.path` unless "text" or "tokens", `data.max_corpus_bytes` unless "stdlib"."""
+    "tokens", `data.path` unless "text", "tokens" or "datasets", `data.max_corpus_bytes` unless "stdlib"."""
     config = ConfigDict(config)  # a deep copy, and sections by attribute
     model = config.get("model")
     if isinstance(model, ConfigDict):
@@ -31,7 +31,8 @@ def resolve_derived(config: dict) -> dict:
     except AttributeError:
         data = None
     if isinstance(data, ConfigDict) and "source" in data:
-        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes")}.get(
+        unused = {"tokens": ("max_corpus_bytes",), "text": ("token_dtype", "max_corpus_bytes"),
+                  "datasets": ("token_dtype", "max_corpus_bytes")}.get(
             data.source, ("token_dtype", "path")
         )
         for key in unused:
@@ -145,12 +146,36 @@ def base_config() -> ConfigDict:
         )
     )
 
+    # Documents, packing, mixtures: `jaxpar.data.corpus` (and README "Your own data").
     c.data = ConfigDict(
         dict(
-            source="stdlib",  # stdlib | text | tokens
-            path="",  # text: a file or folder; tokens: a flat binary token file
+            source="stdlib",  # stdlib | text | tokens | datasets
+            # text: a file or folder; tokens: a flat binary token file; datasets: a jsonl / json /
+            # parquet / arrow file, a folder of them or a glob
+            path="",
             token_dtype="uint16",  # dtype of a `tokens` file
             max_corpus_bytes=4_000_000,  # cap on the built-in stdlib corpus
+            tokenizer="",  # a local transformers tokenizer folder (stdlib / text / datasets); "": bytes
+            text_field="text",  # the field of a .jsonl / json / parquet / arrow record holding its text
+            text_documents="file",  # text source, plain files: a document per "file" or per "line"
+            # tokens without an offsets sidecar (prepare_data.py writes one): a document ends after
+            # each eos_id; -1: no document boundaries (windows of seq_len + 1 tokens)
+            eos_id=-1,
+            packing=True,  # pack documents into rows (False: one document per row, cut and padded)
+            # Weighted sources, mixed document by document (data.path unused): "PATH:WEIGHT,..." read
+            # with the settings above, or in a config file a list of dicts with path, weight and
+            # any of source, text_field, text_documents, token_dtype, eos_id.
+            mixture=FieldReference("", field_type=object),
+        )
+    )
+
+    # Held-out evaluation (`jaxpar.train.eval`): off unless eval.path or eval.share is set.
+    c.eval = ConfigDict(
+        dict(
+            path="",  # an eval corpus, read with data's settings (source, tokenizer, packing)
+            share=0.0,  # or this share of the training documents, held out by a hash of their tokens
+            every_steps=0,  # evaluate every this many steps (0: only at the end; always at the end)
+            steps=0,  # batches of train.global_batch_size rows per evaluation (0: the whole eval set once)
         )
     )
 

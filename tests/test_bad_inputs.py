@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests import tiny
+from tests.documents import make_tokenizer, texts, write_jsonl
 from tests.test_workdir import hold_lock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +174,13 @@ CASES = [
     ("tokens_dtype", lambda t: (data("tokens", tokens(t.root / "t.bin", [5] * ENOUGH), "float32"), "data.token_dtype='float32'")),
     ("source_unknown", lambda t: (["--config.data.source=web"], "data.source='web' is not one of")),
     ("path_ignored", lambda t: ([f"--config.data.path={t.root}"], "is set but data.source='stdlib' does not read it")),
+    # -- documents, tokenizers, mixtures, eval sets
+    ("jsonl_no_text_field", lambda t: (data("text", write_jsonl(t.root / "body.jsonl", texts(50), field="body")), "no 'text' field; set data.text_field")),
+    ("datasets_empty_documents", lambda t: (data("datasets", write_jsonl(t.root / "empty.jsonl", [""] * 20)), "holds no document of 2 or more tokens")),
+    ("tokenizer_vocab_too_big", lambda t: (data("text", t.jsonl()) + [f"--config.data.tokenizer={t.tokenizer()}", "--config.model.vocab_size=16"], "more than model.vocab_size=16")),
+    ("mixture_weight_zero", lambda t: ([f"--config.data.mixture={t.jsonl()}:2,{t.jsonl()}:0", "--config.data.source=text"], "data.mixture[1].weight=0.0 must be a number > 0")),
+    ("eval_missing", lambda t: (data("text", t.jsonl()) + [f"--config.eval.path={t.root / 'noeval.jsonl'}"], "noeval.jsonl' does not exist")),
+    ("eval_too_short", lambda t: (data("text", t.jsonl()) + [f"--config.eval.path={write_jsonl(t.root / 'ev.jsonl', texts(3))}", "--config.eval.steps=5"], "fewer than eval.steps=5")),
     # -- workdirs (no --overwrite where the earlier run itself is the problem)
     ("workdir_is_a_file", lambda t: ([f"--workdir={write(t.root / 'afile', 'x')}"], "afile is a file, not a directory")),
     ("workdir_parent_file", lambda t: ([f"--workdir={write(t.root / 'bfile', 'x')}/run"], "bfile is a file")),
@@ -226,6 +234,12 @@ class Setup:
         write(step / "config" / "metadata", config.to_json_best_effort())
         write(step / "_CHECKPOINT_METADATA", "{}")
         write(step / "commit_success.txt", "ok")
+
+    def jsonl(self):
+        return write_jsonl(self.root / "docs.jsonl", texts(200, seed=4))
+
+    def tokenizer(self):
+        return make_tokenizer(self.root / "tokenizer")
 
     def no_overwrite(self, argv):
         self.overwrite = False

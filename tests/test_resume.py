@@ -11,8 +11,8 @@
   refused in one line naming the keys; `overwrite=True` replaces the earlier run instead;
 - another optimizer, or other values of its own hyperparameters, are refused in one line naming
   both; another learning rate, schedule or length resumes (with a note).
-The corpus is a `tokens` file (with its sidecar), so the saved data position is a token-file
-iterator's.
+The corpus is a `tokens` file (with its sidecar, no offsets: windows of seq_len + 1 tokens, each
+a document filling a row), so the saved data position is the packer's over those windows.
 The learning rate is constant (final fraction 1), so stopping a run at step 3 by `train.steps=3`
 changes nothing else; one run with warmup + cosine is instead stopped mid-way by SIGTERM (the
 schedule then depends on the step the run resumes at) and must still resume bitwise.
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.data.sources import corpus_fingerprint
+from jaxpar.data.corpus import corpus_fingerprint
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.loop import train
 from jaxpar.train.observe import TIMING_FIELDS
@@ -191,7 +191,11 @@ def test_incompatible_model_or_data_is_refused_in_one_line(runs, tmp_path):
     shutil.copytree(runs / "stopped", workdir)
     with open(workdir / "checkpoints" / "3" / "data_iterator" / "metadata") as f:
         saved = json.load(f)
-    assert saved == {"step": 3, "corpus_tokens": 20_000, "corpus_fingerprint": corpus_fingerprint(config().data)}, saved
+    # The data position (the step, where the packer stands in the document stream) and the corpus's identity.
+    assert saved["packer"]["stream"]["index"] > 0, saved
+    assert {k: v for k, v in saved.items() if k != "packer"} == {
+        "step": 3, "corpus_tokens": 20_000, "corpus_fingerprint": corpus_fingerprint(config().data)
+    }, saved
     before = {p: open(p, "rb").read() for p in glob.glob(str(workdir / "**" / "*"), recursive=True) if os.path.isfile(p)}
     other = config()
     other.model.hidden_size = 128

@@ -69,16 +69,16 @@ def _phase_functions():
 
     from jaxpar.train import preflight
     from jaxpar.checkpoint.manager import Checkpoints
-    from jaxpar.data.batches import BatchIterator
+    from jaxpar.data.batches import DocumentBatches
     from jaxpar.train import loop
 
     return {
         "preflight": (preflight, "check_run"),
-        "data": (loop, "load_tokens"),
+        "data": (loop, "training_stream"),
         "build": (loop, "build"),
         "restore": (Checkpoints, "restore"),
         "compile": (jax.stages.Lowered, "compile"),
-        "first_step": (BatchIterator, "__next__"),
+        "first_step": (DocumentBatches, "__next__"),
     }
 
 

@@ -1,6 +1,14 @@
 """Deterministic global batches, independent of mesh and process count.
 
-The token stream is cut into non-overlapping windows of `seq_len + 1` tokens (inputs plus the targets
+`DocumentBatches` is what training reads: packed documents [G, 2, S+1] (`jaxpar.data.packing`)
+from the training stream (`jaxpar.data.corpus`), made on the host one step ahead of the device by
+a background thread. Every process packs the whole global batch (packing is sequential) and
+hands its devices only their rows (`to_global`). Its checkpointed state is the step and the
+packer's position, so a resumed run packs exactly the batches the run would have; a checkpoint
+that holds only the step (written before documents) is replayed from the start.
+
+`GlobalBatches` is the token stream as windows (random access, used by tests and tools): the
+token stream is cut into non-overlapping windows of `seq_len + 1` tokens (inputs plus the targets
 shifted by one); a trailing partial window is dropped. A grain MapDataset shuffles window indices with
 `seed` and repeats, reshuffling each epoch, so element `i` of the infinite order is a pure function of
 (tokens, seq_len, seed, i). Step k's global batch is elements `k*G .. k*G+G-1`; each process builds only
@@ -9,6 +17,9 @@ The whole iteration state is therefore the step number.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
 
 import grain
 import jax
@@ -128,3 +139,81 @@ class BatchIterator:
         if step < 0:
             raise ValueError(f"BatchIterator.set_state: step must be >= 0, got {step}")
         self.step = step
+
+
+def to_global(batch: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host batch every process holds whole, as a jax.Array laid out by `sharding` (each process
+    hands over only its devices' rows)."""
+    start, stop = process_rows(sharding, batch.shape)
+    return jax.make_array_from_process_local_data(sharding, batch[start:stop], batch.shape)
+
+
+class DocumentBatches:
+    """The training batches of packed documents: an endless iterator of host arrays [G, 2, S+1]
+    over `packer` (a `jaxpar.data.packing.Packer` on the training stream), the next one packed in
+    a background thread while the device runs the current step. State: {"step", "packer"}."""
+
+    def __init__(self, packer, step: int = 0, prefetch: bool = True):
+        self.packer, self.step, self.prefetch = packer, int(step), prefetch
+        self._queue, self._thread, self._state = None, None, None
+
+    def _produce(self, out: queue.Queue, stop: threading.Event) -> None:
+        # Each batch travels with the packer's state after it: the state of the batches consumed.
+        while not stop.is_set():
+            try:
+                item = (next(self.packer), self.packer.get_state(), None)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+                item = (None, None, e)
+            out.put(item)
+            if item[2] is not None:
+                return
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop), daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            while self._thread.is_alive():
+                try:
+                    self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            self._thread, self._queue = None, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if not self.prefetch:
+            batch, self._state = next(self.packer), self.packer.get_state()
+        else:
+            if self._thread is None:
+                self._start()
+            batch, self._state, error = self._queue.get()
+            if error is not None:
+                self.close()
+                raise error
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict:
+        """The position after the batches returned so far."""
+        if self._state is None:
+            return {"step": self.step, "packer": self.packer.get_state()}
+        return {"step": self.step, "packer": self._state}
+
+    def set_state(self, state: dict) -> None:
+        self.close()
+        target = int(state["step"])
+        if "packer" in state:
+            self.packer.set_state(state["packer"])
+            self.step, self._state = target, state["packer"]
+            return
+        # A checkpoint from before documents: replay the batches from the start (exact, slower).
+        for _ in range(target):
+            next(self.packer)
+        self.step, self._state = target, self.packer.get_state()

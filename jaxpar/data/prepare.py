@@ -1,16 +1,20 @@
 """Text → the flat binary `tokens` format that `data.source="tokens"` memory-maps.
 
 The output is one flat array of `uint16` / `uint32` token ids (native byte order, no header): each
-document's ids followed by the tokenizer's EOS id (if it has one). A sidecar `FILE.json` records the
-dtype, vocabulary size, token count and tokenizer, so a run can refuse a model whose vocab_size is
-too small for the file or a `data.token_dtype` that misreads it (`token_file_problems`).
+document's ids wrapped the way the tokenizer wraps a text (e.g. a BOS in front) and followed by its
+EOS id (if it has one; `jaxpar.data.tokenizer.special_tokens`, as the "datasets" source does). A
+sidecar `FILE.json` records the dtype, vocabulary size, token count and tokenizer, so a run can
+refuse a model whose vocab_size is too small for the file or a `data.token_dtype` that misreads it
+(`token_file_problems`); `FILE.offsets.npy` holds where each document starts (int64, documents + 1
+entries), which the "tokens" source cuts the file by.
 
-Documents: every text file is one document; in a `.jsonl` file every line is one (its "text"
-field). Large text files are read and tokenized in chunks cut after a newline, so a token never
+Documents: every text file is one document; in a `.jsonl` file every line is one (its
+`text_field`), as every record of a `.json`, `.parquet` or `.arrow` file (read with Hugging Face
+`datasets`, `jaxpar.data.hf_stream`). Large text files are read and tokenized in chunks cut after a newline, so a token never
 spans a chunk boundary: a tokenizer that merges across a newline (e.g. "\\n\\n" as one token) may
 split such a pair into two tokens at a chunk boundary, one place per `CHUNK_BYTES` of text.
-The file is written as FILE.partial and renamed when complete, the sidecar last. An existing FILE or
-sidecar is replaced only with `overwrite=True`.
+The file is written as FILE.partial and renamed when complete, the offsets then the sidecar last. An existing FILE,
+sidecar or offsets file is replaced only with `overwrite=True`.
 
 Text is UTF-8: bytes that are not become U+FFFD (one per invalid sequence, as Python's "replace"),
 are counted (`undecodable_bytes` in the sidecar, and reported), and a file where more than
@@ -26,6 +30,9 @@ from collections.abc import Iterator
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from jaxpar.data.documents import offsets_path
+from jaxpar.data.tokenizer import special_tokens
 
 DTYPES = ("uint16", "uint32")
 CHUNK_BYTES = 4 << 20  # text per tokenizer call; bounds memory for multi-GB files
@@ -89,6 +96,9 @@ def input_files(inputs: list[str]) -> list[str]:
     return files
 
 
+RECORD_FORMATS = (".json", ".parquet", ".arrow")  # read with `datasets`, one document per record
+
+
 class _Undecodable:
     """Counts the bytes replaced by U+FFFD, per file and in all."""
 
@@ -131,21 +141,34 @@ class _Undecodable:
         self.in_file = 0
 
 
-def _pieces(path: str, undecodable: _Undecodable) -> Iterator[tuple[str, bool, int]]:
+def _pieces(path: str, undecodable: _Undecodable, text_field: str = "text") -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, bytes read) for one input file."""
     if path.endswith(".jsonl"):
         with open(path, "rb") as f:
             for number, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        text = json.loads(line)["text"]
+                        text = json.loads(line)[text_field]
+                        if not isinstance(text, str):
+                            raise TypeError
                     except (ValueError, KeyError, TypeError):
                         raise PrepareError(
-                            f'--input file {path} line {number} is not a JSON object with a "text" field'
+                            f"--input file {path} line {number} is not a JSON object with a {text_field!r} text field"
                         ) from None
                     yield text, True, len(line)
                 else:
                     yield "", False, len(line)
+        return
+    if path.endswith(RECORD_FORMATS):
+        from jaxpar.data.hf_stream import open_stream
+
+        count = 0
+        for count, record in enumerate(open_stream([path]), 1):
+            text = record.get(text_field)
+            if not isinstance(text, str):
+                raise PrepareError(f"--input file {path} record {count} has no {text_field!r} text field")
+            yield text, True, 0
+        yield "", False, os.path.getsize(path)  # the progress bar's share of the file
         return
     size = os.path.getsize(path)
     if size == 0:
@@ -187,7 +210,7 @@ def sidecar_path(token_file: str) -> str:
 
 
 def _refuse_existing(output: str) -> None:
-    for path in (output, sidecar_path(output)):
+    for path in (output, sidecar_path(output), offsets_path(output)):
         if os.path.lexists(path):
             raise PrepareError(
                 f"--output={output}: {path} already exists; pass --overwrite to replace it or choose another --output"
@@ -201,10 +224,12 @@ def prepare(
     dtype: str | None = None,
     progress: bool = True,
     *,
+    text_field: str = "text",
     overwrite: bool = False,
     max_undecodable: float = MAX_UNDECODABLE,
 ) -> dict:
-    """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json."""
+    """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json
+    (and the documents' offsets to `output`.offsets.npy)."""
     files = input_files(inputs)
     if not overwrite:
         _refuse_existing(output)
@@ -212,6 +237,9 @@ def prepare(
     vocab_size = len(tokenizer)  # includes added special tokens
     dtype = choose_dtype(vocab_size, dtype)
     eos = tokenizer.eos_token_id
+    prefix, suffix = special_tokens(tokenizer)
+    offsets = [0]  # where each document starts, then the end
+    starting = True  # the next piece starts a document
     if os.path.dirname(os.path.abspath(output)) and not os.path.isdir(os.path.dirname(os.path.abspath(output))):
         raise PrepareError(f"--output={output}: its folder does not exist")
     partial = output + ".partial"
@@ -223,24 +251,28 @@ def prepare(
     )
 
     def flush(batch, out):
-        nonlocal num_tokens, num_documents, largest
+        nonlocal num_tokens, num_documents, largest, starting
         encoded = tokenizer([text for text, _, _ in batch], add_special_tokens=False)["input_ids"]
-        for ids, (_, ends, nbytes) in zip(encoded, batch):
-            if ends and eos is not None:
-                ids = ids + [eos]
+        for ids, (text, ends, nbytes) in zip(encoded, batch):
+            if starting and (ids or ends):
+                ids, starting = prefix + ids, False
+            if ends:
+                ids, starting = ids + suffix, True
             num_documents += ends
             if ids:
                 array = np.asarray(ids, dtype=np.int64)
                 largest = max(largest, int(array.max()))
                 array.astype(dtype).tofile(out)
                 num_tokens += len(ids)
+            if ends:
+                offsets.append(num_tokens)
             bar.update(nbytes)
 
     try:
         with open(partial, "wb") as out:
             batch = []
             for path in files:
-                for piece in _pieces(path, undecodable):
+                for piece in _pieces(path, undecodable, text_field):
                     batch.append(piece)
                     if len(batch) >= BATCH_PIECES:
                         flush(batch, out)
@@ -261,6 +293,11 @@ def prepare(
     if os.path.lexists(sidecar_path(output)):
         os.remove(sidecar_path(output))  # never an old sidecar beside the new file, even for a moment
     os.replace(partial, output)
+    if offsets[-1] != num_tokens:  # a last document without an end (cannot happen: every file ends one)
+        offsets.append(num_tokens)
+    with open(offsets_path(output) + ".partial", "wb") as f:
+        np.save(f, np.asarray(offsets, np.int64))
+    os.replace(offsets_path(output) + ".partial", offsets_path(output))
     sidecar = {
         "format": SIDECAR_FORMAT,
         "dtype": dtype,
@@ -269,6 +306,7 @@ def prepare(
         "num_documents": num_documents,
         "eos_token_id": eos,
         "tokenizer": os.path.abspath(tokenizer_path),
+        "offsets": os.path.basename(offsets_path(output)),
         "num_input_files": len(files),
         "input_bytes": sum(os.path.getsize(f) for f in files),
         "undecodable_bytes": undecodable.total,

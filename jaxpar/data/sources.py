@@ -1,4 +1,6 @@
-"""Corpus sources: `config.data` → one flat 1-D token array.
+"""Corpus sources: what each `data.source` reads, its checks, and (for the token-stream views) one
+flat 1-D token array. Documents — how every source is cut into them, packed and mixed — are
+`jaxpar.data.corpus`'s; this module checks one source's settings and files.
 
 - "stdlib": the Python standard library's own `.py` files — a corpus that needs no download. Files are
   taken in sorted relative-path order (skipping site-packages, test dirs, caches) and joined with
@@ -9,30 +11,33 @@
   Not capped by `max_corpus_bytes` (that cap is for the built-in corpus only).
 - "tokens": `data.path` is a flat binary file of `data.token_dtype` integers, memory-mapped read-only so
   corpora larger than RAM work.
+- "datasets": `data.path` is a file, folder or glob of jsonl / json / parquet / arrow files, streamed
+  by Hugging Face `datasets` (`jaxpar.data.hf_stream`); documents only, no flat view.
 
-`corpus_problems(config)` is the preflight of the corpus itself: it opens the source and checks it
-holds enough tokens for one global batch and (for "tokens") that its ids lie in [0, vocab_size) —
-every id of a small file, evenly spaced blocks of a large one (`RANGE_SAMPLE_BLOCKS`).
+`token_range_problems` checks that a token file's ids lie in [0, vocab_size) — every id of a small
+file, evenly spaced blocks of a large one (`RANGE_SAMPLE_BLOCKS`).
 `corpus_warnings` names what is accepted but suspicious: a token file without the sidecar its dtype
 could be checked against (and ids that look like another dtype's), a text source that is mostly
-binary. `corpus_fingerprint` hashes the corpus's size and evenly spaced blocks of its bytes (all of a
-small one), cheaply, so a checkpoint can tell a corpus rewritten under it even at the same size.
+binary. `corpus_fingerprint` hashes one source's size and evenly spaced blocks of its bytes (all of
+a small one), cheaply, so a checkpoint can tell a corpus rewritten under it even at the same size.
 """
 
 from __future__ import annotations
 
 import bisect
+import glob
 import hashlib
 import os
 import sysconfig
 
 import numpy as np
 
-from jaxpar.data.prepare import sidecar_path, token_file_problems
+from jaxpar.data.prepare import sidecar_path
 from jaxpar.data.tokenizer import ByteTokenizer
 
-SOURCES = ("stdlib", "text", "tokens")
-BYTE_SOURCES = ("stdlib", "text")
+SOURCES = ("stdlib", "text", "tokens", "datasets")
+TEXT_SOURCES = ("stdlib", "text", "datasets")  # tokenized by data.tokenizer (bytes when unset)
+PATH_SOURCES = ("text", "tokens", "datasets")
 TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")
 SEPARATOR = b"\n\n"
 
@@ -105,19 +110,30 @@ def text_corpus_bytes(path: str) -> bytes:
     return _join(path, _text_files(path), None)
 
 
-def _joined_size(root: str, rel_paths: list[str]) -> int:
-    """len(_join(root, rel_paths, None)) from file sizes alone."""
-    sizes = [os.path.getsize(os.path.join(root, rel)) for rel in rel_paths]
-    return sum(sizes) + len(SEPARATOR) * max(len(sizes) - 1, 0)
+def text_files(path: str) -> list[str]:
+    """The files a "text" source reads: `path` itself, or every non-hidden file below the folder."""
+    return [path] if os.path.isfile(path) else [os.path.join(path, rel) for rel in _text_files(path)]
 
 
-def corpus_tokens(data_config) -> int:
-    """How many tokens the source yields, from file sizes alone (byte sources: one token per byte)."""
+def stdlib_files() -> tuple[str, list[str]]:
+    """(root, sorted relative paths) of the stdlib corpus's files."""
+    return _stdlib_files()
+
+
+def source_tokens(data_config) -> int:
+    """A source's size from file sizes alone, in tokens where that is known without tokenizing
+    (byte-tokenized text: one per byte; token files), else in bytes. Kept in checkpoints: a
+    changed corpus is refused on resume."""
     source, path = data_config.source, str(data_config.path)
     if source == "stdlib":
-        return min(_joined_size(*_stdlib_files()), int(data_config.max_corpus_bytes))
+        root, rel_paths = _stdlib_files()
+        return min(sum(os.path.getsize(os.path.join(root, rel)) for rel in rel_paths), int(data_config.max_corpus_bytes))
     if source == "text":
-        return os.path.getsize(path) if os.path.isfile(path) else _joined_size(path, _text_files(path))
+        return sum(os.path.getsize(f) for f in text_files(path))
+    if source == "datasets":
+        from jaxpar.data.hf_stream import dataset_files
+
+        return sum(os.path.getsize(f) for f in dataset_files(path))
     return os.path.getsize(path) // np.dtype(str(data_config.token_dtype)).itemsize
 
 
@@ -134,6 +150,10 @@ def _segments(data_config) -> list[tuple[str, int]]:
             segments.append((os.path.join(root, rel), size))
             room -= size + len(SEPARATOR)
         return segments
+    if source == "datasets":
+        from jaxpar.data.hf_stream import dataset_files
+
+        return [(f, os.path.getsize(f)) for f in dataset_files(path)]
     if source == "text" and os.path.isdir(path):
         return [(os.path.join(path, rel), os.path.getsize(os.path.join(path, rel))) for rel in _text_files(path)]
     return [(path, os.path.getsize(path))]
@@ -218,7 +238,7 @@ def _blocks(count: int):
     return [(int(s), int(s) + RANGE_BLOCK_TOKENS) for s in starts]
 
 
-def token_range_problems(path: str, token_dtype: str, vocab_size: int) -> list[str]:
+def token_range_problems(path: str, token_dtype: str, vocab_size: int, key: str = "data.path") -> list[str]:
     """One line if a token file holds an id outside [0, vocab_size) (in full if small, else sampled)."""
     tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
     count = len(tokens)
@@ -232,37 +252,16 @@ def token_range_problems(path: str, token_dtype: str, vocab_size: int) -> list[s
             where = start + int(np.argmax(block == bad))
             if bad >= 0:
                 return [
-                    f"data.path={path!r} holds token id {bad} at position {where}, not below model.vocab_size={vocab_size} "
+                    f"{key}={path!r} holds token id {bad} at position {where}, not below model.vocab_size={vocab_size} "
                     f"(checked {scope}); set model.vocab_size > {bad} or check data.token_dtype"
                 ]
-            return [f"data.path={path!r} holds negative token id {bad} at position {where} (checked {scope}); check data.token_dtype"]
+            return [f"{key}={path!r} holds negative token id {bad} at position {where} (checked {scope}); check data.token_dtype"]
     return []
 
 
-def corpus_problems(config) -> list[str]:
-    """The corpus preflight: `validate_data_config`, then the source opened and checked for one
-    global batch of tokens and (token files) ids in [0, vocab_size) and the sidecar's word."""
-    errors = validate_data_config(config)
-    data, train = config.data, config.train
-    if errors:
-        return errors
-    if data.source == "tokens":
-        errors += token_file_problems(str(data.path), str(data.token_dtype), int(config.model.vocab_size))
-    available, width = corpus_tokens(data), train.seq_len + 1
-    if available // width < train.global_batch_size:
-        where = "the stdlib corpus" if data.source == "stdlib" else f"data.path={data.path!r}"
-        errors.append(
-            f"{where} holds {available} tokens = {available // width} windows of train.seq_len+1={width}, fewer than "
-            f"train.global_batch_size={train.global_batch_size}; use a larger corpus or lower train.seq_len / "
-            f"train.global_batch_size" + (" (or raise data.max_corpus_bytes)" if data.source == "stdlib" else "")
-        )
-    elif data.source == "tokens" and not errors:
-        errors += token_range_problems(str(data.path), str(data.token_dtype), int(config.model.vocab_size))
-    return errors
-
-
-def source_problems(data_config) -> list[str]:
-    """One-line problems with `config.data` alone; stats paths, reads no corpus."""
+def source_problems(data_config, key: str = "data.path") -> list[str]:
+    """One-line problems with `config.data` alone (or one source of it: a mixture entry's, named
+    `key` in the messages); stats paths, reads no corpus."""
     data, errors = data_config, []
     source = data.source
     if source not in SOURCES:
@@ -272,30 +271,34 @@ def source_problems(data_config) -> list[str]:
         errors.append(f"data.token_dtype={dtype_name!r} is not one of {TOKEN_DTYPES}; set data.token_dtype")
     if source == "stdlib" and int(data.max_corpus_bytes) <= 0:
         errors.append(f"data.max_corpus_bytes={data.max_corpus_bytes} must be positive; set data.max_corpus_bytes")
-    if source not in ("text", "tokens"):
+    if source not in PATH_SOURCES:
         if data.path and source in SOURCES:
             errors.append(
-                f"data.path={data.path!r} is set but data.source={source!r} does not read it; "
-                f"set data.source='text' or 'tokens', or data.path=''"
+                f"{key}={data.path!r} is set but data.source={source!r} does not read it; "
+                f"set data.source='text', 'tokens' or 'datasets', or {key}=''"
             )
         return errors
     path = str(data.path or "")
-    kind = "a text file or folder" if source == "text" else "a flat binary token file"
+    kind = {"text": "a text file or folder", "tokens": "a flat binary token file",
+            "datasets": "a jsonl / json / parquet / arrow file, folder or glob"}[source]
     if not path:
-        errors.append(f"data.path is empty but data.source={source!r} needs it; set data.path to {kind}")
+        errors.append(f"{key} is empty but data.source={source!r} needs it; set {key} to {kind}")
+    elif source == "datasets" and not os.path.exists(path):
+        if not glob.glob(path, recursive=True):
+            errors.append(f"{key}={path!r} matches no file; set {key} to {kind}")
     elif not os.path.exists(path):
-        errors.append(f"data.path={path!r} does not exist; set data.path to {kind}")
+        errors.append(f"{key}={path!r} does not exist; set {key} to {kind}")
     elif not os.access(path, os.R_OK):
-        errors.append(f"data.path={path!r} is not readable; check its permissions")
+        errors.append(f"{key}={path!r} is not readable; check its permissions")
     elif source == "tokens" and not os.path.isfile(path):
-        errors.append(f"data.path={path!r} is not a file; set data.path to {kind}")
+        errors.append(f"{key}={path!r} is not a file; set {key} to {kind}")
     elif source == "tokens" and dtype_name in TOKEN_DTYPES:
         size, itemsize = os.path.getsize(path), np.dtype(dtype_name).itemsize
         if size == 0:
-            errors.append(f"data.path={path!r} is empty; set data.path to a non-empty token file")
+            errors.append(f"{key}={path!r} is empty; set {key} to a non-empty token file")
         elif size % itemsize:
             errors.append(
-                f"data.path={path!r} is {size} bytes, not a multiple of {dtype_name}'s {itemsize}; check data.token_dtype"
+                f"{key}={path!r} is {size} bytes, not a multiple of {dtype_name}'s {itemsize}; check data.token_dtype"
             )
     return errors
 
@@ -317,15 +320,3 @@ def load_tokens(data_config) -> np.ndarray:
             raise ValueError(f"data.path={data_config.path!r} holds no text; set data.path to a non-empty text file or folder")
         return ByteTokenizer().encode(data)
     return np.memmap(data_config.path, dtype=np.dtype(str(data_config.token_dtype)), mode="r")
-
-
-def validate_data_config(config) -> list[str]:
-    """One-line problems with `config.data` and its fit with `config.model`; reads no corpus."""
-    errors = source_problems(config.data)
-    vocab = int(config.model.vocab_size)
-    if config.data.source in BYTE_SOURCES and vocab < ByteTokenizer.vocab_size:
-        errors.append(
-            f"model.vocab_size={vocab} is below the byte tokenizer's {ByteTokenizer.vocab_size} "
-            f"(data.source={config.data.source!r}); set model.vocab_size >= 256"
-        )
-    return errors

@@ -1,6 +1,6 @@
 """Causal grouped-query attention with a hand-written backward, laid out for plain XLA.
 
-`causal_attention(q [B, T, H, D], k, v [B, S, K, D]) -> [B, T, H, D]` computes
+`causal_attention(q [B, T, H, D], k, v [B, S, K, D], segment_ids=None) -> [B, T, H, D]` computes
 softmax(q kᵀ / √D, causal) v like `jax.nn.dot_product_attention(..., is_causal=True)` (its XLA
 path), with fewer passes over the [B, H, T, S] scores:
   - the G = H / K query heads that share a KV head are one batched matmul of G·T rows (no
@@ -12,6 +12,10 @@ path), with fewer passes over the [B, H, T, S] scores:
     tiling: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K, dK = dSᵀ Q.
 Softmax statistics are fp32 whatever the input dtype (as jax's XLA path does). Compared with
 `jax.nn.dot_product_attention` by `tests/test_cpu_kernels.py`.
+
+Packed documents (`segment_ids` [B, T], T = S, int; 0 marks padding): a query sees only earlier keys
+of its own segment. A padding query sees nothing: its output is 0, and its output gradient is
+dropped in the backward, so it adds nothing to dK, dV (its masked scores stay finite: no NaN).
 
 `masked_attention(q, k, v, mask [B, T, S])` is the same forward with an explicit mask instead of
 the causal one: the decode path (`jaxpar.sampling`) attends over a KV cache whose valid slots
@@ -37,22 +41,33 @@ def _grouped(q, k):
     return q.reshape(b, t, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
 
 
-def _scores(qg, k, mask=None):
+def _scores(qg, k, segment_ids=None, mask=None):
     """Masked fp32 scores [B, K, G, T, S] from scaled grouped queries and k [B, S, K, D]; `mask`
-    [B, T, S] (True: attend) replaces the causal mask when given."""
+    [B, T, S] (True: attend) replaces the causal and segment masks when given."""
     s = jnp.einsum("bkgtd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     if mask is not None:
         return jnp.where(mask[:, None, None], s, _MASKED)
     t, length = s.shape[-2], s.shape[-1]
     row = jax.lax.broadcasted_iota(jnp.int32, (t, length), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (t, length), 1)
-    return jnp.where(col <= row, s, _MASKED)  # jax's causal mask: tril of [T, S]
+    visible = col <= row  # jax's causal mask: tril of [T, S]
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
+    return jnp.where(visible, s, _MASKED)
 
 
-def _forward(q, k, v, mask=None):
+def _real_rows(x, segment_ids):
+    """x [B, T, ...] with the rows of padding queries (segment 0) set to 0."""
+    if segment_ids is None:
+        return x
+    keep = (segment_ids != 0).reshape(segment_ids.shape + (1,) * (x.ndim - 2))
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+
+
+def _forward(q, k, v, segment_ids=None, mask=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q * jnp.asarray(scale, q.dtype), k)
-    s = _scores(qg, k, mask)
+    s = _scores(qg, k, segment_ids, mask)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
@@ -60,29 +75,31 @@ def _forward(q, k, v, mask=None):
     out = out / l
     lse = (m + jnp.log(l))[..., 0]  # [B, K, G, T]
     b, t, h, d = q.shape
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype), lse
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
+    return _real_rows(out, segment_ids), lse
 
 
 def masked_attention(q, k, v, mask):
     """q [B, T, H, D] over k, v [B, S, K, D] where `mask` [B, T, S] is True (forward only)."""
-    return _forward(q, k, v, mask)[0]
+    return _forward(q, k, v, mask=mask)[0]
 
 
 @jax.custom_vjp
-def causal_attention(q, k, v):
-    return _forward(q, k, v)[0]
+def causal_attention(q, k, v, segment_ids=None):
+    return _forward(q, k, v, segment_ids)[0]
 
 
-def _attention_fwd(q, k, v):
-    out, lse = _forward(q, k, v)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, segment_ids=None):
+    out, lse = _forward(q, k, v, segment_ids)
+    return out, (q, k, v, segment_ids, out, lse)
 
 
 def _attention_bwd(residuals, d_out):
-    q, k, v, out, lse = residuals
+    q, k, v, segment_ids, out, lse = residuals
+    d_out = _real_rows(d_out, segment_ids)  # padding rows' outputs are constant 0
     scale = 1.0 / math.sqrt(q.shape[-1])
     qg = _grouped(q * jnp.asarray(scale, q.dtype), k)
-    p = jnp.exp(_scores(qg, k) - lse[..., None])  # [B, K, G, T, S] fp32
+    p = jnp.exp(_scores(qg, k, segment_ids) - lse[..., None])  # [B, K, G, T, S] fp32
     d_out_g = _grouped(d_out, k)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     delta = _grouped(delta[..., None], k)[..., 0]  # [B, K, G, T]
@@ -93,7 +110,7 @@ def _attention_bwd(residuals, d_out):
     dk = jnp.einsum("bkgts,bkgtd->bskd", ds, qg, preferred_element_type=jnp.float32)
     b, t, h, d = q.shape
     dq = dqg.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)

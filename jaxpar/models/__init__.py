@@ -68,14 +68,15 @@ def merge(model_config, params):
     return nnx.merge(graphdef(model_config), params)
 
 
-def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positions=None):
+def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positions=None, segment_ids=None):
     """(logits, aux) for int tokens [B, S]: fp32 logits [B, S, padded vocab] with padded columns
     masked, and the model's auxiliary per-layer outputs (see `aux_losses`). `positions` [B, S]
-    default to 0 .. S-1."""
+    default to 0 .. S-1; `segment_ids` [B, S] (packed documents, 0 padding) default to one
+    sequence per row."""
     # Model state keeps its stored dtype (its observations are exact; `jaxpar.models.state`).
     mask = model_state.state_mask(params, _abstract(frozen(model_config))[1])
     params = jax.tree.map(lambda p, kept: p if kept else p.astype(opts.compute_dtype), params, mask)
-    return merge(model_config, params)(tokens, opts, positions)
+    return merge(model_config, params)(tokens, opts, positions, segment_ids)
 
 
 def take_observations(model_config, grads):

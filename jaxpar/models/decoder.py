@@ -3,8 +3,9 @@
 A family's module is a `Decoder` subclass that names its hooks: `make_attention` (default: the
 grouped-query `Attention`) and `make_mlp` (default: the SwiGLU `MLP`; Mixtral's is the sparse MoE
 block). Each hook is built as hook(cfg, rngs=...) and called like the default: attention as
-(x, positions, inv_freq, opts) -> out, the MLP as (x, opts) -> (out, aux) with aux its per-layer
-statistics ({} for a dense MLP).
+(x, positions, inv_freq, opts, segment_ids=None) -> out (segment ids [B, S] of packed documents,
+0 for padding; None: one sequence per row), the MLP as (x, opts) -> (out, aux) with aux its
+per-layer statistics ({} for a dense MLP).
 
 The blocks are created once with `nnx.vmap` (one stacked parameter per weight, leading logical
 axis `layers`) and run with `jax.lax.scan` over their plain state: split once, merge the layer's
@@ -57,9 +58,9 @@ class DecoderBlock(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = make_mlp(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, inv_freq, opts: RunOptions):
+    def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         """(x, aux): aux is what the MLP reports per layer (router statistics for MoE, else {})."""
-        x = x + self.attention(self.input_norm(x), positions, inv_freq, opts)
+        x = x + self.attention(self.input_norm(x), positions, inv_freq, opts, segment_ids=segment_ids)
         x = constrain(opts.rules, x, RESIDUAL)
         mlp_out, aux = self.mlp(self.post_attention_norm(x), opts)
         return constrain(opts.rules, x + mlp_out, RESIDUAL), aux
@@ -163,11 +164,11 @@ class Decoder(nnx.Module):
         x = constrain(opts.rules, self.embed(tokens), ("batch", "seq", "act_embed"))
         return constrain(opts.rules, x, RESIDUAL)
 
-    def run_layers(self, x, positions, opts: RunOptions):
+    def run_layers(self, x, positions, opts: RunOptions, segment_ids=None):
         """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own), and
         `self.dense_layers` in their places; aux is stacked over the `layers` stack's blocks."""
         inv_freq = rope_inverse_frequencies(self.cfg)
-        run = lambda block, h: block(h, positions, inv_freq, opts)  # noqa: E731
+        run = lambda block, h: block(h, positions, inv_freq, opts, segment_ids)  # noqa: E731
         if self.dense_layers is None:
             return scan_blocks(self.layers, x, opts, run)
         dense = type(self).dense_layer_indices(self.cfg)
@@ -186,13 +187,13 @@ class Decoder(nnx.Module):
     def head_weight(self):
         return self.embed.weight[...].T if self.lm_head is None else self.lm_head.weight[...]
 
-    def __call__(self, tokens, opts: RunOptions, positions=None):
+    def __call__(self, tokens, opts: RunOptions, positions=None, segment_ids=None):
         """(logits, aux): fp32 logits [B, S, padded vocab], vocab-sharded, padded columns masked;
         aux holds per-layer statistics stacked over layers ({} for dense Llama). `positions`
-        [B, S] default to 0 .. S-1."""
+        [B, S] default to 0 .. S-1; `segment_ids` [B, S]: packed documents (see `Attention`)."""
         if positions is None:
             positions = default_positions(tokens)
-        x, aux = self.run_layers(self.embed_tokens(tokens, opts), positions, opts)
+        x, aux = self.run_layers(self.embed_tokens(tokens, opts), positions, opts, segment_ids)
         return self.logits_from_hidden(x, opts), aux
 
     def extend(self, tokens, positions, cache, write_at, mask, opts: RunOptions):

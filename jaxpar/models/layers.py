@@ -72,7 +72,10 @@ def apply_rope(x, positions, inv_freq):
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention; q/k/v column-parallel, o row-parallel over `tensor`."""
+    """Causal grouped-query attention; q/k/v column-parallel, o row-parallel over `tensor`.
+
+    `segment_ids` [B, S] (int; None: one sequence per row): packed documents, each attending only
+    to itself; 0 marks padding, whose outputs are 0 (`causal_attention`)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
@@ -109,13 +112,13 @@ class Attention(nnx.Module):
         out = constrain(opts.rules, out, ("batch", "seq", "act_heads", "head_dim"))
         return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence), "o_proj")
 
-    def __call__(self, x, positions, inv_freq, opts: RunOptions):
+    def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         with jax.named_scope("attention"):
             q, k, v = self._rotated_qkv(x, positions, inv_freq, opts)
             if opts.plan.context is not None:  # sequence split over devices: ring / all-gather / all-to-all
-                out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan)
+                out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan, segment_ids=segment_ids)
             else:
-                out = causal_attention(q, k, v, opts.plan.attention)
+                out = causal_attention(q, k, v, opts.plan.attention, segment_ids)
             return self._output(out, opts)
 
     def cached(self, x, positions, inv_freq, kv_cache, write_at, mask, opts: RunOptions):
@@ -132,13 +135,22 @@ class Attention(nnx.Module):
             return self._output(out, opts), (k_cache, v_cache)
 
 
-def causal_attention(q, k, v, implementation: str):
+def causal_attention(q, k, v, implementation: str, segment_ids=None):
+    """Causal attention of q [B, T, H, D] over k, v [B, T, K, D] in text order; with `segment_ids`
+    [B, T] only within each segment, and 0 (padding) rows give 0."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         # XLA:CPU has no fp16 dot with fp32 accumulation, which the XLA attention paths ask for.
-        return causal_attention(*(t.astype(jnp.float32) for t in (q, k, v)), implementation).astype(q.dtype)
+        q32, k32, v32 = (t.astype(jnp.float32) for t in (q, k, v))
+        return causal_attention(q32, k32, v32, implementation, segment_ids).astype(q.dtype)
     if implementation == "jaxpar_xla":
-        return attention_kernel.causal_attention(q, k, v)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return attention_kernel.causal_attention(q, k, v, segment_ids)
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    # A [B, 1, T, T] block-diagonal mask beside the causal one (cuDNN turns it into a bias). Padding
+    # (segment 0) would attend to padding: its rows are zeroed, so nothing flows back through them.
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation=implementation)
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 class MLP(nnx.Module):

@@ -74,10 +74,18 @@ def checks(config, mesh: dict) -> list[str]:
 
 def split_microbatches(batch, accum: int, rules):
     """[G, ...] → [accum, G/accum, ...] with microbatch m = rows j·accum + m, so every data-parallel
-    shard keeps its own rows: no data moves between devices."""
-    rows = batch.shape[0]
-    micro = batch.reshape(rows // accum, accum, *batch.shape[1:]).swapaxes(0, 1)
-    return micro if rules is None else rules.constrain(micro, (None, "batch") + (None,) * (batch.ndim - 1))
+    shard keeps its own rows: no data moves between devices. `batch`: an array or a tree of them
+    (a `document_batch`)."""
+
+    def split(x):
+        micro = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+        return micro if rules is None else rules.constrain(micro, (None, "batch") + (None,) * (x.ndim - 1))
+
+    return jax.tree.map(split, batch)
+
+
+def _rows(batch) -> int:
+    return jax.tree.leaves(batch)[0].shape[0]
 
 
 def accumulated_grads(loss_fn, params, batch, *, accum: int, rules, scale):
@@ -91,7 +99,7 @@ def accumulated_grads(loss_fn, params, batch, *, accum: int, rules, scale):
             (_, (loss, metrics)), grads = grad_fn(params, rows)
             return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
 
-        shapes = jax.eval_shape(lambda: grad_fn(params, batch[: batch.shape[0] // accum]))
+        shapes = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(lambda x: x[: _rows(batch) // accum], batch)))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (shapes[0][1][0], shapes[0][1][1], shapes[1]))
         totals, _ = jax.lax.scan(micro_step, zeros, split_microbatches(batch, accum, rules))
         loss, metrics, grads = jax.tree.map(lambda t: t / accum, totals)
@@ -104,7 +112,7 @@ def per_replica_grads(loss_fn, params, batch, *, accum: int, rules, scale):
     replicas = rules.mesh.shape[DATA]
     inner = rules.without(DATA)
     # Replica d holds rows [d·G/R, (d+1)·G/R): exactly the rows the data-major batch sharding gives it.
-    split = batch.reshape(replicas, batch.shape[0] // replicas, *batch.shape[1:])
+    split = jax.tree.map(lambda x: x.reshape(replicas, x.shape[0] // replicas, *x.shape[1:]), batch)
     per_replica = jax.vmap(
         lambda p, b: accumulated_grads(loss_fn, p, b, accum=accum, rules=inner, scale=scale),
         in_axes=(None, 0),

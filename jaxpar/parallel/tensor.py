@@ -121,5 +121,8 @@ def _cross_entropy_bwd(residuals, d_loss):
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def mean_cross_entropy(logits, targets):
-    return jnp.mean(cross_entropy(logits, targets))
+def mean_cross_entropy(logits, targets, weights=None):
+    """Mean per-token loss; with `weights` [B, S] (packed documents: 0 for padding and document
+    boundaries, `jaxpar.parallel.context.sequence.document_batch`) the mean of loss · weight."""
+    losses = cross_entropy(logits, targets)
+    return jnp.mean(losses if weights is None else losses * weights)

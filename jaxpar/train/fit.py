@@ -79,8 +79,9 @@ def abstract_inputs(program, config):
     state = jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, program.state_shardings
     )
+    # Tokens and segment ids of each row (`jaxpar.data.DocumentBatches`).
     rows, width = config.train.global_batch_size, config.train.seq_len + 1
-    batch = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=program.batch_sharding)
+    batch = jax.ShapeDtypeStruct((rows, 2, width), jnp.int32, sharding=program.batch_sharding)
     return state, batch
 
 

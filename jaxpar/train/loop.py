@@ -11,8 +11,11 @@ signal during start-up stops the run at the end of its phase (`StopSignals.check
 after the step with a final checkpoint. Each step's bookkeeping is its own function (`_record`,
 `_after_step`), so the loop body stays a short list of calls.
 
-Checkpoint step numbers count the batches consumed (the data position), which is also the
-`step` field of metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps).
+Checkpoint step numbers count the batches consumed, which is also the `step` field of
+metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps). Each checkpoint
+also holds the data position (`DocumentBatches.get_state`). With an eval set (`jaxpar.train.eval`)
+the run evaluates every `eval.every_steps` steps and at the end, each evaluation its own
+metrics.jsonl record.
 Multi-process: every process runs the loop; logging, metrics and workdir files are written by
 process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 """
@@ -31,14 +34,16 @@ from jaxpar import peers
 from jaxpar.train import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
-from jaxpar.data import BatchIterator, GlobalBatches, load_tokens
-from jaxpar.data.sources import corpus_fingerprint, corpus_warnings
+from jaxpar.data.batches import DocumentBatches, to_global
+from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, training_stream
+from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
-from jaxpar.mesh import describe
+from jaxpar.mesh import describe as describe_mesh
 from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.train import aside as asides
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
+from jaxpar.train.eval import Evaluator, evaluator
 from jaxpar.train.fit import compile_fitting
 from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxpar.train.observe import Observer
@@ -156,7 +161,7 @@ class _Run:
     config: object
     plan: workdirs.WorkdirPlan
     program: object
-    iterator: BatchIterator
+    iterator: DocumentBatches
     checkpoints: Checkpoints | None
     corpus: dict  # the corpus's identity (size, fingerprint), saved with every checkpoint
     signals: StopSignals
@@ -165,6 +170,8 @@ class _Run:
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
     observer: Observer | None = None
+    evaluator: Evaluator | None = None
+    evaluated: int = -1  # the last step evaluated
     aside: asides.Aside | None = None  # the earlier run --overwrite moved aside (process 0), until let go
 
 
@@ -189,7 +196,7 @@ def _restore(run: _Run):
     if problem := workdirs.corpus_changed_problem(restored.path, restored.data_state, run.corpus):
         raise CheckpointError(problem)
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
-    return restored.state, int(restored.data_state["step"])
+    return restored.state, restored.data_state
 
 
 def _initial_state(run: _Run):
@@ -245,21 +252,22 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     if jax.process_index() == 0:
         for line in report(program.mesh):
             print(line)
-        print(f"mesh: {describe(program.mesh)} on {len(devices)} {devices[0].platform} devices")
+        print(f"mesh: {describe_mesh(program.mesh)} on {len(devices)} {devices[0].platform} devices")
+        print(describe(config))
         print(memory_report(program), flush=True)
     signals.check("build", resuming)
     # Compiled on abstract inputs and checked against the devices' memory before any data is read or
     # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
     step_fn, compile_s = compile_fitting(program, config, devices)
     signals.check("compile", resuming)
-    tokens = load_tokens(config.data)
-    for warning in corpus_warnings(config.data, tokens):
+    for warning in corpus_warnings(config.data):
         _say(f"warning: {warning}")
-    corpus = {workdirs.CORPUS_TOKENS: len(tokens), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
-    batches = GlobalBatches(tokens, train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed)
+    corpus = {workdirs.CORPUS_TOKENS: corpus_tokens(config.data), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
+    packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
+    batches = DocumentBatches(packer)
     signals.check("loading data", resuming)
     check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before the state, not at the first save
-    run = _Run(config, plan, program, BatchIterator(batches, program.batch_sharding), None, corpus, signals, progress)
+    run = _Run(config, plan, program, batches, None, corpus, signals, progress)
     try:
         history = _run(run, resuming, step_fn, compile_s)
     except BaseException as error:
@@ -274,14 +282,16 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     config, program, signals, train_cfg = run.config, run.program, run.signals, run.config.train
     if resuming:
         run.checkpoints = _open_checkpoints(config, run.plan)
-        state, start = _restore(run)
+        state, data_state = _restore(run)
+        run.iterator.set_state(data_state)
     else:
-        state, start = _initial_state(run), 0
+        state = _initial_state(run)
+    start = run.iterator.step
     signals.check("restore" if resuming else "init", resuming)
-    run.iterator.set_state({"step": start})
     if start >= train_cfg.steps:
         _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
         return []
+    run.evaluator = evaluator(config, program)  # compiled before anything is written
     _start(run, start if resuming else None)
     run.observer = Observer(config, run.plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
@@ -289,7 +299,7 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     history = []
     with signals.deferred():
         for step in range(start + 1, train_cfg.steps + 1):
-            batch = next(run.iterator)
+            batch = to_global(next(run.iterator), program.batch_sharding)
             with run.observer.step(step):  # the profile window, if this step is in it
                 started = time.perf_counter()
                 state, metrics = step_fn(state, batch)
@@ -298,6 +308,8 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
             record = _record(step, metrics, config, run.observer.throughput(step, seconds))
             history.append(record)
             _after_step(run, step, state, record, metrics, signals)
+        if run.evaluator is not None and run.evaluated != train_cfg.steps:
+            _evaluate(run, train_cfg.steps, state)
     _save(run, train_cfg.steps, state, force=True)
     run.checkpoints.wait()
     _let_go_once_proven(run)
@@ -312,6 +324,16 @@ def _amend(error: BaseException, note: str | None) -> None:
         error.args = (f"{error.args[0]}; {note}", *error.args[1:])
     else:
         _say(note)
+
+
+def _evaluate(run: _Run, step: int, state) -> None:
+    """One evaluation on the eval set: its own metrics.jsonl record and TensorBoard scalars."""
+    record = run.evaluator.run(state.params, step)
+    run.evaluated = step
+    run.metrics.write(record)
+    run.observer.log(record)
+    _say(f"eval at step {step}: loss {record['eval_loss']:.4f}, perplexity {record['eval_perplexity']:.2f} "
+         f"over {record['eval_tokens']} tokens")
 
 
 def _record(step: int, metrics: dict, config, timing: dict) -> dict:
@@ -336,6 +358,8 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     run.observer.log(record)
     run.progress.update(record)
     run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
+    if run.evaluator is not None and run.evaluator.due(step):
+        _evaluate(run, step, state)
     _save(run, step, state)
     _let_go_once_proven(run)
     signum = signals.agreed()
@@ -357,6 +381,7 @@ def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
 def _finish(run: _Run, failed: bool) -> str | None:
     """Closes what the run opened; after a failure, puts back an earlier run --overwrite moved aside
     if this run never completed a checkpoint. Returns a note on the earlier run's fate, if any."""
+    run.iterator.close()  # the packing thread
     if run.observer is not None:
         run.observer.close()
     if run.progress is not None:

@@ -7,24 +7,24 @@ import dataclasses
 import jax
 
 from jaxpar import models
-from jaxpar.parallel.context.sequence import split_rows
+from jaxpar.parallel.context.sequence import TokenBatch, split_rows
 from jaxpar.parallel.tensor import mean_cross_entropy
 
 
-def token_loss(params, tokens, targets, positions, rules, *, model_config, opts, scale):
-    """(loss · scale, (loss, model metrics)) for tokens and their targets [B, S] (positions [B, S],
-    or None for 0 .. S-1), run with `rules` (the gradient paths may drop axes from the run
-    options' rules)."""
+def token_loss(params, batch: TokenBatch, rules, *, model_config, opts, scale):
+    """(loss · scale, (loss, model metrics)) for a `TokenBatch` [B, S] (positions None: 0 .. S-1),
+    run with `rules` (the gradient paths may drop axes from the run options' rules)."""
     opts = dataclasses.replace(opts, rules=rules)
-    logits, aux = models.apply(model_config, params, tokens, opts, positions)
+    logits, aux = models.apply(model_config, params, batch.tokens, opts, batch.positions, batch.segment_ids)
     with jax.named_scope("loss"):
         extra, metrics = models.aux_losses(model_config, aux)
-        loss = mean_cross_entropy(logits, targets) + extra
+        loss = mean_cross_entropy(logits, batch.targets, batch.weights) + extra
     return loss * scale, (loss, metrics)
 
 
 def model_loss(params, rows, rules, *, model_config, opts, scale):
-    """`token_loss` for token rows [B, S+1] (inputs and shifted targets): with context parallelism
-    in the order the sequence is sharded (load balancing), positions true."""
-    tokens, targets, positions = split_rows(rows, opts.plan.context, rules)
-    return token_loss(params, tokens, targets, positions, rules, model_config=model_config, opts=opts, scale=scale)
+    """`token_loss` for token rows [B, S+1] (inputs and shifted targets; or a
+    `document_batch` dict): with context parallelism in the order the sequence is sharded (load
+    balancing), positions true."""
+    batch = split_rows(rows, opts.plan.context, rules)
+    return token_loss(params, batch, rules, model_config=model_config, opts=opts, scale=scale)

@@ -24,7 +24,7 @@ from ml_collections import ConfigDict
 
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import base_config
-from jaxpar.data.sources import corpus_problems, validate_data_config
+from jaxpar.data.corpus import corpus_problems, validate_data_config
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models.families import FAMILIES, UnknownFamily, family

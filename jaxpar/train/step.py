@@ -18,6 +18,7 @@ from jaxpar import models
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel import data
 from jaxpar.parallel.context.accumulation import per_rank_grads
+from jaxpar.parallel.context.sequence import document_batch
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.pipeline.engine import pipelined_loss_and_grads
 from jaxpar.parallel.pipeline.stage import StageModel
@@ -47,9 +48,11 @@ def stage_model(model_config) -> StageModel:
 
 
 def loss_and_grads(params, batch, *, model_config, opts: RunOptions, scale=1.0):
-    """(loss, grads, model metrics): mean next-token loss over the global batch [G, S+1] plus any
-    model auxiliary loss, its fp32 gradient (unscaled), and the model's own metrics — by the
-    gradient strategy the plan chose (`jaxpar.parallel.data.GradientStrategy`)."""
+    """(loss, grads, model metrics): mean next-token loss over the global batch's real targets
+    (token rows [G, S+1], or packed documents [G, 2, S+1]) plus any model auxiliary loss, its fp32
+    gradient (unscaled), and the model's own metrics — by the gradient strategy the plan chose
+    (`jaxpar.parallel.data.GradientStrategy`)."""
+    batch = document_batch(batch)  # target weights from the whole global batch, before any split
     strategy = opts.plan.gradient
     if strategy is GradientStrategy.PIPELINED:
         return pipelined_loss_and_grads(params, batch, model=stage_model(model_config), opts=opts, scale=scale)
@@ -65,7 +68,7 @@ def loss_and_grads(params, batch, *, model_config, opts: RunOptions, scale=1.0):
 
 
 def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shardings):
-    """(state, batch [G, S+1] int32) → (state, metrics, grads). The jitted production step
+    """(state, batch [G, S+1] or [G, 2, S+1] int32) → (state, metrics, grads). The jitted production step
     (`jaxpar.train.setup`) drops the gradients; tests keep them to compare with one device."""
 
     def train_step(state: TrainState, batch):

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.storage import is_remote, remote_problem
-from jaxpar.data.sources import corpus_fingerprint, corpus_tokens
+from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens
 from jaxpar.train import aside as asides
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"

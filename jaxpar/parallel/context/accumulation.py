@@ -44,33 +44,33 @@ def per_rank_grads(loss_fn, params, batch, *, accum: int, rules, plan, scale, pa
     """(loss, fp32 unscaled grads, metrics) over the global batch [G, S+1], accumulated over
     `accum` microbatches by every (replica, context rank) on its own tokens.
 
-    `loss_fn(params, tokens, targets, positions, rules, scale=...)` -> (loss · scale, (loss,
-    metrics)) for one rank's tokens; `param_names`: the params tree's logical axis names (the
-    summed gradients are laid out like the parameters)."""
+    `loss_fn(params, token_batch, rules, scale=...)` -> (loss · scale, (loss, metrics)) for one
+    rank's `TokenBatch`; `param_names`: the params tree's logical axis names (the summed gradients
+    are laid out like the parameters)."""
     mesh = rules.mesh
     manual = frozenset({*plan.batch_axes, CONTEXT})
     lead = tuple(a for a in mesh.axis_names if a in manual)
     ranks = math.prod(mesh.shape[a] for a in lead)
     micro = split_microbatches(batch, accum, rules)
-    tokens, targets, positions = split_rows(micro, plan.context, rules, names=(None, "batch", "seq"))
+    sequences = split_rows(micro, plan.context, rules, names=(None, "batch", "seq"))
     token_spec = manual_spec(rules, (None, "batch", "seq"), manual)
 
-    def body(params, tokens, targets, positions, scale):
+    def body(params, sequences, scale):
         inner = rules.without(*manual).on(jax.sharding.get_abstract_mesh())
         # Varying over every manual axis before the vjp: differentiating with respect to a value
         # replicated over `context` would psum its gradient over `context` right there.
         params = jax.tree.map(vary_everywhere, params)
-        grad_fn = jax.value_and_grad(lambda p, t, y, pos: loss_fn(p, t, y, pos, inner, scale=scale), has_aux=True)
+        grad_fn = jax.value_and_grad(lambda p, seq: loss_fn(p, seq, inner, scale=scale), has_aux=True)
 
-        def micro_step(carry, xs):
-            (_, (loss, metrics)), grads = grad_fn(params, *xs)
+        def micro_step(carry, seq):
+            (_, (loss, metrics)), grads = grad_fn(params, seq)
             return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), carry, (loss, metrics, grads)), None
 
-        shapes = jax.eval_shape(grad_fn, params, tokens[0], targets[0], positions[0])
+        shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], sequences))
         zeros = jax.tree.map(
             lambda s: vary_everywhere(jnp.zeros(s.shape, jnp.float32)), (shapes[0][1][0], shapes[0][1][1], shapes[1])
         )
-        totals, _ = jax.lax.scan(micro_step, zeros, (tokens, targets, positions))
+        totals, _ = jax.lax.scan(micro_step, zeros, sequences)
         loss, metrics, grads = jax.tree.map(lambda t: t / accum, totals)
         loss, metrics = jax.tree.map(lambda x: jax.lax.pmean(x, lead), (loss, metrics))
         return loss, metrics, jax.tree.map(lambda g: g[None], grads)
@@ -78,11 +78,11 @@ def per_rank_grads(loss_fn, params, batch, *, accum: int, rules, plan, scale, pa
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(), params), token_spec, token_spec, token_spec, P()),
+        in_specs=(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: token_spec, sequences), P()),
         out_specs=(P(), P(), jax.tree.map(lambda _: P(lead), params)),
         axis_names=manual,
     )
-    loss, metrics, grads = run(params, tokens, targets, positions, jnp.asarray(scale, jnp.float32))
+    loss, metrics, grads = run(params, sequences, jnp.asarray(scale, jnp.float32))
     # The one reduction per step: an all-reduce over the batch axes and `context` (under ZeRO-1
     # too, where the step then slices the optimizer's shard: leaving the layout to the step's
     # constraint compiles the same). Each rank's loss is the mean over its own tokens and all

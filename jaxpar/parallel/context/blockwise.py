@@ -2,10 +2,13 @@
 
 Everything here is local (no collectives), so the ring / all-gather / all-to-all wrappers can call it
 once per key/value block they hold. Queries and keys are cut into chunks (`block_q`, `block_kv`) so
-the largest score array is [B, Hkv, G, block_q, block_kv] whatever the sequence length; a chunk pair
-whose every key position lies after every query position is skipped by `lax.cond` (no collective
-inside the branches). The causal mask is `kv_pos <= q_pos` from the carried true positions, never
-from array indices, so any sequence order (e.g. the load-balanced one) works.
+the largest score array is [B, Hkv, G, block_q, block_kv] whatever the sequence length. What the
+mask reads of each token travels with it as `Tags`: its true position and, for packed documents,
+its segment id. The mask is `kv_pos <= q_pos` (and, with segments, the same segment, never
+padding), never from array indices, so any sequence order (e.g. the load-balanced one) works. A
+chunk pair with nothing visible is skipped by `lax.cond` (no collective inside the branches):
+every key position after every query position, or (packed documents) no segment in common, told
+by the ranges of segment ids — sound for any labelling, since disjoint ranges share no id.
 
 Layout: the GQA group G = Hq / Hkv is split out of the query heads, q [B, S, Hkv, G, D]. Softmax
 statistics, outputs and gradients accumulate in fp32; matmul inputs stay in the input dtype
@@ -20,6 +23,19 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+class Tags(NamedTuple):
+    """What the mask reads of a run of tokens: true positions pos [B or 1, S] (one row: shared by
+    every row) and segment ids seg [B, S] of packed documents (None: one sequence per row; 0:
+    padding, which sees nothing and is never seen)."""
+
+    pos: jax.Array
+    seg: jax.Array | None = None
+
+
+def split_tags(tags: Tags, size: int) -> Tags:
+    return jax.tree.map(lambda x: split_chunks(x, size), tags)
 
 
 class Accumulator(NamedTuple):
@@ -65,15 +81,29 @@ def merge_chunks(x, axis: int = 1):
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
 
 
-def all_masked(q_pos, kv_pos):
+def _segment_range(seg):
+    """(lowest, highest) real segment id per row of seg [B, S]; (int max, 0) for all padding."""
+    real = seg > 0
+    return jnp.min(jnp.where(real, seg, jnp.iinfo(seg.dtype).max), axis=1), jnp.max(jnp.where(real, seg, 0), axis=1)
+
+
+def all_masked(q: Tags, kv: Tags):
     """True when no query (any batch row) may see any key: the block's work can be skipped."""
-    return jnp.all(jnp.min(kv_pos, axis=1) > jnp.max(q_pos, axis=1))
+    later = jnp.min(kv.pos, axis=1) > jnp.max(q.pos, axis=1)  # [B or 1]
+    if q.seg is None:
+        return jnp.all(later)
+    (q_low, q_high), (kv_low, kv_high) = _segment_range(q.seg), _segment_range(kv.seg)
+    apart = (kv_high < q_low) | (kv_low > q_high)  # no id in common (also: a side all padding)
+    return jnp.all(later | apart)
 
 
-def _scores(q, k, q_pos, kv_pos, scale):
-    """Masked scores [B, Hkv, G, cq, ck] in fp32 (-inf where the key is after the query)."""
+def _scores(q, k, q_tags: Tags, kv_tags: Tags, scale):
+    """Masked scores [B, Hkv, G, cq, ck] in fp32 (-inf where the key is not visible)."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=F32) * scale
-    visible = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+    visible = kv_tags.pos[:, None, None, None, :] <= q_tags.pos[:, None, None, :, None]
+    if q_tags.seg is not None:
+        q_seg = q_tags.seg[:, None, None, :, None]
+        visible = visible & (kv_tags.seg[:, None, None, None, :] == q_seg) & (q_seg != 0)
     return jnp.where(visible, s, -jnp.inf)
 
 
@@ -99,10 +129,10 @@ def _update(acc: Accumulator, q, k, v, q_pos, kv_pos, scale) -> Accumulator:
 
 
 def forward_block(acc: Accumulator, q_chunks, qpos_chunks, k, v, kv_pos, *, scale, block_kv) -> Accumulator:
-    """Folds one key/value block (k, v [B, Sk, Hkv, D], kv_pos [B, Sk]) into the accumulator of the
-    query chunks q_chunks [nq, B, cq, Hkv, G, D] (positions qpos_chunks [nq, B, cq])."""
+    """Folds one key/value block (k, v [B, Sk, Hkv, D], its `Tags` kv_pos) into the accumulator of
+    the query chunks q_chunks [nq, B, cq, Hkv, G, D] (their `Tags` qpos_chunks, chunked [nq, ...])."""
     ck = chunk_size(k.shape[1], block_kv)
-    kv = (split_chunks(k, ck), split_chunks(v, ck), split_chunks(kv_pos, ck))
+    kv = (split_chunks(k, ck), split_chunks(v, ck), split_tags(kv_pos, ck))
 
     def one_query_chunk(args):
         acc_i, q_i, qpos_i = args
@@ -137,7 +167,7 @@ def backward_block(dq_chunks, q_chunks, qpos_chunks, do_chunks, lse, delta, k, v
     forward's lse and delta = rowsum(do · o) [nq, B, Hkv, G, cq]. Returns (dq_chunks + this
     block's part, dk, dv) with dk / dv [B, Sk, Hkv, D] fp32 for this block only."""
     ck = chunk_size(k.shape[1], block_kv)
-    kv = (split_chunks(k, ck), split_chunks(v, ck), split_chunks(kv_pos, ck))
+    kv = (split_chunks(k, ck), split_chunks(v, ck), split_tags(kv_pos, ck))
 
     def one_key_chunk(dq_all, kv_j):
         k_j, v_j, kvpos_j = kv_j

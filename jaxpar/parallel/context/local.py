@@ -2,8 +2,9 @@
 
 Call these inside a `shard_map` that is manual over `axis_name` (and over whatever shards heads).
 Each gets this rank's q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] and the true positions q_pos [B, Sq],
-kv_pos [B, Sk] (int32; or [Sq], [Sk] when every row has the same positions) and returns this
-rank's output [B, Sq, Hq, D] in q's dtype. Shared positions keep the skip predicates free of any
+kv_pos [B, Sk] (int32; or [Sq], [Sk] when every row has the same positions), optionally the
+segment ids of packed documents q_seg [B, Sq], kv_seg [B, Sk] (0: padding; a padding query's
+output is 0), and returns this rank's output [B, Sq, Hq, D] in q's dtype. Shared positions keep the skip predicates free of any
 batch reduction: no all-reduce over an Auto batch axis, and under vmap the `lax.cond`s stay
 conds (a batched predicate turns a cond into a select that runs both branches).
 
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.context import blockwise as bw
+from jaxpar.parallel.context.blockwise import Tags
 
 # Query / key chunk: the largest score array is [B, Hkv, G, 512, 512] fp32. Measured on the train
 # step (scripts/context_report.py, S = 16384, c = 4, ring, 8 heads): temp 135, 135, 148, 245, 632
@@ -32,12 +34,16 @@ def _rows(pos):
     return pos[None] if pos.ndim == 1 else pos
 
 
+def _tags(pos, seg) -> Tags:
+    return Tags(_rows(pos), seg)
+
+
 def _scale(scale, head_dim):
     return head_dim**-0.5 if scale is None else scale
 
 
-def _query_chunks(q, q_pos, num_kv_heads, block_q):
-    """q [B, S, Hq, D] -> [nq, B, cq, Hkv, G, D]; q_pos [B, S] -> [nq, B, cq]."""
+def _query_chunks(q, q_pos: Tags, num_kv_heads, block_q):
+    """q [B, S, Hq, D] -> [nq, B, cq, Hkv, G, D]; q_pos's arrays [B, S] -> [nq, B, cq]."""
     b, s, hq, d = q.shape
     if hq % num_kv_heads:
         raise ValueError(f"attention: {hq} query heads are not a multiple of {num_kv_heads} key/value heads")
@@ -47,7 +53,7 @@ def _query_chunks(q, q_pos, num_kv_heads, block_q):
     q, q_pos = jax.lax.optimization_barrier((q, q_pos))
     cq = bw.chunk_size(s, block_q)
     q5 = q.reshape(b, s, num_kv_heads, hq // num_kv_heads, d)
-    return bw.split_chunks(q5, cq), bw.split_chunks(q_pos, cq)
+    return bw.split_chunks(q5, cq), bw.split_tags(q_pos, cq)
 
 
 def _unchunk(x_chunks, like):
@@ -92,7 +98,7 @@ def _backward(q, q_pos, out, lse, d_out, num_kv_heads, *, scale, block_q):
     return dq, grads
 
 
-def _single(k, v, kv_pos):
+def _single(k, v, kv_pos: Tags):
     """A key/value source with one block (see `_forward`)."""
     return lambda fold, acc: fold(acc, k, v, kv_pos)
 
@@ -100,9 +106,10 @@ def _single(k, v, kv_pos):
 # ---------------------------------------------------------------- plain local flash attention
 
 
-def flash_attention_local(q, k, v, q_pos, kv_pos, *, scale=None, block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK):
+def flash_attention_local(q, k, v, q_pos, kv_pos, *, q_seg=None, kv_seg=None, scale=None, block_q=DEFAULT_BLOCK,
+                          block_kv=DEFAULT_BLOCK):
     """Causal attention of q against k / v on one device, chunked (no collective)."""
-    return _flash_attention(q, k, v, _rows(q_pos), _rows(kv_pos), scale, block_q, block_kv)
+    return _flash_attention(q, k, v, _tags(q_pos, q_seg), _tags(kv_pos, kv_seg), scale, block_q, block_kv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -131,7 +138,8 @@ _flash_attention.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _gather(x, axis_name):
-    return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+    """x [B, S/c, ...] (or a tree of such, e.g. `Tags`) gathered along the sequence."""
+    return jax.tree.map(lambda a: jax.lax.all_gather(a, axis_name, axis=1, tiled=True), x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -158,11 +166,12 @@ def _all_gather_bwd(axis_name, scale, block_q, block_kv, res, d_out):
 _all_gather_attention.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-def all_gather_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
-                               block_kv=DEFAULT_BLOCK):
-    """Keeps this rank's queries, all-gathers K, V (Hkv heads only) and their positions over
-    `axis_name`; the backward re-gathers them and reduce-scatters dK, dV."""
-    return _all_gather_attention(q, k, v, _rows(q_pos), _rows(kv_pos), axis_name, scale, block_q, block_kv)
+def all_gather_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, q_seg=None, kv_seg=None, scale=None,
+                               block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK):
+    """Keeps this rank's queries, all-gathers K, V (Hkv heads only) and their positions (and
+    segments) over `axis_name`; the backward re-gathers them and reduce-scatters dK, dV."""
+    return _all_gather_attention(q, k, v, _tags(q_pos, q_seg), _tags(kv_pos, kv_seg), axis_name, scale, block_q,
+                                 block_kv)
 
 
 # ---------------------------------------------------------------- ring
@@ -233,18 +242,19 @@ def _ring_bwd(axis_name, scale, block_q, block_kv, res, d_out):
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
-                         block_kv=DEFAULT_BLOCK):
-    """K/V blocks (with positions) travel round the ranks of `axis_name` by `ppermute` while each
-    rank keeps an online-softmax accumulator; blocks wholly after this rank's queries are skipped."""
-    return _ring_attention(q, k, v, _rows(q_pos), _rows(kv_pos), axis_name, scale, block_q, block_kv)
+def ring_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, q_seg=None, kv_seg=None, scale=None,
+                         block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK):
+    """K/V blocks (with positions and segments) travel round the ranks of `axis_name` by
+    `ppermute` while each rank keeps an online-softmax accumulator; blocks with nothing visible to
+    this rank's queries (wholly after them, or no segment in common) are skipped."""
+    return _ring_attention(q, k, v, _tags(q_pos, q_seg), _tags(kv_pos, kv_seg), axis_name, scale, block_q, block_kv)
 
 
 # ---------------------------------------------------------------- all-to-all (Ulysses)
 
 
-def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None, block_q=DEFAULT_BLOCK,
-                               block_kv=DEFAULT_BLOCK):
+def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, q_seg=None, kv_seg=None, scale=None,
+                               block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK):
     """Swaps the sharded dimension from sequence to heads (all-to-all), attends over whole
     sequences for 1/c of the heads, swaps back. The local query head count must be divisible by
     c, the key/value head count divisible by c or a divisor of c: fewer KV heads than c are
@@ -265,7 +275,7 @@ def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, scale=None,
         return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
     out = _flash_attention(
-        to_heads(q), to_heads(k), to_heads(v), _gather(_rows(q_pos), axis_name), _gather(_rows(kv_pos), axis_name),
-        scale, block_q, block_kv,
+        to_heads(q), to_heads(k), to_heads(v), _gather(_tags(q_pos, q_seg), axis_name),
+        _gather(_tags(kv_pos, kv_seg), axis_name), scale, block_q, block_kv,
     )
     return jax.lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)

@@ -39,12 +39,15 @@ def context_attention(
     scale: float | None = None,
     block_q: int = DEFAULT_BLOCK,
     block_kv: int = DEFAULT_BLOCK,
+    segment_ids=None,
 ):
     """Causal attention with the sequence sharded over `context_axis`; call under jit.
 
     q [B, S, Hq, D], k / v [B, S, Hkv, D] (Hq a multiple of Hkv), positions int32 [B, S] or [S]
     (shared by every row): each token's true position; the mask is key position <= query
-    position, whatever the sequence order. Returns [B, S, Hq, D] laid out like q.
+    position, whatever the sequence order. `segment_ids` int32 [B, S] (packed documents, in the
+    same order; 0: padding): a query sees only keys of its own segment, padding nothing.
+    Returns [B, S, Hq, D] laid out like q.
 
     The shard_map is manual over `context_axis`, `head_axis` (heads sharded over it; skipped if
     the mesh has no such axis), `batch_axes` (the batch dimension sharded over them) and
@@ -76,27 +79,29 @@ def context_attention(
         )
     if positions.shape not in ((b, s), (s,)):
         raise ValueError(f"context attention: positions {positions.shape} must be [batch, seq] {(b, s)} or [seq]")
+    if segment_ids is not None and segment_ids.shape != (b, s):
+        raise ValueError(f"context attention: segment_ids {segment_ids.shape} must be [batch, seq] {(b, s)}")
 
     batch = tuple(batch_axes) or None
     spec = P(batch, context_axis, heads, None)
     local = functools.partial(IMPLS[impl], axis_name=context_axis, scale=scale, block_q=block_q, block_kv=block_kv)
     pos_spec = P(batch, context_axis) if positions.ndim == 2 else P(context_axis)
     sharded = jax.shard_map(
-        lambda q, k, v, pos: local(q, k, v, pos, pos),
+        lambda q, k, v, pos, seg: local(q, k, v, pos, pos, q_seg=seg, kv_seg=seg),
         mesh=mesh,
-        in_specs=(spec, spec, spec, pos_spec),
+        in_specs=(spec, spec, spec, pos_spec, P(batch, context_axis)),
         out_specs=spec,
         axis_names=frozenset({context_axis, *batch_axes, *vmapped_axes} | ({heads} if heads else set())),
         # Under the train step's vmap(spmd_axis_name="data") jax 0.10.2's varying-axes checks
         # fail ("pvary is a invariant->variant collective"), as in parallel/expert.py.
         check_vma=False,
     )
-    return sharded(q, k, v, positions)
+    return sharded(q, k, v, positions, segment_ids)
 
 
-def model_attention(q, k, v, positions, *, rules, plan):
-    """What the model's attention layer runs when `plan.context` is set (a `ContextPlan`): q, k, v
-    and positions [B, S] laid out by the rules table (sequence over `context`, heads over
+def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None):
+    """What the model's attention layer runs when `plan.context` is set (a `ContextPlan`): q, k, v,
+    positions and segment ids (or None) [B, S] laid out by the rules table (sequence over `context`, heads over
     `tensor`). Inside a shard_map already manual over `context` (the pipeline engine) the
     sequence is this rank's shard and the per-device kernel runs directly; otherwise
     `context_attention` enters one, manual over the batch axes the rules name. (Gradient
@@ -109,12 +114,13 @@ def model_attention(q, k, v, positions, *, rules, plan):
         # shard_map over the batch axes here fails to lower in jax 0.10.2 (the custom VJP's
         # residuals get the wrong local shape).
         local = IMPLS[ctx.impl]
-        return local(q, k, v, positions, positions, axis_name=CONTEXT, block_q=ctx.block, block_kv=ctx.block)
+        return local(q, k, v, positions, positions, axis_name=CONTEXT, q_seg=segment_ids, kv_seg=segment_ids,
+                     block_q=ctx.block, block_kv=ctx.block)
     rows = rules.spec(("batch",))[0]
     batch_axes = () if rows is None else rows if isinstance(rows, tuple) else (rows,)
     return context_attention(
         q, k, v, positions, mesh=rules.mesh, impl=ctx.impl, batch_axes=batch_axes,
-        block_q=ctx.block, block_kv=ctx.block,
+        block_q=ctx.block, block_kv=ctx.block, segment_ids=segment_ids,
     )
 
 

@@ -71,9 +71,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import PIPELINE
-from jaxpar.parallel.context.sequence import default_positions
 from jaxpar.parallel.context.plan import sequence_axes
-from jaxpar.parallel.context.sequence import split_rows
+from jaxpar.parallel.context.sequence import TokenBatch, default_positions, split_rows
 from jaxpar.parallel.data import split_microbatches
 from jaxpar.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.pipeline import router
@@ -119,8 +118,10 @@ def _zeros(tree, lead=(), dtype=jnp.float32):
     return jax.tree.map(lambda a: vary_everywhere(jnp.zeros(lead + tuple(a.shape), dtype)), tree)
 
 
-def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tables, steps, scale, *, plan, layout, stage_model, opts,
-            shared_names, batch_axes, vocab):
+def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, scale, *, plan, layout, stage_model,
+            opts, shared_names, batch_axes, vocab, train=True):
+    """`train=False`: the loss only (eval) — the table's F actions and the head, every B and W
+    idle, no gradient carried."""
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
     dtype, zero3 = opts.compute_dtype, opts.plan.zero.shard_params
     opts = dataclasses.replace(opts, rules=opts.rules.without(PIPELINE, *batch_axes).on(jax.sharding.get_abstract_mesh()))
@@ -140,9 +141,22 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
     )
     # Inputs and targets are split from the [S+1] rows outside (slicing them inside a branch can
     # make the partitioner emit a collective-permute there, which deadlocks ranks not taking it).
-    inputs = vary_everywhere(rules.constrain(inputs, (None, "batch", None)))
-    targets = vary_everywhere(rules.constrain(targets, (None, "batch", None)))
-    positions = vary_everywhere(positions)
+    # Every field is per microbatch [m, mb, S]: packed documents differ between microbatches.
+    inputs = vary_everywhere(rules.constrain(seq.tokens, (None, "batch", None)))
+    targets = vary_everywhere(rules.constrain(seq.targets, (None, "batch", None)))
+    positions, segments = jax.tree.map(vary_everywhere, (seq.positions, seq.segment_ids))
+    # Target weights stay invariant over `pipeline` (equal on every rank): the spread head's loss
+    # is invariant there, and a varying factor would make its transpose psum the cotangent over
+    # `pipeline` (gradients p times too large; tests/test_packed.py).
+    weights = seq.weights
+
+    def of_microbatch(mb):
+        """(positions, segment ids | None) of microbatch mb, picked outside the branches."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, keepdims=False), (positions, segments))
+
+    def weights_of(mb):
+        return None if weights is None else jax.lax.dynamic_index_in_dim(weights, mb, keepdims=False)
+
     rows = {k: t[:, 0] for k, t in rank_tables.items()}
     replicas = jax.lax.psum(1, batch_axes) if batch_axes else 1
     act_shape = inputs.shape[1:] + (stage_model.hidden_size,)
@@ -160,36 +174,39 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
     def branch_of(base, u):  # base: the first of len(lengths) branches, one per stage length
         return base + jax.lax.dynamic_index_in_dim(length_of, u, keepdims=False)
 
-    stats_shape = jax.eval_shape(lambda x: stage.forward(layer(0, 1), shared, x, positions)[1], zeros_act())
+    stats_shape = jax.eval_shape(lambda x: stage.forward(layer(0, 1), shared, x, *of_microbatch(0))[1], zeros_act())
     no_stats = _zeros(stats_shape)
     loss_cotangent = (scale / m).astype(jnp.float32)
     # Where the losses and metrics every rank computes alike ("spread" head, MoE totals) are
     # counted once; any rank would do, wherever the last stage sits.
     on_last_rank = jax.lax.axis_index(PIPELINE) == p - 1
 
-    def head(sh, h, tgt):
-        """Final norm + LM head + mean cross-entropy of the last stage's output h."""
+    def head(sh, h, tgt, w):
+        """Final norm + LM head + mean (weighted: packed documents) cross-entropy of the last
+        stage's output h."""
         model = stage.model(any_layer, sh)
         if not spread:  # this rank holds the whole (tensor-sharded) head
-            return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt)
+            return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt, w)
         normed = model.final_norm(vary_everywhere_wide(h))  # the transpose sums every rank's share of d h
-        return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules)
+        return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules, w)
 
     def forward_branch(n, with_head):
-        def run(x, tgt, u, shared_grads, ce):
-            y, stats = stage.forward(layer(u, n), shared, x, positions)
+        def run(x, tgt, w, mb_seq, u, shared_grads, ce):
+            y, stats = stage.forward(layer(u, n), shared, x, *mb_seq)
             y = rules.constrain(y, RESIDUAL)
             if not with_head:
                 return y, stats, zeros_act(), shared_grads, ce
             # "ends": the last stage runs norm + head + loss on its output right away.
-            loss, pullback = jax.vjp(lambda sh, h: head(sh, h, tgt), shared, y)
+            if not train:
+                return y, stats, zeros_act(), shared_grads, ce + vary_everywhere(head(shared, y, tgt, w))
+            loss, pullback = jax.vjp(lambda sh, h: head(sh, h, tgt, w), shared, y)
             d_shared, d_h = pullback(vary_like(loss_cotangent, loss))
             d_h = rules.constrain(d_h.astype(dtype), RESIDUAL)
             return y, stats, d_h, _add(shared_grads, d_shared), ce + vary_everywhere(loss)
 
         return run
 
-    def idle_forward(x, tgt, u, shared_grads, ce):
+    def idle_forward(x, tgt, w, mb_seq, u, shared_grads, ce):
         return zeros_act(), no_stats, zeros_act(), shared_grads, ce
 
     # 0 idle, 1 + i: a stage of lengths[i] layers, then (ends) the same followed by the head.
@@ -197,8 +214,9 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
     fwd_branches += [] if spread else [forward_branch(n, True) for n in lengths]
 
     def backward_branch(branch, n):
-        def run(x, output_grad, stats_grad, u, layer_grads):
-            d_layer, d_input = stage.backward(branch, layer(u, n), shared, x, positions, output_grad, stats_grad)
+        def run(x, output_grad, stats_grad, mb_seq, u, layer_grads):
+            pos, seg = mb_seq
+            d_layer, d_input = stage.backward(branch, layer(u, n), shared, x, pos, output_grad, stats_grad, seg)
             if d_layer is not None:
                 layer_grads = jax.tree.map(lambda a, d: a.at[u, :n].add(d.astype(jnp.float32)), layer_grads, d_layer)
             d_input = zeros_act() if d_input is None else rules.constrain(d_input.astype(dtype), RESIDUAL)
@@ -206,7 +224,7 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
 
         return run
 
-    def idle_back(x, output_grad, stats_grad, u, layer_grads):
+    def idle_back(x, output_grad, stats_grad, mb_seq, u, layer_grads):
         return zeros_act(), layer_grads
 
     # 0 idle, then per slot-plan branch b (from 1) and stage length i: 1 + (b - 1)·len + i.
@@ -230,7 +248,11 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
         ("spread") and the microbatch's router totals (MoE)."""
         if spread:
             h = psum_wide(jnp.where(is_last, y, jnp.zeros_like(y)), PIPELINE)  # the last stage's output
-            ce, pullback = jax.vjp(lambda sh, hh: head(sh, hh, targets[mb]), shared, h)
+            tgt, w = targets[mb], weights_of(mb)
+            if not train:
+                ce = head(shared, h, tgt, w)
+                return c._replace(ce=c.ce + jnp.where(on_last_rank, vary_everywhere(ce), 0.0))
+            ce, pullback = jax.vjp(lambda sh, hh: head(sh, hh, tgt, w), shared, h)
             d_shared, d_h = pullback(vary_like(loss_cotangent, ce))
             c = c._replace(
                 in_head=vary_everywhere(rules.constrain(d_h.astype(dtype), RESIDUAL)),
@@ -247,6 +269,28 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             metrics=jax.tree.map(count, c.metrics, metrics),
             totals=jax.tree.map(lambda a, t: a.at[mb].set(vary_everywhere(t)), c.totals, totals),
         )
+
+    def forward_part(carry: Carry, row, step, first_input, shared_grads):
+        """This step's F (and, after the last stage's, the head), then the router statistics;
+        returns the carry and the F's output. `first_input`: stage 0's embedded microbatch."""
+        # After B/W: a slot it released this step may take this step's arrival.
+        acts = receive(carry.acts, carry.in_act, [a for a, _ in recv_fields], row)
+        x = jnp.where(row["fwd_kind"] == FIRST, first_input, acts[row["fwd_slot"]])
+        is_last = row["fwd_kind"] == LAST
+        with_head = 0 if spread else is_last.astype(jnp.int32) * len(lengths)
+        branch = jnp.where(row["fwd_branch"] == 0, 0, branch_of(1 + with_head, row["fwd_stage"]))
+        mb = row["fwd_mb"]
+        y, stats, d_head, shared_grads, ce = jax.lax.switch(
+            branch, fwd_branches, x, targets[mb], weights_of(mb), of_microbatch(mb), row["fwd_stage"], shared_grads,
+            carry.ce,
+        )
+        carry = carry._replace(acts=acts, shared_grads=shared_grads, ce=ce, in_head=d_head)
+        if train:
+            carry = carry._replace(stats=jax.tree.map(lambda a, s: a.at[mb].add(s), carry.stats, stats))
+        if spread or (carry.stats and train):  # every rank takes this cond alike (a per-step table entry)
+            step_fn = functools.partial(head_step, y=y, is_last=is_last, mb=step["head_mb"])
+            carry = jax.lax.cond(step["has_head"] > 0, step_fn, lambda c: c, carry)
+        return carry, y
 
     def time_step(carry: Carry, xs):
         row, step = xs
@@ -270,8 +314,8 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             back = row["back_branch"]
             back = jnp.where(back == 0, 0, branch_of(1 + (back - 1) * len(lengths), row["back_stage"]))
             d_input, layer_grads = jax.lax.switch(
-                back, back_branches, x, grads[row["back_grad_slot"]], stats_grad, row["back_stage"],
-                carry.layer_grads,
+                back, back_branches, x, grads[row["back_grad_slot"]], stats_grad, of_microbatch(row["back_mb"]),
+                row["back_stage"], carry.layer_grads,
             )
             zero = jnp.zeros_like(d_input)
             send_grad = jnp.where(back_on_first, zero, d_input)
@@ -282,26 +326,31 @@ def _engine(layers, shared, inputs, targets, positions, rank_tables, layout_tabl
             (d_table,) = embed_pullback(vary_everywhere(d_embedded))
             shared_grads = dict(carry.shared_grads)
             shared_grads["embed"] = {"weight": shared_grads["embed"]["weight"] + d_table.astype(jnp.float32)}
-            # After B/W: a slot it released this step may take this step's arrival.
-            acts = receive(carry.acts, carry.in_act, [a for a, _ in recv_fields], row)
-            x = jnp.where(row["fwd_kind"] == FIRST, embedded[0], acts[row["fwd_slot"]])
-            is_last = row["fwd_kind"] == LAST
-            with_head = 0 if spread else is_last.astype(jnp.int32) * len(lengths)
-            branch = jnp.where(row["fwd_branch"] == 0, 0, branch_of(1 + with_head, row["fwd_stage"]))
-            y, stats, d_head, shared_grads, ce = jax.lax.switch(
-                branch, fwd_branches, x, targets[row["fwd_mb"]], row["fwd_stage"], shared_grads, carry.ce
-            )
-            carry = carry._replace(
-                acts=acts, grads=grads, layer_grads=layer_grads, shared_grads=shared_grads, ce=ce, in_head=d_head,
-                stats=jax.tree.map(lambda a, s: a.at[row["fwd_mb"]].add(s), carry.stats, stats),
-            )
-            if spread or carry.stats:  # every rank takes this cond alike (a per-step table entry)
-                step_fn = functools.partial(head_step, y=y, is_last=is_last, mb=step["head_mb"])
-                carry = jax.lax.cond(step["has_head"] > 0, step_fn, lambda c: c, carry)
+            carry, y = forward_part(carry._replace(grads=grads, layer_grads=layer_grads), row, step, embedded[0],
+                                    shared_grads)
             return carry._replace(
                 in_act=tuple(send(y, hop, True) for hop in hops),
                 in_grad=tuple(send(send_grad, hop, False) for hop in hops),
             ), None
+
+    def eval_step(carry: Carry, xs):
+        """`time_step` without B/W: the F of the table's step, its stage-0 lookup and the head."""
+        row, step = xs
+        with jax.named_scope("pipeline_eval_step"):
+            embedded = lookup(shared["embed"]["weight"], inputs[step["embed_fwd_mb"]], offset)
+            embedded = psum_wide(embedded, PIPELINE) if spread else embedded
+            embedded = vary_everywhere(rules.constrain(embedded, RESIDUAL))
+            carry, y = forward_part(carry, row, step, embedded, None)
+            return carry._replace(in_act=tuple(send(y, hop, True) for hop in hops)), None
+
+    if not train:
+        start = Carry(
+            acts=zeros_act((plan.act_slots + 1,)), grads=None, in_act=tuple(zeros_act() for _ in hops), in_grad=(),
+            in_head=zeros_act(), layer_grads=None, shared_grads=None, ce=vary_everywhere(jnp.zeros((), jnp.float32)),
+            aux=None, metrics=None, stats=_zeros(stats_shape, (m,)), totals=None,
+        )
+        end, _ = jax.lax.scan(eval_step, start, (rows, steps))
+        return jax.lax.psum(end.ce, (PIPELINE, *batch_axes)) / (m * replicas)
 
     start = Carry(
         acts=zeros_act((plan.act_slots + 1,)),
@@ -342,10 +391,9 @@ def _layout(split, p, v, stages, stored):
     return stage_layout(split, p, v, stages, stored)
 
 
-def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.0):
-    """Same contract as `jaxpar.train.step.loss_and_grads`: (loss, fp32 unscaled grads, metrics),
-    computed by the pipeline engine with the plan's pipeline options (microbatches replace
-    `train.grad_accum`). `model`: the model as the pipeline sees it, from the train step."""
+def _setup(params, batch, model: StageModel, opts, train: bool):
+    """The engine's shard_map for this plan (`train`: with gradients; else the loss only), its
+    arguments (scale last, to fill in), and the batch axes it is manual over."""
     pipe, rules = opts.plan.pipeline, opts.rules
     mesh = rules.mesh
     plan = pipe.slot_plan
@@ -360,8 +408,9 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
     # Context parallelism: tokens in the plan's sequence order, split over `context`, which is
     # manual here like the batch axes (every (replica, context rank) pair runs the schedule on its
     # shard; attention's collectives over `context` run inside the stage branches).
-    inputs, targets, positions = split_rows(micro, opts.plan.context, rules, names=(None, "batch", "seq"))
-    positions = default_positions(inputs[0]) if positions is None else positions[0]
+    seq = split_rows(micro, opts.plan.context, rules, names=(None, "batch", "seq"))
+    if seq.positions is None:
+        seq = seq._replace(positions=jnp.broadcast_to(default_positions(seq.tokens[0]), seq.tokens.shape))
     rank_tables = {k: jnp.asarray(t) for k, t in plan.tables.items()}
     steps = {k: jnp.asarray(plan.steps[k]) for k in STEP_FIELDS}
     layout_tables = {k: jnp.asarray(t) for k, t in layout.tables.items()}
@@ -369,7 +418,7 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
     # once, after the engine, not once per microbatch inside it. ZeRO-3 leaves the batch axes to
     # the partitioner: gradients reduce-scatter per microbatch there, as in FSDP.
     batch_axes = () if opts.plan.zero.shard_params else tuple(opts.plan.batch_axes)
-    rows, seq = batch_axes or None, sequence_axes(opts.plan.context) or None
+    rows, seq_axes = batch_axes or None, sequence_axes(opts.plan.context) or None
     # Per (replica, context rank) partial results, averaged below: each holds the mean over its tokens.
     batch_axes += sequence_axes(opts.plan.context)
     manual = {PIPELINE, *batch_axes}
@@ -386,29 +435,43 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
     )
     engine = functools.partial(
         _engine, plan=plan, layout=layout, stage_model=model, opts=opts, shared_names=shared_names,
-        batch_axes=batch_axes, vocab=pipe.vocab,
+        batch_axes=batch_axes, vocab=pipe.vocab, train=train,
     )
     run = jax.shard_map(
         engine,
         mesh=mesh,
         in_specs=(
-            layer_specs, shared_specs, P(None, rows, seq), P(None, rows, seq), P(rows, seq), P(None, PIPELINE),
+            layer_specs, shared_specs, jax.tree.map(lambda _: P(None, rows, seq_axes), seq), P(None, PIPELINE),
             P(PIPELINE), P(), P(),
         ),
-        out_specs=(P(), layer_grad_specs, shared_grad_specs, P()),
+        out_specs=(P(), layer_grad_specs, shared_grad_specs, P()) if train else P(),
         axis_names=manual,
     )
-    loss, layer_grads, shared_grads, metrics = run(
-        params["layers"], shared, inputs, targets, positions, rank_tables, layout_tables, steps,
-        jnp.asarray(scale, jnp.float32),
-    )
+    return run, (params["layers"], shared, seq, rank_tables, layout_tables, steps), batch_axes
+
+
+def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.0):
+    """Same contract as `jaxpar.train.step.loss_and_grads`: (loss, fp32 unscaled grads, metrics),
+    computed by the pipeline engine with the plan's pipeline options (microbatches replace
+    `train.grad_accum`). `model`: the model as the pipeline sees it, from the train step."""
+    rules, logical = opts.rules, model.logical
+    run, args, batch_axes = _setup(params, batch, model, opts, train=True)
+    loss, layer_grads, shared_grads, metrics = run(*args, jnp.asarray(scale, jnp.float32))
     # Sum over the per-replica axis, divided by the replica count: a mean, except for expert
     # weights, whose entries are already sums over their expert group (the dispatch's transpose).
     replicas = 1
     for axis in batch_axes:
-        replicas *= mesh.shape[axis]
+        replicas *= rules.mesh.shape[axis]
+    shared_names = {k: n for k, n in logical.items() if k != "layers"}
     reduce = lambda g, n: rules.constrain(jnp.sum(g, axis=0) / replicas, n)  # noqa: E731
     layer_grads = jax.tree.map(reduce, layer_grads, logical["layers"], is_leaf=is_logical_names)
     shared_grads = jax.tree.map(reduce, shared_grads, shared_names, is_leaf=is_logical_names)
     grads = jax.tree.map(lambda g: g / scale, {**shared_grads, "layers": layer_grads})
     return loss, grads, metrics
+
+
+def pipelined_loss(params, batch, *, model: StageModel, opts):
+    """The mean next-token loss over the batch's real targets (no auxiliary losses), computed by
+    the engine without gradients: the table's F actions and the head only (eval)."""
+    run, args, _ = _setup(params, batch, model, opts, train=False)
+    return run(*args, jnp.asarray(1.0, jnp.float32))

@@ -55,13 +55,14 @@ class Stage:
     def model(self, layer_params, shared):
         return self.merged({**shared, "layers": layer_params})
 
-    def forward(self, layer_params, shared, x, positions):
-        """(stage output [mb, S, D], router statistics summed over the stage's layers)."""
-        y, aux = self.model(layer_params, shared).run_layers(x, positions, self.opts)
+    def forward(self, layer_params, shared, x, positions, segment_ids=None):
+        """(stage output [mb, S, D], router statistics summed over the stage's layers).
+        `segment_ids` [mb, S]: packed documents (None: one sequence per row)."""
+        y, aux = self.model(layer_params, shared).run_layers(x, positions, self.opts, segment_ids)
         # Typed alike (varying over every manual axis), so cotangents and branch outputs match.
         return y, jax.tree.map(lambda a: vary_everywhere(jnp.sum(a, axis=0)), aux)
 
-    def backward(self, branch, layer_params, shared, x, positions, output_grad, stats_grad):
+    def backward(self, branch, layer_params, shared, x, positions, output_grad, stats_grad, segment_ids=None):
         """Recomputes `forward` and pulls (output_grad, stats_grad) back. Returns (d layer_params |
         None, d x | None): only what the `BackBranch` asks for."""
         primals = {0: layer_params, 1: x}
@@ -69,7 +70,7 @@ class Stage:
 
         def f(*diff):
             args = dict(primals) | dict(zip(wrt, diff))
-            return self.forward(args[0], shared, args[1], positions)
+            return self.forward(args[0], shared, args[1], positions, segment_ids)
 
         (y, stats), pullback = jax.vjp(f, *(primals[i] for i in wrt))
         got = dict(zip(wrt, pullback((output_grad.astype(y.dtype), stats_grad))))

@@ -52,9 +52,10 @@ def lookup(table, tokens, offset):
     return jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
 
 
-def head_loss(normed, head, targets, offset, vocab_size: int, rules):
+def head_loss(normed, head, targets, offset, vocab_size: int, rules, weights=None):
     """Mean cross-entropy of [mb, S, D] final-normed activations against targets [mb, S], with this
-    rank's head shard [D, V/p] (fp32 logits, padded columns masked, combined over `pipeline`)."""
+    rank's head shard [D, V/p] (fp32 logits, padded columns masked, combined over `pipeline`);
+    with `weights` [mb, S] the mean of loss · weight (packed documents)."""
     with jax.named_scope("lm_head"):
         if normed.dtype == jnp.float16:  # as `jaxpar.models.layers.project_to_vocab`
             normed, head = normed.astype(jnp.float32), head.astype(jnp.float32)
@@ -67,4 +68,5 @@ def head_loss(normed, head, targets, offset, vocab_size: int, rules):
         top = jax.lax.pmax(jax.lax.stop_gradient(local), PIPELINE)
         log_normalizer = top + jnp.log(jax.lax.psum(jnp.exp(local - top), PIPELINE))
         label = jax.lax.psum(jnp.sum(jnp.where(column == targets[..., None], logits, 0.0), axis=-1), PIPELINE)
-        return jnp.mean(log_normalizer - label)
+        losses = log_normalizer - label
+        return jnp.mean(losses if weights is None else losses * weights)

@@ -1,0 +1,100 @@
+"""Packing documents into global batches [G, 2, S+1]: tokens and segment ids, in text order.
+
+Each row holds S+1 tokens (inputs and, shifted by one, targets) and, beside them, the segment id
+of every token: 1, 2, 3, ... for the documents in the row in order, 0 for padding. A target
+counts only where the input's segment continues (`jaxpar.parallel.context.sequence`), so no
+target crosses a document boundary and padding is never one; positions restart at 0 at each
+segment's first token (the train step derives them from the segment ids).
+
+`data.packing=True`: first fit over the batch's G rows, in stream order. A document that fits
+some row goes into the first row with room for it, whole: documents of at most S+1 tokens are
+never split. A longer one fills empty rows S+1 tokens at a time, each piece starting with the
+previous piece's last token (it was that piece's last target and is this one's first input, so
+every target of the document is trained once); each piece is its own segment, its positions
+restarting at 0 (it cannot see the previous piece, which sits in another row). The batch is done
+at the first document (or piece) that fits no row: it waits for the next batch.
+`data.packing=False`: one document per row, cut to S+1 tokens, padded.
+
+State: where the next batch starts — the stream's state before the waiting document and how far
+into it (a long document's next piece) — so a resumed run packs exactly the batches it would
+have. Documents of fewer than 2 tokens (no target) never reach the packer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TOKENS, SEGMENTS = 0, 1  # the channels of a packed batch
+
+
+class Packer:
+    """Global batches [rows, 2, width] from a document stream (`__next__`, `get_state`, `set_state`)."""
+
+    def __init__(self, stream, rows: int, width: int, packing: bool = True):
+        if rows < 1 or width < 2:
+            raise ValueError(f"packing needs rows >= 1 and width >= 2, got {rows} and {width}")
+        self.stream, self.rows, self.width, self.packing = stream, int(rows), int(width), bool(packing)
+        self.waiting = None  # (tokens, offset, stream state before reading them)
+
+    def _take(self):
+        if self.waiting is not None:
+            waiting, self.waiting = self.waiting, None
+            return waiting
+        before = self.stream.get_state()
+        return next(self.stream), 0, before
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        """The next batch; StopIteration once the stream is done and nothing waits (a last batch
+        with rows left over is padded)."""
+        batch = np.zeros((self.rows, 2, self.width), np.int32)
+        filled = np.zeros(self.rows, np.int64)  # tokens in each row
+        segments = np.zeros(self.rows, np.int32)  # documents (pieces) in each row
+        while True:
+            try:
+                tokens, offset, before = self._take()
+            except StopIteration:
+                if not filled.any():
+                    raise
+                return batch
+            piece = tokens[offset:]
+            if not self.packing:
+                row = int(np.argmin(filled > 0))  # the first empty row
+                if filled[row]:
+                    self.waiting = (tokens, offset, before)
+                    return batch
+                piece = piece[: self.width]
+            elif len(piece) <= self.width:
+                fits = np.flatnonzero(self.width - filled >= len(piece))
+                if not len(fits):
+                    self.waiting = (tokens, offset, before)
+                    return batch
+                row = int(fits[0])
+            else:  # longer than a row: a full piece into the first empty row, the rest waits
+                empty = np.flatnonzero(filled == 0)
+                if not len(empty):
+                    self.waiting = (tokens, offset, before)
+                    return batch
+                row, piece = int(empty[0]), piece[: self.width]
+                if len(tokens) - (offset + self.width - 1) >= 2:  # the next piece has a target
+                    self.waiting = (tokens, offset + self.width - 1, before)
+            start = int(filled[row])
+            segments[row] += 1
+            batch[row, TOKENS, start : start + len(piece)] = piece
+            batch[row, SEGMENTS, start : start + len(piece)] = segments[row]
+            filled[row] += len(piece)
+
+    def get_state(self) -> dict:
+        if self.waiting is None:
+            return {"stream": self.stream.get_state(), "offset": None}
+        tokens, offset, before = self.waiting
+        return {"stream": before, "offset": offset}
+
+    def set_state(self, state: dict) -> None:
+        self.stream.set_state(state["stream"])
+        self.waiting = None
+        if state["offset"] is not None:
+            before = self.stream.get_state()
+            self.waiting = (next(self.stream), int(state["offset"]), before)
