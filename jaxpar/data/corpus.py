@@ -18,6 +18,8 @@ each naming the key.
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 import functools
 import hashlib
@@ -287,6 +289,8 @@ def validate_data_config(config) -> list[str]:
 def _record_field_problems(src: Source) -> list[str]:
     """The first record of every file of a record source must hold `data.text_field`."""
     if src.source == "datasets":
+        if importlib.util.find_spec("datasets") is None:
+            return [f"{src.key.replace('path', 'source')}=\"datasets\" needs the datasets package: pip install -e \".[data]\""]
         files = hf_stream.dataset_files(src.path, src.key)
     elif src.source == "text":
         files = [f for f in text_files(src.path) if f.endswith(".jsonl")]
