@@ -144,7 +144,7 @@ CASES = [
     ("eps_negative", lambda t: (["--config.model.rms_norm_eps=-1e-06"], "model.rms_norm_eps=-1e-06 must be > 0")),
     ("rope_type", lambda t: (["--config.model.rope_scaling.rope_type=yarn"], "model.rope_scaling.rope_type='yarn'")),
     ("model_type_unknown", lambda t: (["--config.model.model_type=gpt2"], "model.model_type='gpt2'")),
-    ("model_type_switched", lambda t: (["--config.model.model_type=mixtral"], "model.num_local_experts, model.router_aux_loss_coef, model.router_z_loss_coef (model.model_type='mixtral' needs them)")),
+    ("model_type_switched", lambda t: (["--config.model.model_type=mixtral"], "model.num_local_experts, model.router_aux_loss_coef")),
     ("vocab_below_bytes", lambda t: (["--config.model.vocab_size=100"], "model.vocab_size=100 is below the byte tokenizer")),
     ("seq_beyond_positions", lambda t: (["--config.train.seq_len=100"], "train.seq_len=100 exceeds model.max_position_embeddings")),
     ("mesh_not_dividing", lambda t: (["--config.mesh.tensor=3"], "mesh: the fixed axes multiply to 3")),

@@ -41,7 +41,7 @@ def huge():
 @pytest.mark.timeout(300)
 def test_a_step_that_cannot_fit_stops_before_data_or_state(tmp_path, monkeypatch):
     touched = []
-    monkeypatch.setattr(loop, "load_tokens", lambda *a, **k: touched.append("data"))
+    monkeypatch.setattr(loop, "training_stream", lambda *a, **k: touched.append("data"))
     monkeypatch.setattr(loop, "_initial_state", lambda *a, **k: touched.append("state"))
     before = {id(a) for a in jax.live_arrays()}
     with pytest.raises(fit.DoesNotFit) as info:

@@ -17,8 +17,9 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpar import models
 from jaxpar.checkpoint.listing import finished_steps
-from jaxpar.data.batches import GlobalBatches
-from jaxpar.data.sources import load_tokens
+from jaxpar.data.batches import DocumentBatches
+from jaxpar.data.corpus import training_stream
+from jaxpar.data.packing import Packer
 from jaxpar.interop import hf, sharded
 from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
@@ -153,15 +154,24 @@ def test_training_from_a_transformers_checkpoint_starts_from_its_weights(tmp_pat
     import torch
     import transformers
 
-    config = tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 2, "tensor": 4}, train={"steps": 1}, data={"max_corpus_bytes": 100_000})
+    # A token file without offsets: every row is one window of seq_len + 1 tokens (one segment), so
+    # transformers' plain loss over the row is the reference.
+    ids = np.random.default_rng(3).integers(0, 256, 20_000).astype(np.uint16)
+    ids.tofile(tmp_path / "corpus.bin")
+    with open(tmp_path / "corpus.bin.json", "w") as f:
+        json.dump({"dtype": "uint16", "vocab_size": 256, "num_tokens": len(ids)}, f)
+    data = {"source": "tokens", "path": str(tmp_path / "corpus.bin"), "token_dtype": "uint16"}
+    config = tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 2, "tensor": 4}, train={"steps": 1}, data=data)
     hf.save(tmp_path / "hf", config.model, jax.device_get(models.init_params(config.model, 7)), max_shard_bytes=100_000)
     from_hf = tiny.with_overrides(config, {"data": 2, "tensor": 4}, train={"init_from_hf": str(tmp_path / "hf"), "seed": 0})
     (first,) = train(from_hf, str(tmp_path / "a"), progress=False)
     (own,) = train(config, str(tmp_path / "b"), progress=False)
 
     train_cfg = config.train
-    rows = GlobalBatches(load_tokens(config.data), train_cfg.seq_len, train_cfg.global_batch_size, train_cfg.seed).rows(0)
-    rows = torch.as_tensor(rows, dtype=torch.long)
+    batch = next(DocumentBatches(Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1,
+                                        bool(config.data.packing)), prefetch=False))
+    assert (batch[:, 1] == batch[:, 1, :1]).all()  # one segment per row
+    rows = torch.as_tensor(batch[:, 0].astype(np.int64), dtype=torch.long)
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
     loss = reference(input_ids=rows[:, :-1], labels=rows[:, :-1], shift_labels=rows[:, 1:].contiguous()).loss
     loss.backward()

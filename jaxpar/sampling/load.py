@@ -79,10 +79,12 @@ def _tokenizer_at(path: str):
 def run_tokenizer(config):
     """The tokenizer a run trained with (module docstring), or None when unknown."""
     from jaxpar.data import ByteTokenizer
-    from jaxpar.data.sources import BYTE_SOURCES, sidecar_path
+    from jaxpar.data.sources import TEXT_SOURCES, sidecar_path
 
     data = config.data
-    if data.get("source") in BYTE_SOURCES:
+    if data.get("tokenizer") and os.path.isdir(data.tokenizer):  # text read through a transformers tokenizer
+        return _tokenizer_at(data.tokenizer)
+    if data.get("source") in TEXT_SOURCES:
         return ByteTokenizer()
     sidecar = sidecar_path(data.get("path", "")) if data.get("path") else ""
     if sidecar and os.path.exists(sidecar):
