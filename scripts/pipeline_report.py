@@ -4,14 +4,15 @@ into stage order, and the rest), measured train-step time, and the modelled per-
 and the stage split each one runs (explicit or `auto`) with each stage's modelled share of the cost.
 
     python scripts/pipeline_report.py [--stages=4 --microbatches=8 --virtual_stages=2 --data=2]
-        [--layers=7 --stage_layers=auto|2,2,2,1 --vocab=spread|ends]
+        [--layers=7 --stage_layers=auto|2,2,2,1 --vocab=spread|ends] [--schedules=1f1b,zb_h1 --baseline=false]
 
 Each schedule runs the same tiny Llama (`--layers`, `--hidden`, `--seq_len`, `--microbatch_rows`
 rows per microbatch) on a mesh of `--stages` pipeline ranks × `--data` replicas. On CPU the
 emulated devices share the host's cores, so step time measures total work (including the
 recomputing backward and idle ranks' zero sends), not the bubble a real accelerator would see;
 the modelled busy time per rank (`balance.schedule_times`, lockstep) is what a device per rank would.
-Every schedule runs (zb_v and dualpipev at v = 2; dualpipev needs m >= 2p).
+Every schedule runs unless `--schedules` names some (zb_v and dualpipev at v = 2; dualpipev needs
+m >= 2p), then the same global batch without a pipeline unless `--baseline=false`.
 """
 
 import statistics
@@ -30,6 +31,8 @@ _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps after one warm-up step.")
 _SPLIT = flags.DEFINE_string("stage_layers", "auto", "parallel.pipeline_stage_layers ('auto' or a list per stage).")
 _VOCAB_AT = flags.DEFINE_enum("vocab", "spread", ("spread", "ends"), "parallel.pipeline_vocab.")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 256, "Vocab size.")
+_SCHEDULES = flags.DEFINE_list("schedules", [], "Schedules to run (default: every one).")
+_BASELINE = flags.DEFINE_bool("baseline", True, "Also run the same global batch without a pipeline.")
 
 
 def make_config(schedule: str | None, p: int, m: int, v: int):
@@ -76,9 +79,11 @@ def main(argv):
     from jaxpar.parallel.pipeline.balance import schedule_times, split_report, stage_costs
     from jaxpar.parallel.pipeline.checks import peak_in_flight
     from jaxpar.parallel.pipeline.options import pipeline_options
-    from jaxpar.parallel.pipeline.schedules import SCHEDULES, bubble_fraction, theoretical_bubble
+    from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES, SCHEDULES, bubble_fraction, theoretical_bubble
     from jaxpar.parallel.pipeline.slots import slot_plan_for
 
+    if unknown := [s for s in _SCHEDULES.value if s not in SCHEDULE_NAMES]:
+        raise app.UsageError(f"--schedules: unknown {', '.join(unknown)}; valid: {', '.join(SCHEDULE_NAMES)}")
     p, m = _STAGES.value, _MICRO.value
     devices = jax.devices()[: p * _DATA.value]
     print(
@@ -95,6 +100,8 @@ def main(argv):
     splits = {}
     for kind in SCHEDULES:
         name = kind.name
+        if _SCHEDULES.value and name not in _SCHEDULES.value:
+            continue
         v = _VIRTUAL.value if kind.virtual_stages is None else kind.virtual_stages[0]
         if problems := kind.problems(p, m, v):
             print(f"{name:<22}skipped: {problems[0]}")
@@ -115,9 +122,10 @@ def main(argv):
             f"{traffic['layers'] / 2**20:>12.2f}{traffic['step'] / 2**20:>9.2f}{seconds * 1e3:>10.1f}"
             f"{sum(busy) / (p * total):>7.3f}"
         )
-    temp, _, seconds = measure(make_config(None, p, m, 1), devices)
-    print(f"{'no pipeline':<22}{'':>6}{'':>8}{'':>8}{'':>7}{'':>13}{temp / 2**20:>14.2f}{'':>12}{'':>9}{seconds * 1e3:>10.1f}"
-          f"   (data={_DATA.value * p}, same global batch)")
+    if _BASELINE.value:
+        temp, _, seconds = measure(make_config(None, p, m, 1), devices)
+        print(f"{'no pipeline':<22}{'':>6}{'':>8}{'':>8}{'':>7}{'':>13}{temp / 2**20:>14.2f}{'':>12}{'':>9}{seconds * 1e3:>10.1f}"
+              f"   (data={_DATA.value * p}, same global batch)")
     print("stash: most (microbatch, stage) inputs a rank holds (peak in flight); buffers: the engine's stash + mailbox arrays")
     print("per device; layers / pp MiB: bytes over pipeline per step per device, the layer exchange into stage order / the")
     print("rest (compiled HLO); busy: modelled mean busy time per rank over the step time (lockstep, analytic FLOPs)")

@@ -2,9 +2,8 @@
 layout, one step), checking that it exits 0 and prints or writes what its docstring promises.
 Their numbers are checked elsewhere (the planner and cost model in tests/test_analysis.py and
 tests/test_planner.py, schedules in tests/test_schedules.py); here only that the scripts still
-run against the library as it is now. (`pipeline_report.py` compiles five programs, one per
-schedule and one without: past 240 s on this shared host, so it is left to tests/test_schedules.py's
-library-level checks.)
+run against the library as it is now. (`pipeline_report.py` runs one schedule, `--schedules=1f1b`,
+on a two-layer model: its bubble column is checked against (p - 1) / (m + p - 1).)
 
 Each runs in its own process (absl flags are process-global), without conftest's XLA_FLAGS: the
 scripts set their own device counts.
@@ -17,19 +16,23 @@ import sys
 
 import pytest
 
+from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def env():
+def env(xla_flags: str = ""):
     environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags:
+        environment["XLA_FLAGS"] = xla_flags
     environment["PYTHONPATH"] = ROOT
     environment["JAX_PLATFORMS"] = "cpu"
     return environment
 
 
-def script(name: str, *args, code: str | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+def script(name: str, *args, code: str | None = None, timeout: int = 240, xla_flags: str = "") -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", code, *args] if code else [sys.executable, os.path.join(ROOT, "scripts", name), *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env(), timeout=timeout, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, env=env(xla_flags), timeout=timeout, cwd=ROOT)
 
 
 def test_plan_script_ranks_the_layouts_of_a_tiny_config():
@@ -92,3 +95,29 @@ def test_context_report_small(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ring" in done.stdout and (tmp_path / "context.png").stat().st_size > 0, done.stdout[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_report_one_schedule():
+    """1F1B alone at p = 2, m = 3 on a two-layer model without the no-pipeline baseline (LLVM at -O0,
+    as conftest compiles: 14 CPU-s, against 21 at the default level): the table's bubble, counted
+    from the schedule's slots, and the theory column both equal (p - 1) / (m + p - 1) = 1/4."""
+    p, m = 2, 3
+    done = script(
+        "pipeline_report.py", f"--stages={p}", f"--microbatches={m}", "--data=1", "--layers=2", "--hidden=16",
+        "--seq_len=8", "--microbatch_rows=1", "--steps=1", "--schedules=1f1b", "--baseline=false",
+        xla_flags="--xla_backend_optimization_level=0",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "schedule" in out and "bubble" in out and "theory" in out, out[-3000:]
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in {*SCHEDULE_NAMES, "no"}]
+    assert [r[0] for r in rows] == ["1f1b"], out[-3000:]  # one schedule, no baseline row
+    fields = ("schedule", "steps", "bubble", "theory", "stash", "buffers", "temp", "layers", "pp", "step_ms", "busy")
+    assert len(rows[0]) == len(fields), rows[0]
+    row = dict(zip(fields, rows[0]))
+    bubble = (p - 1) / (m + p - 1)
+    assert float(row["bubble"]) == pytest.approx(bubble, abs=5e-4), row  # counted from the slot table
+    assert float(row["theory"]) == pytest.approx(bubble, abs=5e-4), row
+    assert float(row["temp"]) > 0 and 0 < float(row["busy"]) < 1, row
+    assert "1f1b: stage layers (spread vocab): [1, 1]" in out, out[-3000:]
