@@ -1,11 +1,16 @@
 """Observability: honest step timing, MFU, TensorBoard scalars, profiles read back per named scope.
 
 References: the profile breakdown of a function whose two scopes do known amounts of matmul work
-(their times must order like their FLOPs); TensorBoard event files decoded independently of
-tensorboardX's writer (TFRecord framing + the Event proto); compile time against an explicit AOT
-compile of the same step.
+(the ops the trace joins to each scope follow the work, 8 to 1); TensorBoard event files decoded
+independently of tensorboardX's writer (TFRecord framing + the Event proto); the compile time
+against the ahead-of-time compile the loop ran (a spy on `compile_fitting`).
+
+No assertion compares two wall-clock readings or bounds one: on a loaded 2-core host a step can
+take longer than a compile and a host matmul any rate. Timing fields are checked by how they are
+derived (tokens / step_s, model FLOPs / step_s / peak), which holds at any speed.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -56,8 +61,11 @@ def test_shared_times_split_overlaps_evenly():
 
 @pytest.mark.timeout(300)
 def test_profile_breakdown_follows_flops(tmp_path):
-    """Two scopes, one doing 8× the matmul FLOPs of the other: the breakdown must attribute
-    the time accordingly (positive control for the op → scope join)."""
+    """Two scopes, one doing 8× the matmul work of the other (8 matmul + tanh against 1): the
+    breakdown joins the trace's ops to their scopes through the saved HLO. Checked on the real
+    trace with each op's time replaced by one unit, so the rows count ops per device per step:
+    exactly 8 to 1, whatever the host's load (before: attention's time > 3 x mlp's, a wall-clock
+    ratio). Positive control: without the HLO nothing joins to a scope."""
     x = jnp.ones((512, 512), jnp.float32)
 
     @jax.jit
@@ -81,11 +89,14 @@ def test_profile_breakdown_follows_flops(tmp_path):
     trace = profile.load(folder)
     assert len(trace.step_ns) == 3
     scopes, collectives, total = profile.breakdown(trace, module_filter="jit_f")
-    by_name = {row.name: row.ns for row in scopes}
-    assert not collectives
-    assert abs(sum(by_name.values()) - total) < 1e-6 * total
-    assert by_name["attention"] > 3 * by_name["mlp"] > 0
-    assert by_name["attention"] + by_name["mlp"] > 0.8 * total
+    assert not collectives and {row.name for row in scopes} == {"attention", "mlp"}
+    assert sum(row.ns for row in scopes) == pytest.approx(total, rel=1e-9) and total > 0
+    units = dataclasses.replace(trace, ops=[dataclasses.replace(op, self_ns=1.0) for op in trace.ops])
+    by_name = {row.name: row.ns for row in profile.breakdown(units, module_filter="jit_f")[0]}
+    assert set(by_name) == {"attention", "mlp"} and by_name["mlp"] > 0, by_name
+    assert by_name["attention"] == pytest.approx(8 * by_name["mlp"], rel=1e-9), by_name  # ops per step: 16 and 2 here
+    unjoined = profile.breakdown(dataclasses.replace(units, instructions={}), module_filter="jit_f")[0]
+    assert [row.name for row in unjoined] == ["unknown (no HLO saved)"]
     assert "attention" in profile.format_report(trace)
 
 
@@ -98,8 +109,10 @@ def test_peak_flops_sources():
     Device.device_kind = "Mystery accelerator"
     assert observe.peak_flops_per_device(Device(), "float32")[0] == 0.0
     cpu_peak, source = observe.peak_flops_per_device(jax.devices("cpu")[0], "float32")
-    # A 2-core host reaches ~1e11 FLOP/s on a big matmul; 8 emulated devices share it.
-    assert 1e8 < cpu_peak < 1e13 and "measured" in source
+    # The host's measured matmul rate (once per process), shared by the 8 emulated devices; its value
+    # depends on the host's load, so only its derivation is checked (before: 1e8 < peak < 1e13).
+    assert cpu_peak == observe.measured_host_flops("float32") / 8 and 0 < cpu_peak < float("inf")
+    assert source == "measured matmul / 8 cpu devices"
 
 
 def test_observability_checks_name_keys():
@@ -127,20 +140,49 @@ def _tensorboard_scalars(folder) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_training_run_writes_timing_tensorboard_and_profile(tmp_path):
-    from jaxpar.train.loop import train
+def test_training_run_writes_timing_tensorboard_and_profile(tmp_path, monkeypatch):
+    from jaxpar.models.families import facts
+    from jaxpar.train import loop
 
     config = tiny.mixtral({"steps": 4, "profile_start": 2, "profile_steps": 2}, vocab_size=256)
     config.data.max_corpus_bytes = 100_000
     config.mesh.data = 2
-    history = train(config, str(tmp_path), devices=jax.devices()[:2], progress=False)
+    compiles = []
 
-    # Compile time is its own field, on the first step only; step time excludes it.
-    assert history[0]["compile_s"] > 0.5 and all("compile_s" not in r for r in history[1:])
-    assert history[0]["step_s"] < history[0]["compile_s"]
+    class Counted:
+        """The loop's executable, counting its calls (every step must run it, so none compiles)."""
+
+        def __init__(self, compiled):
+            self.compiled, self.calls = compiled, 0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            return self.compiled(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.compiled, name)
+
+    def spy(*args):
+        compiled, seconds = compile_fitting(*args)
+        compiles.append((Counted(compiled), seconds))
+        return compiles[-1]
+
+    compile_fitting = loop.compile_fitting
+    monkeypatch.setattr(loop, "compile_fitting", spy)
+    history = loop.train(config, str(tmp_path), devices=jax.devices()[:2], progress=False)
+
+    # Compile time is its own field, on the first step only: the ahead-of-time compile's, and every
+    # step ran that executable (step time holds no compile). Before: compile_s > 0.5 and
+    # step_s < compile_s, wall-clock comparisons.
+    ((executable, seconds),) = compiles
+    assert isinstance(executable.compiled, jax.stages.Compiled) and executable.calls == 4
+    assert history[0]["compile_s"] == seconds > 0 and all("compile_s" not in r for r in history[1:])
+    peak = 2 * observe.peak_flops_per_device(jax.devices()[0], config.train.compute_dtype)[0]
+    flops = facts(config.model).model_flops_per_step(16, 16)
     for record in history:
+        assert record["step_s"] > 0
         assert record["tokens_per_sec"] == pytest.approx(16 * 16 / record["step_s"])
-        assert 0 < record["mfu"] < 1
+        assert record["mfu"] == pytest.approx(flops / record["step_s"] / peak) and flops > 0
 
     scalars = _tensorboard_scalars(tmp_path / "tensorboard")
     for tag in ("loss", "grad_norm", "learning_rate", "tokens_per_sec", "mfu", "step_s"):
