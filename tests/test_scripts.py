@@ -6,7 +6,7 @@ run against the library as it is now. (`pipeline_report.py` runs one schedule, `
 on a two-layer model: its bubble column is checked against (p - 1) / (m + p - 1).)
 
 Each runs in its own process (absl flags are process-global), without conftest's XLA_FLAGS: the
-scripts set their own device counts.
+scripts set their own device counts (`pipeline_report.py` gets conftest's LLVM -O0 alone).
 """
 
 import csv
