@@ -457,7 +457,8 @@ def test_context_matches_compiled_step(name):
             once, times = wire_bytes(ALL_REDUCE, 4 * counts.as_params, group), 1
         moved = sum(t.wire_bytes for t in fidelity.compiled_totals() if t.kind == ALL_REDUCE and t.axes == ("data", "context"))
         print(f"all-reduce over data x context: {moved / (times * once):.4f} x the priced")
-        assert 0.9 * times * once <= moved <= 1.1 * times * once, fidelity.table()
+        # Measured 0.9996 to 1.0000 over the 8 cases (before: within 10%); FLOOR as in analysis_bounds.
+        assert abs(moved / (times * once) - 1) <= FLOOR, fidelity.table()
     # Each impl's exchange is told apart: priced as another impl, collectives the model does not
     # plan appear.
     for other in ("all_gather", "ring", "all_to_all"):
