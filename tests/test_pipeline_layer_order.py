@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpar.analysis.compiled import pipeline_traffic
+from jaxpar.analysis.cost_model import estimate
 from jaxpar.axes import PIPELINE
 from jaxpar.parallel.pipeline import options
 from jaxpar.parallel.pipeline.layout import stage_layout, storage_order, to_stages
@@ -97,3 +98,21 @@ def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v, monk
     assert moved["ordered"]["step"] == moved["natural"]["step"], moved
     assert after["ordered"][0] == after["natural"][0]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), after["ordered"][1], after["natural"][1])
+
+
+@pytest.mark.parametrize("schedule, v, layers, stored", [
+    ("interleaved_1f1b", 2, 8, True),
+    ("zb_v", 2, 8, True),
+    ("dualpipev", 2, 8, True),
+    ("1f1b", 1, 8, False),  # v = 1: the schedule's order is the natural one
+    ("interleaved_1f1b", 2, 7, False),  # stacks replicated over pipeline: no layer moves either way
+])
+def test_the_plan_decides_the_order_and_the_cost_model_reads_it(schedule, v, layers, stored):
+    """No compilation: the plan of a config (`make_plan`) stores interleaved and V layouts in the
+    schedule's order, and the cost model then charges no per-step re-layout for them."""
+    config = tiny.with_overrides(pipeline_config(num_hidden_layers=layers), {"pipeline": 2}, parallel=pp(schedule, 4, v))
+    est = estimate(config, "h200", num_devices=2)
+    assert est.layout.plan.pipeline.layers_in_schedule_order == stored
+    if stored:
+        assert not est.layout.relays_layers
+        assert est.layout.plan.pipeline.stored_order != tuple(range(layers))
