@@ -134,7 +134,7 @@ def to_checkpoint(args) -> int:
         return _error("\n".join(problems))
     program = build(config, devices)
     params = sharded.load_params_onto(args.from_hf, config.model, program.state_shardings.params, config.train.param_dtype)
-    state = program.init_from_params(params)
+    state = program.to_natural(program.init_from_params(params))  # checkpoints hold the natural layer order
     # Tells a run refusing this checkpoint that it holds converted weights, not an earlier run.
     data_state = {"step": 0, CONVERTED_FROM: os.path.abspath(args.from_hf)}
     with Checkpoints(args.to_checkpoint, every_steps=0, keep=None) as checkpoints:

@@ -36,7 +36,8 @@ def run(config, batches, num_devices: int):
     production step, returning its gradients too."""
     program = build(config, jax.devices()[:num_devices])
     state = program.init()
-    result = {"init_params": jax.device_get(state.params), "losses": []} | {k + "s": [] for k in COMPARED}
+    # Params in the natural [L] order (the state may hold the layers in the schedule's order).
+    result = {"init_params": jax.device_get(program.to_natural(state).params), "losses": []} | {k + "s": [] for k in COMPARED}
     for step, batch in enumerate(batches):
         state, metrics, grads = program.step_with_grads(state, jax.device_put(batch, program.batch_sharding))
         if step == 0:
@@ -47,7 +48,7 @@ def run(config, batches, num_devices: int):
             result[key + "s"].append(float(metrics[key]))
         if "expert_fraction" in metrics:
             result.setdefault("expert_fractions", []).append(np.asarray(metrics["expert_fraction"]))
-    result["final_params"] = jax.device_get(state.params)
+    result["final_params"] = jax.device_get(program.to_natural(state).params)
     return {k: np.array(v) if isinstance(v, list) else v for k, v in result.items()}
 
 

@@ -1,7 +1,8 @@
 """Layer stacks stored in the schedule's order (`layout.storage_order`, `PipelineOptions.
-layers_in_schedule_order`): every rank's stages are already in its storage block, so the engine
-moves no layers — measured on the compiled program — and the loss and gradients are the natural
-order's, permuted.
+layers_in_schedule_order`, set by the plan for interleaved and V layouts and applied to the train
+state by `pipeline/order.py`): every rank's stages are already in its storage block, so the
+engine moves no layers — measured on the compiled production step of a config-built run — and
+the step trains as on the natural order.
 
 Bytes over `pipeline` per training step, from the compiled HLO (`analysis.compiled.
 pipeline_traffic`: every collective whose devices differ only along `pipeline`, times its
@@ -12,20 +13,19 @@ schedule's order removes the first and leaves the second unchanged; the natural 
 positive control (it does move layers for these schedules).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxpar.analysis.compiled import pipeline_traffic
+from jaxpar.analysis.cost_model import estimate
 from jaxpar.axes import PIPELINE
+from jaxpar.parallel.pipeline import options
 from jaxpar.parallel.pipeline.layout import stage_layout, storage_order, to_stages
 from jaxpar.parallel.pipeline.table import modular_stages
 from jaxpar.parallel.pipeline.vshape import v_stages
 from jaxpar.train.setup import build
-from jaxpar.train.step import loss_and_grads
 from tests import tiny
 from tests.reference import synthetic_batches
 from tests.test_pipeline import pipeline_config, pp
@@ -59,39 +59,60 @@ def test_each_rank_gets_its_stages_from_schedule_ordered_storage(split, p, v, st
     assert layout.identity == (layout.sharded and len(set(split)) == 1)
 
 
-def permute_layers(params, order):
-    return {**params, "layers": jax.tree.map(lambda a: jnp.take(a, jnp.asarray(order), axis=0), params["layers"])}
-
-
-def program_and_step(schedule, m, v, stored: bool):
+def build_program(schedule, m, v, monkeypatch, stored: bool):
+    """The config-built program (`setup.build`); `stored=False` overrides the plan's decision
+    (`options.stores_in_schedule_order`), the positive control."""
     config = tiny.with_overrides(pipeline_config(), {"pipeline": 2}, parallel=pp(schedule, m, v))
-    program = build(config, jax.devices()[:2])
-    opts = program.opts
-    pipe = dataclasses.replace(opts.plan.pipeline, layers_in_schedule_order=stored)
-    opts = dataclasses.replace(opts, plan=dataclasses.replace(opts.plan, pipeline=pipe))
-    step = jax.jit(lambda p, b: loss_and_grads(p, b, model_config=config.model, opts=opts))
-    return config, program, pipe, step
+    with monkeypatch.context() as patch:
+        if not stored:
+            patch.setattr(options, "stores_in_schedule_order", lambda *_: False)
+        program = build(config, jax.devices()[:2])
+    assert program.plan.pipeline.layers_in_schedule_order == stored
+    return config, program
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("schedule, m, v", [("interleaved_1f1b", 4, 2), ("zb_v", 2, 2)])
-def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v):
-    config, program, _, natural = program_and_step(schedule, m, v, stored=False)
-    _, _, pipe, ordered = program_and_step(schedule, m, v, stored=True)
-    order = pipe.stored_order
+def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v, monkeypatch):
+    """The production step of a config-built run: the plan stores the layers in the schedule's
+    order, the state holds them so (`pipeline/order.py`), and the step exchanges no layers; one
+    step from the same initial params gives the same loss (bitwise) and parameters."""
+    config, natural = build_program(schedule, m, v, monkeypatch, stored=False)
+    _, ordered = build_program(schedule, m, v, monkeypatch, stored=True)
+    order = ordered.plan.pipeline.stored_order
     assert sorted(order) == list(range(8)) and order != tuple(range(8))
-    params = program.init().params
-    batch = jax.device_put(synthetic_batches(config, 1)[0], program.batch_sharding)
-    moved = {}
-    for name, step, p in (("natural", natural, params), ("ordered", ordered, permute_layers(params, order))):
-        text = step.lower(p, batch).compile().as_text()
-        moved[name] = pipeline_traffic(text, program.mesh)
+    batch = synthetic_batches(config, 1)[0]
+    moved, after = {}, {}
+    for name, program in (("natural", natural), ("ordered", ordered)):
+        state = program.init()
+        step = program.step.lower(state, jax.device_put(batch, program.batch_sharding)).compile()
+        moved[name] = pipeline_traffic(step.as_text(), program.mesh)
+        if name == "ordered":  # the state holds the layers permuted; its natural view is the init
+            stacked = jax.device_get(state.params["layers"])
+            init = jax.device_get(program.to_natural(state).params["layers"])
+            jax.tree.map(lambda s, n: np.testing.assert_array_equal(s, n[np.asarray(order)]), stacked, init)
+        state, metrics = step(state, jax.device_put(batch, program.batch_sharding))
+        after[name] = (float(metrics["loss"]), jax.device_get(program.to_natural(state).params))
     print(f"\n{schedule} p=2 m={m}: bytes over pipeline per step {moved}")
     assert moved["natural"]["layers"] > 0 and moved["ordered"]["layers"] == 0, moved
     assert moved["ordered"]["step"] == moved["natural"]["step"], moved
-    loss, grads, _ = natural(params, batch)
-    loss_o, grads_o, _ = ordered(permute_layers(params, order), batch)
-    assert float(loss_o) == float(loss)
-    back = np.argsort(order)  # storage position of each layer
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(b)[back], np.asarray(a), rtol=1e-6, atol=1e-7),
-                 grads["layers"], grads_o["layers"])
+    assert after["ordered"][0] == after["natural"][0]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), after["ordered"][1], after["natural"][1])
+
+
+@pytest.mark.parametrize("schedule, v, layers, stored", [
+    ("interleaved_1f1b", 2, 8, True),
+    ("zb_v", 2, 8, True),
+    ("dualpipev", 2, 8, True),
+    ("1f1b", 1, 8, False),  # v = 1: the schedule's order is the natural one
+    ("interleaved_1f1b", 2, 7, False),  # stacks replicated over pipeline: no layer moves either way
+])
+def test_the_plan_decides_the_order_and_the_cost_model_reads_it(schedule, v, layers, stored):
+    """No compilation: the plan of a config (`make_plan`) stores interleaved and V layouts in the
+    schedule's order, and the cost model then charges no per-step re-layout for them."""
+    config = tiny.with_overrides(pipeline_config(num_hidden_layers=layers), {"pipeline": 2}, parallel=pp(schedule, 4, v))
+    est = estimate(config, "h200", num_devices=2)
+    assert est.layout.plan.pipeline.layers_in_schedule_order == stored
+    if stored:
+        assert not est.layout.relays_layers
+        assert est.layout.plan.pipeline.stored_order != tuple(range(layers))

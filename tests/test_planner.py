@@ -129,6 +129,7 @@ def test_best_layout_keeps_command_line_keys():
     assert why.startswith("plan for 8 x a100-80g:")
 
 
+@pytest.mark.timeout(600)  # four searches up to 32 devices: 106 CPU s (208 s wall on a loaded 2-core host), 129 with the V schedules
 def test_70b_on_eight_a100s_fits_no_mesh():
     """The article's case. Full-parameter AdamW keeps fp32 parameters and two fp32 moments
     (12 B per parameter) before gradients: 70.6e9 x 12 / 8 = 98.6 GiB per device on any

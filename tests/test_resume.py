@@ -328,3 +328,34 @@ def test_rerunning_a_run_that_wrote_no_checkpoint_starts_afresh(runs, tmp_path, 
     assert f"--workdir={workdir} holds a run of this model and data that wrote no checkpoint: starting afresh" in out
     assert "moved the earlier run aside to" in out
     assert sorted(os.listdir(workdir)) == [".lock", "checkpoints", "config.json", "metrics.jsonl", "tensorboard"], "let go"
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_hold_the_natural_layer_order_across_an_interleaved_layout(tmp_path):
+    """Interleaved 1F1B (pipeline 2, v = 2, 4 layers) keeps its layer stacks, parameters and Adam
+    moments, in the schedule's order (0, 2, 1, 3: `parallel/pipeline/order.py`) and checkpoints in
+    the natural order: a one-device checkpoint resumes on it, and its own checkpoint resumes on one
+    device, both training on as the uninterrupted one-device run does (a moment left in the wrong
+    layer's place would change the next updates far beyond 1e-4)."""
+    TOKENS.setdefault("path", write_tokens(tmp_path / "corpus.bin"))
+
+    def layered(steps, mesh):
+        c = config(steps=steps, mesh=mesh)
+        c.model.num_hidden_layers = 4
+        if mesh:
+            c.parallel.update(pipeline_schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=2)
+        return c
+
+    interleaved = {"pipeline": 2}
+    train(layered(5, {}), str(tmp_path / "reference"), devices=jax.devices()[:1], progress=False)
+    workdir = tmp_path / "run"
+    shutil.copytree(tmp_path / "reference", workdir)
+    for newer in ("4", "5"):  # resume the one-device run from its step-2 checkpoint
+        shutil.rmtree(workdir / "checkpoints" / newer)
+    on_pipeline = train(layered(4, interleaved), str(workdir), devices=jax.devices()[:2], progress=False)
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    on_one = train(layered(5, {}), str(workdir), devices=jax.devices()[:1], progress=False)
+    reference = metrics(tmp_path / "reference")
+    assert [r["step"] for r in on_pipeline + on_one] == [3, 4, 5]
+    np.testing.assert_allclose([r["loss"] for r in on_pipeline + on_one], [r["loss"] for r in reference[2:]], rtol=1e-4)
+    np.testing.assert_allclose([r["grad_norm"] for r in on_pipeline + on_one], [r["grad_norm"] for r in reference[2:]], rtol=1e-4)

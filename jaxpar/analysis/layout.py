@@ -208,8 +208,9 @@ class Layout:
     def relays_layers(self) -> bool:
         """The engine re-lays the layer stack into stage order every step: v > 1 (interleaved or a
         V shape) on storage in the natural order (`PipelineOptions.layers_in_schedule_order`
-        off). Stored in the schedule's order, an equal split moves no layers (measured,
-        tests/test_pipeline_layer_order.py)."""
+        off; the plan sets it for every such layout whose stacks are split over `pipeline`,
+        `options.stores_in_schedule_order`). Stored in the schedule's order, an equal split moves
+        no layers (measured on config-built runs, tests/test_pipeline_layer_order.py)."""
         pipe = self.plan.pipeline
         return pipe is not None and self.p > 1 and pipe.virtual_stages > 1 and not pipe.layers_in_schedule_order
 

@@ -21,7 +21,7 @@ import optax
 from jaxpar.optim.matrices import PARAM_NAMES
 from jaxpar.optim.optimizers import OPTIMIZER_NAMES, OPTIMIZERS, Optimizer, StateLeaf, optimizer
 from jaxpar.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES, SCHEDULES, learning_rate_schedule, schedule
-from jaxpar.optim.state import state_shardings, tree_state_bytes
+from jaxpar.optim.state import state_axes, state_shardings, tree_state_bytes
 from jaxpar.sharding import is_logical_names
 
 DEFAULT_OPTIMIZER = "adamw"  # also what a checkpoint saved before `train.optimizer` existed used
@@ -59,5 +59,5 @@ def resume_keys(optimizer_name: str) -> tuple[str, ...]:
 __all__ = [
     "DECAY_SHAPES", "DEFAULT_OPTIMIZER", "OPTIMIZERS", "OPTIMIZER_NAMES", "Optimizer", "PARAM_NAMES", "SCHEDULES",
     "SCHEDULE_NAMES", "StateLeaf", "decay_mask", "excluded_from_decay", "learning_rate_schedule", "make_optimizer",
-    "optimizer", "resume_keys", "schedule", "state_shardings", "tree_state_bytes",
+    "optimizer", "resume_keys", "schedule", "state_axes", "state_shardings", "tree_state_bytes",
 ]

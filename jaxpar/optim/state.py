@@ -67,3 +67,21 @@ def tree_state_bytes(record, train, params_shape, logical) -> int:
     """Unsharded optimizer-state bytes of a whole params tree (shapes and dtypes from `params_shape`)."""
     names = _by_path(logical, is_leaf=is_logical_names)
     return sum(record.state_bytes(train, x.shape, names[k], x.dtype) for k, x in _by_path(params_shape).items())
+
+
+def state_axes(record, train, tx, params_shape, logical, name: str, none: int = -1):
+    """For each leaf of `tx`'s state: the axis of the leaf that spans the parameter dim with logical
+    name `name` (e.g. the stacked layers), or `none` (the leaf has no such axis, or belongs to no
+    parameter)."""
+    abstract = jax.eval_shape(tx.init, params_shape)
+    shapes, names = _by_path(params_shape), _by_path(logical, is_leaf=is_logical_names)
+
+    def axis(path, leaf):
+        key, field = _param_path(path)
+        if key not in shapes or name not in names[key]:
+            return none
+        layout = {s.field: s for s in record.state(train, shapes[key].shape, names[key])}
+        dims = layout[field].dims if field in layout else ()
+        return next((k for k, d in enumerate(dims) if d is not None and names[key][d] == name), none)
+
+    return jax.tree_util.tree_map_with_path(axis, abstract)

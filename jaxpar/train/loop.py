@@ -196,7 +196,7 @@ def _restore(run: _Run):
     if problem := workdirs.corpus_changed_problem(restored.path, restored.data_state, run.corpus):
         raise CheckpointError(problem)
     _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
-    return restored.state, restored.data_state
+    return program.to_storage(restored.state), restored.data_state  # checkpoints hold the natural layer order
 
 
 def _initial_state(run: _Run):
@@ -374,7 +374,11 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
     # A failed (background) write surfaces at the next save or wait as one CheckpointError line.
+    if not run.checkpoints.should_save(step, force):
+        return
     data_state = {**run.iterator.get_state(), **run.corpus}
+    # Checkpoints hold the layers in natural order (`TrainProgram.to_natural`), portable across layouts.
+    state = run.program.to_natural(state)
     run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
 
 

@@ -15,8 +15,9 @@ from jaxpar import models, optim
 from jaxpar.dtypes import DTYPES
 from jaxpar.mesh import make_mesh
 from jaxpar.models.options import RunOptions
+from jaxpar.parallel.pipeline import order
 from jaxpar.parallel.plan import ParallelPlan, make_plan
-from jaxpar.sharding import Rules, opt_state_rules, param_rules
+from jaxpar.sharding import Rules, is_logical_names, opt_state_rules, param_rules
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.step import TrainState, make_train_step
 
@@ -36,7 +37,11 @@ class TrainProgram:
     init: Callable[[], TrainState]  # jitted; creates the state already sharded
     init_from_params: Callable  # jitted params (on the param shardings) -> TrainState with fresh optimizer state
     step: Callable  # jitted (state, batch) -> (state, metrics); donates state
-    step_with_grads: Callable  # the same step also returning the gradients (tests); compiled only if called
+    step_with_grads: Callable  # the same step also returning the gradients, in natural order (tests); compiled only if called
+    # The state as the step keeps it <-> the natural [L] layer order (checkpoints, export, tests):
+    # the identity unless the plan stores the layers in the schedule's order (`pipeline/order.py`).
+    to_natural: Callable  # jitted TrainState -> TrainState
+    to_storage: Callable  # jitted TrainState -> TrainState; donates its argument
     tx: optax.GradientTransformation
     schedule: Callable
 
@@ -71,9 +76,21 @@ def build(config, devices=None) -> TrainProgram:
         loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
     )
     model_config, seed = config.model, config.train.seed
+    # Each leaf's axis over the stacked layers (-1: none), for the storage order (`pipeline/order.py`).
+    axes = TrainState(
+        step=order.NO_AXIS,
+        params=jax.tree.map(lambda n: n.index("layers") if "layers" in n else order.NO_AXIS, logical, is_leaf=is_logical_names),
+        opt_state=optim.state_axes(
+            optim.optimizer(config.train.optimizer), config.train, tx, params_shape, logical, "layers", order.NO_AXIS
+        ),
+        loss_scale=jax.tree.map(lambda _: order.NO_AXIS, loss_scale),
+    )
+    permute = lambda to, tree, part: to(tree, part, plan.pipeline, mesh)  # noqa: E731
+    reordered = plan.pipeline is not None and plan.pipeline.stored_order is not None
 
     def state_from_params(params):
-        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+        """Natural-order params -> the state in storage order (the optimizer state built on it)."""
+        params = permute(order.to_storage, jax.tree.map(lambda p: p.astype(param_dtype), params), axes.params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
 
     def init_state():
@@ -100,14 +117,28 @@ def build(config, devices=None) -> TrainProgram:
             donate_argnums=0,
         ),
         step_with_grads=jax.jit(
-            train_step,
+            lambda state, batch: _natural_grads(train_step(state, batch), permute, axes.params),
             in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, replicated, opt_param_shardings),
             donate_argnums=0,
         ),
+        to_natural=jax.jit(lambda state: permute(order.to_natural, state, axes), out_shardings=state_shardings)
+        if reordered else _same,
+        to_storage=jax.jit(
+            lambda state: permute(order.to_storage, state, axes), out_shardings=state_shardings, donate_argnums=0
+        ) if reordered else _same,
         tx=tx,
         schedule=schedule,
     )
+
+
+def _same(state):
+    return state
+
+
+def _natural_grads(result, permute, axes):
+    state, metrics, grads = result
+    return state, metrics, permute(order.to_natural, grads, axes)
 
 
 def bytes_per_device(tree, shardings) -> int:

@@ -1,7 +1,7 @@
 """Layer stacks as pipeline stages: the `[L, ...]` storage layout and any split of it into stages.
 
-Storage never changes: parameters (and checkpoints) keep their mesh-independent `[L, ...]`
-stacks, so a checkpoint moves between stage splits and meshes unchanged. When `pipeline` divides
+Storage keeps `[L, ...]` stacks (in the natural order, or permuted along L: below); checkpoints
+always hold the natural order, so they move between stage splits, schedules and meshes unchanged. When `pipeline` divides
 L the rules table shards the stack over `pipeline` in equal contiguous blocks (rank q holds
 layers [q·c, (q+1)·c), c = L/p); otherwise the stack is replicated over `pipeline` (jax arrays
 cannot be split unevenly), which costs p× the layer memory and one all-reduce of the layer
@@ -26,12 +26,15 @@ a V shape with v = 2: the second half of each rank's stages comes from the mirro
 Storage in the schedule's order (`storage_order`, `PipelineOptions.layers_in_schedule_order`):
 the same [L, ...] stacks, permuted so that rank r's block holds its own stages' layers in local
 stage order; with an equal split (any v, any stage map) the staged view is then a free reshape
-and no layer moves (tiny Llama, interleaved 1F1B at p = 2, v = 2, m = 4, 8 layers: the 722,944
-bytes per device per step of layer and gradient collective-permutes over `pipeline` gone, the
-1,501,188 of activations, gradients and vocab reductions unchanged; tests/test_pipeline_layer_order.py). The order is a property of (split, p, v, stage
-map) — a checkpoint written in [L] order maps onto any of them — but nothing in the train state
-applies it yet (build, restore, HF import/export would permute; see the flag's comment), so the
-config path still re-lays interleaved and V layouts every step.
+and no layer moves. The plan stores every interleaved and V layout so (`options.
+stores_in_schedule_order`: v > 1 and L divisible by p), and the train state holds its layer
+leaves, optimizer moments included, in that order (`order.py`: permuted once when the state is
+built or restored, un-permuted for checkpoints, HF export and the gradients tests read). Measured
+on the production step of config-built runs, tiny Llama, 8 layers, p = 2, bytes per device per
+step over `pipeline` (tests/test_pipeline_layer_order.py): interleaved 1F1B at m = 4, the 722,944
+of layer and gradient collective-permutes gone, the 1,501,276 of activations, gradients and vocab
+reductions unchanged; zb_v at m = 2, 722,944 → 0, 3,002,204 unchanged. The order is a property of
+(split, p, v, stage map) — a checkpoint written in [L] order maps onto any of them.
 
 Chosen over storing the staged layout in the train state (mesh-dependent shapes: checkpoints,
 HF export and the optimizer would all need converting) and over a storage split that follows

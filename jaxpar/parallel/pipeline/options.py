@@ -35,9 +35,10 @@ class PipelineOptions:
     facts: object = None  # the model's `jaxpar.model_facts.ModelFacts` (read by AUTO only)
     seq_len: int = 0
     # The [L, ...] layer stacks are stored in the schedule's order (`layout.storage_order`), so each
-    # rank's stages are already in its block and the engine exchanges no layers. Whoever sets it
-    # hands the engine stacks in that order (and gets gradients back in it); nothing in the train
-    # state applies the order yet, so the config never sets it.
+    # rank's stages are already in its block and the engine exchanges no layers. The engine reads
+    # stacks in that order (and returns gradients in it). `pipeline_options` decides it
+    # (`stores_in_schedule_order`); the train state applies it when built or restored and undoes it
+    # for checkpoints and whoever reads the state (`pipeline/order.py`, `jaxpar.train.setup`).
     layers_in_schedule_order: bool = False
     # Not compared or hashed: a function of the fields above (plans are cache keys in the analysis).
     given_table: Schedule | None = field(default=None, compare=False)
@@ -87,6 +88,16 @@ class PipelineOptions:
         return build_slot_plan(self.table)
 
 
+def stores_in_schedule_order(layers: int, p: int, v: int) -> bool:
+    """Whether a run keeps its layer stacks in the schedule's order: whenever its stages are not
+    its storage blocks in the natural order (v > 1: interleaved, or a V shape) and the stacks are
+    split over `pipeline` (L % p == 0; replicated stacks move no layers in either order). With an
+    equal split the staged view is then a free reshape; with an uneven one only the layers beyond
+    a rank's block move (`layout.storage_order`). With v = 1 on the modular map the schedule's
+    order is the natural one, so nothing is permuted."""
+    return p > 1 and v > 1 and layers % p == 0
+
+
 def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
     """None when the pipeline axis is 1. `parallel.num_microbatches` 0 means mesh.pipeline."""
     p = mesh[PIPELINE]
@@ -99,6 +110,7 @@ def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
         virtual_stages=parallel.virtual_stages,
         num_ranks=p,
         layers=facts.layers,
+        layers_in_schedule_order=stores_in_schedule_order(facts.layers, p, parallel.virtual_stages),
         vocab=parallel.pipeline_vocab,
         split=parse_split(parallel.pipeline_stage_layers),
         facts=facts,
