@@ -31,6 +31,19 @@ def synthetic_batches(config, steps: int, seed: int = 0, distinct_tokens: int = 
     return [ids[rng.integers(0, distinct_tokens, shape)].astype(np.int32) for _ in range(steps)]
 
 
+def packed_batches(config, steps: int, seed: int = 0, distinct_tokens: int = 16):
+    """Packed documents [G, 2, S+1] (the document sources' batch): random documents of 2 .. S/2+1
+    tokens (about three a row) over a few token ids, packed by the production packer (first fit, padding where no
+    document fits), so segments and positions differ in every row and every step."""
+    from tests.documents import packed_batch
+
+    rng = np.random.default_rng(seed)
+    rows, width = config.train.global_batch_size, config.train.seq_len + 1
+    ids = rng.choice(config.model.vocab_size, distinct_tokens, replace=False)
+    return [packed_batch([ids[rng.integers(0, distinct_tokens, n)] for n in rng.integers(2, width // 2 + 2, 4 * rows)], rows, width)
+            for _ in range(steps)]
+
+
 def run(config, batches, num_devices: int):
     """Initial params, step-1 gradients and every step's metrics, as numpy. One compile: the
     production step, returning its gradients too."""
@@ -87,7 +100,9 @@ def assert_matches_reference(result, reference, grad_rtol=1e-5, loss_rtol=1e-4, 
     assert l2 <= param_l2_rtol, f"parameters after the last step differ from one device by {l2:.2e} (relative, in norm)"
 
 
-def single_device(cache, config, steps: int):
-    """The one-device run of `config` (mesh sizes ignored), computed once per session."""
+def single_device(cache, config, steps: int, batches=synthetic_batches):
+    """The one-device run of `config` (mesh sizes ignored) on `batches(config, steps)`, computed
+    once per session."""
     one = with_overrides(config, {})
-    return cache.get(f"single:{one.to_json_best_effort()}:{steps}", lambda: run(one, synthetic_batches(one, steps), 1))
+    key = f"single:{one.to_json_best_effort()}:{steps}" + ("" if batches is synthetic_batches else f":{batches.__name__}")
+    return cache.get(key, lambda: run(one, batches(one, steps), 1))

@@ -87,6 +87,18 @@ def test_bench_one_step_and_profile_report_read_its_trace(tmp_path):
     assert empty.returncode == 1 and "no *.xplane.pb under" in empty.stderr, empty.stderr[-3000:]
 
 
+BENCH_PACKING = BENCH.replace("bench.py", "bench_packing.py").replace('"bench"', '"bench_packing"')
+
+
+@pytest.mark.timeout(300)
+def test_bench_packing_one_step_each():
+    done = script("bench_packing.py", "--steps=1", "--repeats=1", "--attention=jaxpar_xla", code=BENCH_PACKING)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-2].startswith("attention=jaxpar_xla wall unpacked_ms=") and "short / unpacked = " in lines[-1], lines
+    assert "segments a row" in done.stdout
+
+
 @pytest.mark.timeout(300)
 def test_context_report_small(tmp_path):
     done = script(
