@@ -167,5 +167,8 @@ def test_shipped_configs_fit_their_stated_hardware(name):
     check(config, n)
     est = estimate(config, hardware, num_devices=n)
     assert est.memory.peak <= USABLE_FRACTION * hw.get(hardware).hbm_bytes, est.layout.describe()
-    plan = plan_layouts(config, hardware, n)
-    assert plan.best is not None and plan.rank_of(est.layout.mesh) is not None  # the planner agrees it fits
+    # The planner agrees this mesh fits: its search restricted to the config's own mesh (the variants
+    # of ZeRO, remat and microbatching on it) admits and fits at least one. The whole search over
+    # every mesh is test_70b_on_eight_a100s_fits_no_mesh's; repeating it here took 30-130 s a config.
+    plan = plan_layouts(config, hardware, n, fixed=[f"mesh.{axis}" for axis in MESH_AXES])
+    assert plan.best is not None and plan.rank_of(est.layout.mesh) == (1, plan.best)
