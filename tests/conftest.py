@@ -5,12 +5,6 @@ optimisation level 0 halves it and leaves the XLA graph (fusion, sharding, colle
 
 `shared_cache` keeps expensive results (one-device reference runs) in a directory all xdist
 workers share, so a reference is computed once per session, not once per worker.
-
-JAX's persistent compilation cache lives in the session's temp directory, shared by the xdist
-workers and by the scripts the tests run in subprocesses (they inherit JAX_COMPILATION_CACHE_DIR):
-the same program compiled again (an init shared by layouts that differ only in the step, every
-subprocess of a fault or resume test) is read back instead. A size limit turns on JAX's file lock,
-so a reader never sees a half-written entry; a damaged entry is recompiled with a warning.
 """
 
 import hashlib
@@ -42,22 +36,12 @@ class SharedCache:
             return value
 
 
-def _session_root(config):
-    # Under xdist each worker's basetemp is <session dir>/popen-gwN; their parent is shared.
-    root = config._tmp_path_factory.getbasetemp()
-    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_configure(config):
-    cache = _session_root(config) / "xla_cache"
-    cache.mkdir(exist_ok=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
-
-
 @pytest.fixture(scope="session")
-def shared_cache(pytestconfig):
-    root = _session_root(pytestconfig) / "shared_cache"
+def shared_cache(tmp_path_factory, worker_id):
+    # Under xdist each worker's basetemp is <session dir>/popen-gwN; their parent is shared.
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent
+    root = root / "shared_cache"
     root.mkdir(exist_ok=True)
     return SharedCache(root)

@@ -238,7 +238,7 @@ def gap_note(run: PublishedRun, est: Estimate) -> str:
     return (
         f"jaxpar's pipeline engine recomputes each stage's forward in its backward ({recompute:.2f} s of the "
         f"{t.seconds:.2f} s step) and waits for its pipeline exchanges ({pipe:.2f} s: activations per time step, "
-        f"the spread vocabulary's all-reduces, the interleaved schedule's re-layout) and the data-parallel "
+        f"the spread vocabulary's all-reduces) and the data-parallel "
         f"reduction ({data:.2f} s), which Megatron overlaps (p2p with virtual stages, --overlap-grad-reduce) or "
         f"does not do; without them the model gives {tokens:,.0f} tokens/s per GPU "
         f"({100 * (tokens / run.published_tokens_per_gpu() - 1):+.0f}%)"
