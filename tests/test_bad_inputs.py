@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests import tiny
+from tests.compile_flags import subprocess_environment
 from tests.documents import make_tokenizer, texts, write_jsonl
 from tests.test_workdir import hold_lock
 
@@ -327,8 +328,7 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, tmp_path, mon
 def test_bad_input_in_a_real_process(tmp_path, extra, expected):
     config = write(tmp_path / "config.py", CONFIG_FILE)
     workdir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
+    env = subprocess_environment(PYTHONPATH=ROOT)
     done = subprocess.run(
         [sys.executable, SCRIPT, f"--config={config}", f"--workdir={workdir}", *extra],
         capture_output=True, text=True, env=env, timeout=100,

@@ -21,6 +21,7 @@ from jaxpar.checkpoint import CheckpointError, Checkpoints, check_shared_storage
 from jaxpar.checkpoint.integrity import fingerprints
 from jaxpar.train.setup import build
 from tests.checkpoint_worker import kill_state, perturbed, source_config, target_abstract, target_program
+from tests.compile_flags import subprocess_environment
 from tests.tiny import with_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +116,7 @@ def test_latest_step_excludes_an_unfinished_async_save(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_kill_9_during_async_save_keeps_the_previous_checkpoint(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_environment()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
         [sys.executable, WORKER, "kill_mid_save", str(tmp_path)], env=env, capture_output=True, text=True, timeout=150

@@ -77,7 +77,7 @@ def test_matches_single_device(name, shared_cache):
     devices = math.prod(mesh.values())
     assert context_checks(config, resolve_mesh_shape(config.mesh, devices), backend="cpu") == []
     reference = single_device(shared_cache, base, STEPS)  # default parallel section: shared across cases
-    result = run(config, synthetic_batches(config, STEPS), devices)
+    result = run(config, synthetic_batches(config, STEPS), devices, reference["init_params"])
     assert_matches_reference(result, reference)
     if family == "mixtral":  # routing sees the same tokens: per-expert shares equal
         np.testing.assert_allclose(result["expert_fractions"], reference["expert_fractions"], atol=1e-6)

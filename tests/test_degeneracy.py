@@ -69,7 +69,7 @@ def test_matches_single_device(name, shared_cache):
     model, train, mesh, parallel = CASES[name]
     config = tiny.with_overrides(tiny.llama(train, **model), mesh, parallel=parallel)
     reference = single_device(shared_cache, config, STEPS)
-    result = run(config, synthetic_batches(config, STEPS), num_devices=math.prod(mesh.values()))
+    result = run(config, synthetic_batches(config, STEPS), math.prod(mesh.values()), reference["init_params"])
     assert_matches_reference(result, reference)
 
 
@@ -101,7 +101,7 @@ def test_packed_documents_match_single_device(name, shared_cache):
     reference = single_device(shared_cache, tiny.llama(), STEPS, packed_batches)
     assert reference["losses"][-1] < reference["losses"][0] - 0.05, "the packed reference must train"
     config = tiny.with_overrides(tiny.llama(train), mesh, parallel=parallel)
-    result = run(config, packed_batches(config, STEPS), num_devices=math.prod(mesh.values()))
+    result = run(config, packed_batches(config, STEPS), math.prod(mesh.values()), reference["init_params"])
     assert_matches_reference(result, reference)
 
 
@@ -115,7 +115,7 @@ def test_gpu_defaults_match_single_device(shared_cache):
     program = build(config, jax.devices()[:8])
     assert (program.plan.remat, program.plan.attention) == ("none", "xla")
     reference = single_device(shared_cache, tiny.llama(), STEPS)
-    result = run(config, synthetic_batches(config, STEPS), num_devices=8)
+    result = run(config, synthetic_batches(config, STEPS), 8, reference["init_params"])
     assert_matches_reference(result, reference)
 
 
@@ -161,7 +161,7 @@ def test_bfloat16_matches_single_device_bfloat16(name, shared_cache):
     mesh, parallel, *train = BF16_CASES[name]
     config = tiny.llama({"compute_dtype": "bfloat16", "steps": BF16_STEPS, **(train[0] if train else {})})
     reference = single_device(shared_cache, config, BF16_STEPS)
-    result = run(tiny.with_overrides(config, mesh, parallel=parallel), synthetic_batches(config, BF16_STEPS), 8)
+    result = run(tiny.with_overrides(config, mesh, parallel=parallel), synthetic_batches(config, BF16_STEPS), 8, reference["init_params"])
     assert reference["losses"][-1] < reference["losses"][0] - 0.05, "the bf16 run must train"
     np.testing.assert_allclose(result["losses"], reference["losses"], rtol=BF16_LOSS_RTOL)
     np.testing.assert_allclose(result["grad_norms"], reference["grad_norms"], rtol=BF16_GRAD_NORM_RTOL)

@@ -79,7 +79,7 @@ def router_biases(params):
 def test_matches_single_device(name, shared_cache):
     config, mesh = case_config(name)
     expected = reference(shared_cache, config, mesh)
-    result = run(config, synthetic_batches(config, STEPS), math.prod(mesh.values()))
+    result = run(config, synthetic_batches(config, STEPS), math.prod(mesh.values()), expected["init_params"])
     assert_matches_reference(result, expected)
     if "expert_fractions" in expected:
         np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)

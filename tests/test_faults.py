@@ -23,6 +23,7 @@ import pytest
 from jaxpar.checkpoint.listing import finished_steps, incomplete_saves
 from jaxpar.train.observe import TIMING_FIELDS
 from jaxpar.train.signals import StopSignals
+from tests.compile_flags import subprocess_environment
 from tests.test_bad_inputs import write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,9 +43,7 @@ def get_config():
 
 
 def env():
-    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    environment["PYTHONPATH"] = ROOT
-    return environment
+    return subprocess_environment(PYTHONPATH=ROOT)
 
 
 def lines(workdir) -> list[dict]:

@@ -43,16 +43,16 @@ def assert_same_routing(result, reference):
     np.testing.assert_allclose(result["expert_fractions"], reference["expert_fractions"], atol=1e-6)
 
 
-def run_on(config, mesh, parallel=None, **model):
+def run_on(config, mesh, reference, parallel=None, **model):
     config = tiny.with_overrides(config, mesh, parallel=parallel or {}, model=model)
-    return run(config, synthetic_batches(config, STEPS), num_devices=math.prod(mesh.values()))
+    return run(config, synthetic_batches(config, STEPS), math.prod(mesh.values()), reference["init_params"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_device(name, shared_cache):
     mesh, parallel, model = CASES[name]
     reference = single_device(shared_cache, tiny.mixtral(), STEPS)
-    result = run_on(tiny.mixtral(), mesh, parallel, **model)
+    result = run_on(tiny.mixtral(), mesh, reference, parallel, **model)
     assert_matches_reference(result, reference)
     assert_same_routing(result, reference)
 
@@ -77,7 +77,7 @@ def test_small_capacity_drops_tokens_the_same_on_any_mesh(shared_cache):
     single = single_device(shared_cache, config, STEPS)
     dropless = single_device(shared_cache, tiny.mixtral(), STEPS)
     assert abs(single["losses"][0] - dropless["losses"][0]) > 1e-4, "dropping tokens should change the loss"
-    assert_matches_reference(run_on(config, {"data": 2, "expert": 4}), single)
+    assert_matches_reference(run_on(config, {"data": 2, "expert": 4}, single), single)
 
 
 def test_grad_accumulation_keeps_router_losses_mesh_invariant(shared_cache):
@@ -85,6 +85,6 @@ def test_grad_accumulation_keeps_router_losses_mesh_invariant(shared_cache):
     # rows on every mesh, so expert × data with grad_accum 2 must still equal one device.
     config = tiny.mixtral({"grad_accum": 2})
     single = single_device(shared_cache, config, STEPS)
-    result = run_on(config, {"data": 2, "expert": 4})
+    result = run_on(config, {"data": 2, "expert": 4}, single)
     assert_matches_reference(result, single)
     assert_same_routing(result, single)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+from tests.compile_flags import subprocess_environment
 from tests.multiprocess_worker import multiprocess_config, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +24,7 @@ def _free_port() -> int:
 
 
 def _launch(num_processes: int, devices_each: int, out: str):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in subprocess_environment().items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     port = str(_free_port())
     procs = [

@@ -16,6 +16,7 @@ import pytest
 
 from jaxpar.train.loop import train
 from tests import tiny
+from tests.compile_flags import subprocess_environment
 from tests.test_bad_inputs import write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,8 +49,7 @@ def losses(workdir):
 def test_two_processes_train_and_checkpoint_one_process_resumes(tmp_path):
     workdir = tmp_path / "run"
     config_file = write(tmp_path / "config.py", CONFIG_FILE)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
+    env = subprocess_environment(PYTHONPATH=ROOT)
     start = time.perf_counter()
     done = subprocess.run(
         [sys.executable, LAUNCH, "--processes=2", "--devices_per_process=4", "--",
@@ -103,7 +103,7 @@ def test_a_lost_process_ends_the_other_with_one_line(tmp_path):
 
     config_file = write(tmp_path / "config.py", LOST_CONFIG)
     workdir, checkpoints = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in subprocess_environment().items() if k != "JAX_PLATFORMS"}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", JAX_NUM_PROCESSES="2",
                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", PYTHONUNBUFFERED="1")
     logs = [(open(tmp_path / f"out{i}", "w"), open(tmp_path / f"err{i}", "w")) for i in range(2)]

@@ -77,7 +77,7 @@ def test_matches_single_device(name, shared_cache):
     if "auto" in name or "_1_4_2" in name or "_3_5" in name:
         assert len(set(stages)) > 1, f"{name} should run an uneven split, got {stages}"
     reference = single_device(shared_cache, config, STEPS)
-    assert_matches_reference(run(config, synthetic_batches(config, STEPS), devices), reference)
+    assert_matches_reference(run(config, synthetic_batches(config, STEPS), devices, reference["init_params"]), reference)
 
 
 @pytest.mark.parametrize(

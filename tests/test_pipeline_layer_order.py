@@ -27,7 +27,7 @@ from jaxpar.parallel.pipeline.table import modular_stages
 from jaxpar.parallel.pipeline.vshape import v_stages
 from jaxpar.train.setup import build
 from tests import tiny
-from tests.reference import synthetic_batches
+from tests.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error, synthetic_batches
 from tests.test_pipeline import pipeline_config, pp
 
 
@@ -76,7 +76,8 @@ def build_program(schedule, m, v, monkeypatch, stored: bool):
 def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v, monkeypatch):
     """The production step of a config-built run: the plan stores the layers in the schedule's
     order, the state holds them so (`pipeline/order.py`), and the step exchanges no layers; one
-    step from the same initial params gives the same loss (bitwise) and parameters."""
+    step from the same initial params gives the same loss (bitwise) and parameters (within the
+    degeneracy bounds)."""
     config, natural = build_program(schedule, m, v, monkeypatch, stored=False)
     _, ordered = build_program(schedule, m, v, monkeypatch, stored=True)
     order = ordered.plan.pipeline.stored_order
@@ -97,7 +98,11 @@ def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v, monk
     assert moved["natural"]["layers"] > 0 and moved["ordered"]["layers"] == 0, moved
     assert moved["ordered"]["step"] == moved["natural"]["step"], moved
     assert after["ordered"][0] == after["natural"][0]
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), after["ordered"][1], after["natural"][1])
+    # The parameters within the degeneracy bounds (tests/reference.py), not bitwise: the two programs
+    # are fused apart, and one Adam step turns last-bit gradient differences of tiny elements into
+    # visible ones (measured under the suite's elemental emitter: 3e-4 of a leaf's largest element).
+    assert max_relative_error(after["ordered"][1], after["natural"][1]) <= PARAM_RTOL
+    assert l2_relative_error(after["ordered"][1], after["natural"][1]) <= PARAM_L2_RTOL
 
 
 @pytest.mark.parametrize("schedule, v, layers, stored", [

@@ -57,7 +57,7 @@ def test_matches_single_device(name, shared_cache):
     devices = math.prod(mesh.values())
     assert pipeline_checks(config, resolve_mesh_shape(config.mesh, devices), has_aux_losses=True) == []
     expected = reference(shared_cache, config)
-    result = run(config, synthetic_batches(config, STEPS), devices)
+    result = run(config, synthetic_batches(config, STEPS), devices, expected["init_params"])
     assert_matches_reference(result, expected)
     np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)
     if name.startswith("1f1b"):

@@ -80,6 +80,7 @@ def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
     config = tiny.with_overrides(pipeline_config(**model), mesh, parallel=parallel)
     kind = v_kind(**table_opts)
     real, built = plan_module.pipeline_options, []
+    expected = single_device(shared_cache, config, STEPS)  # before the patch: one device, no pipeline
 
     def v_options(config, mesh_sizes, facts):
         opts = real(config, mesh_sizes, facts)
@@ -92,11 +93,11 @@ def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
 
     monkeypatch.setattr(plan_module, "pipeline_options", v_options)
     devices = math.prod(mesh.values())
-    result = run(config, synthetic_batches(config, STEPS), devices)
+    result = run(config, synthetic_batches(config, STEPS), devices, expected["init_params"])
     monkeypatch.undo()
     assert built and not built[-1].table.modular and built[-1].slot_plan.schedule is built[-1].table
     # Parameters after the last step at 2e-2 (largest element) and 1e-3 (norm), not 5e-3 / 1.5e-4:
     # v_gpipe_split p4 "ends" measured 1.37e-2 and 5.1e-4 (a lost update: 3.2e-2 / 3.7e-2), while
     # its step-1 gradients (1e-5) and every step's loss and gradient norm keep their tolerances.
     # Not explained yet (an open finding, not a tuned pass).
-    assert_matches_reference(result, single_device(shared_cache, config, STEPS), param_rtol=2e-2, param_l2_rtol=1e-3)
+    assert_matches_reference(result, expected, param_rtol=2e-2, param_l2_rtol=1e-3)

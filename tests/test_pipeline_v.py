@@ -60,7 +60,7 @@ def test_matches_single_device(name, shared_cache):
     # MoE: the router losses are per microbatch, so one device accumulates the same microbatches.
     one = tiny.with_overrides(config, {}, train={"grad_accum": parallel["num_microbatches"]}) if moe else config
     expected = single_device(shared_cache, one, STEPS)
-    result = run(config, synthetic_batches(config, STEPS), devices)
+    result = run(config, synthetic_batches(config, STEPS), devices, expected["init_params"])
     assert_matches_reference(result, expected)
     if moe:
         np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)

@@ -5,8 +5,8 @@ tests/test_planner.py, schedules in tests/test_schedules.py); here only that the
 run against the library as it is now. (`pipeline_report.py` runs one schedule, `--schedules=1f1b`,
 on a two-layer model: its bubble column is checked against (p - 1) / (m + p - 1).)
 
-Each runs in its own process (absl flags are process-global), without conftest's XLA_FLAGS: the
-scripts set their own device counts (`pipeline_report.py` gets conftest's LLVM -O0 alone).
+Each runs in its own process (absl flags are process-global) with the suite's fast-compile XLA flags
+but not its device count: the scripts set their own.
 """
 
 import csv
@@ -17,22 +17,18 @@ import sys
 import pytest
 
 from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
+from tests.compile_flags import subprocess_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def env(xla_flags: str = ""):
-    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if xla_flags:
-        environment["XLA_FLAGS"] = xla_flags
-    environment["PYTHONPATH"] = ROOT
-    environment["JAX_PLATFORMS"] = "cpu"
-    return environment
+def env():
+    return subprocess_environment(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
 
 
-def script(name: str, *args, code: str | None = None, timeout: int = 240, xla_flags: str = "") -> subprocess.CompletedProcess:
+def script(name: str, *args, code: str | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
     command = [sys.executable, "-c", code, *args] if code else [sys.executable, os.path.join(ROOT, "scripts", name), *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env(xla_flags), timeout=timeout, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, env=env(), timeout=timeout, cwd=ROOT)
 
 
 def test_plan_script_ranks_the_layouts_of_a_tiny_config():
@@ -111,14 +107,12 @@ def test_context_report_small(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_pipeline_report_one_schedule():
-    """1F1B alone at p = 2, m = 3 on a two-layer model without the no-pipeline baseline (LLVM at -O0,
-    as conftest compiles: 14 CPU-s, against 21 at the default level): the table's bubble, counted
-    from the schedule's slots, and the theory column both equal (p - 1) / (m + p - 1) = 1/4."""
+    """1F1B alone at p = 2, m = 3 on a two-layer model without the no-pipeline baseline: the table's
+    bubble, counted from the schedule's slots, and the theory column both equal (p - 1) / (m + p - 1) = 1/4."""
     p, m = 2, 3
     done = script(
         "pipeline_report.py", f"--stages={p}", f"--microbatches={m}", "--data=1", "--layers=2", "--hidden=16",
         "--seq_len=8", "--microbatch_rows=1", "--steps=1", "--schedules=1f1b", "--baseline=false",
-        xla_flags="--xla_backend_optimization_level=0",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from tests.compile_flags import subprocess_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,8 +23,7 @@ def test_train_script_on_emulated_devices(tmp_path):
         "--config.train.steps=4", "--config.train.seq_len=32", "--config.data.max_corpus_bytes=200000",
         "--config.parallel.zero_stage=1", "--config.train.compute_dtype=bfloat16",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT  # this checkout's jaxpar, not an installed one
+    env = subprocess_environment(PYTHONPATH=ROOT)  # this checkout's jaxpar, not an installed one
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh: data=2 pipeline=1 context=1 expert=1 tensor=2 on 4 cpu devices" in done.stdout
@@ -72,8 +72,7 @@ def test_train_script_takes_the_planners_layout(tmp_path):
         "--cpu_devices=4", "--plan=a100-80g", "--config.mesh.tensor=2", "--config.train.steps=1",
         "--config.data.max_corpus_bytes=100000",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
+    env = subprocess_environment(PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-X", "importtime", *cmd[1:]], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "jaxpar.analysis.planner" in imported(done.stderr)
