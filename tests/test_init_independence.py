@@ -4,8 +4,8 @@ the natural layer order.
 
 The degeneracy tests start every layout from the one-device reference's parameters
 (`tests/reference.run`), so this is where the rule is proven, once per way a parameter can be cut:
-over data (ZeRO-3, over data x context too), over tensor (vocab-parallel tables, heads, replicated
-KV heads, a tied table), over expert (experts per rank, a shared expert, the router bias), and
+over data (ZeRO-3, over data x context too), over tensor (vocab-parallel tables, heads, a tied
+table), over expert (experts per rank, a shared expert, the router bias), and
 over pipeline in the schedule's storage order (interleaved and V). It runs in a child process with
 XLA:CPU's default fusion emitter, which users run with: under the suite's elemental one
 (`tests/compile_flags.py`) the vocab-sharded tables differ from one device's by one ulp. LLVM stays
@@ -26,7 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (tiny config maker, model overrides, mesh, parallel)
 LAYOUTS = {
     "llama_zero3_data8": ("llama", {}, {"data": 8}, {"zero_stage": 3}),
-    "llama_tensor4_one_kv_head": ("llama", {"num_key_value_heads": 1}, {"data": 2, "tensor": 4}, {}),
     "llama_tied_tensor8": ("llama", {"tie_word_embeddings": True}, {"tensor": 8}, {}),
     "llama_zero3_data2_context2_tensor2": ("llama", {}, {"data": 2, "context": 2, "tensor": 2}, {"zero_stage": 3}),
     "llama_interleaved_p2_v2_data2_tensor2": (

@@ -6,13 +6,13 @@ against the same config on one device (one shared reference per optimizer and mo
 identical initial params, step-1 loss and gradients within 1e-5 relative, every step's loss and
 gradient norm within 1e-4, the parameters after the last step (`tests/reference.py`).
 
-- data 4 × tensor 2 with SP and ZeRO-1: optimizer state split over data and tensor; Muon gathers
-  whole matrices over both; Adafactor's factored moments split like the dims they keep.
+- Mixtral on data 2 × expert 2 × tensor 2 with SP and ZeRO-1: optimizer state split over data and
+  tensor; Muon gathers whole matrices over both and keeps the experts as batch dims (no gather);
+  Adafactor's factored moments split like the dims they keep.
 - data 2 × context 2 × tensor 2 with ZeRO-3: parameters split over data too.
-- Mixtral on pipeline 2 × data 2 × expert 2 (ZeRO-0, 1F1B): the layer stacks over pipeline and the
-  experts over expert, which Muon's orthogonalisation keeps as batch dims (no gather). Compared with
-  one device accumulating the same 2 microbatches (per-microbatch router losses, as
-  tests/test_pipeline_moe.py explains).
+- pipeline 2 × data 2 × tensor 2 (1F1B, 2 microbatches): the layer stacks over pipeline.
+Pipeline and expert meet in tests/test_pipeline_moe.py (AdamW); an optimizer sees each axis as a
+split of its parameters' dims, and each dim's split is covered here.
 """
 
 import math
@@ -33,11 +33,12 @@ OPTIMIZERS = {
 MICROBATCHES = 2
 # name: (family, mesh, parallel, train overrides of the one-device reference)
 LAYOUTS = {
-    "data4_tensor2_sp_zero1": ("llama", {"data": 4, "tensor": 2}, {"zero_stage": 1, "sequence_parallel": True}, {}),
+    "mixtral_data2_expert2_tensor2_sp_zero1": (
+        "mixtral", {"data": 2, "expert": 2, "tensor": 2}, {"zero_stage": 1, "sequence_parallel": True}, {},
+    ),
     "data2_context2_tensor2_zero3": ("llama", {"data": 2, "context": 2, "tensor": 2}, {"zero_stage": 3}, {}),
-    "mixtral_pipeline2_data2_expert2": (
-        "mixtral", {"pipeline": 2, "data": 2, "expert": 2}, {"pipeline_schedule": "1f1b", "num_microbatches": MICROBATCHES},
-        {"grad_accum": MICROBATCHES},
+    "pipeline2_data2_tensor2": (
+        "llama", {"pipeline": 2, "data": 2, "tensor": 2}, {"pipeline_schedule": "1f1b", "num_microbatches": MICROBATCHES}, {},
     ),
 }
 
