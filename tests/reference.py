@@ -8,6 +8,7 @@ import os
 import jax
 import numpy as np
 
+from jaxpar.config import base_config
 from jaxpar.train.setup import build
 from tests.tiny import with_overrides
 
@@ -104,9 +105,18 @@ def assert_matches_reference(result, reference, grad_rtol=1e-5, loss_rtol=1e-4, 
     assert l2 <= param_l2_rtol, f"parameters after the last step differ from one device by {l2:.2e} (relative, in norm)"
 
 
+# The parallel keys that change one device's arithmetic: the attention kernel and its block size.
+# The others (ZeRO, sequence parallelism, remat, pipeline and context options) degenerate to
+# nothing there, so cases that differ only in them share one reference run.
+ONE_DEVICE_KEYS = ("attention_impl", "context_block_size")
+
+
 def single_device(cache, config, steps: int, batches=synthetic_batches):
-    """The one-device run of `config` (mesh sizes ignored) on `batches(config, steps)`, computed
-    once per session."""
-    one = with_overrides(config, {})
+    """The one-device run of `config` (mesh sizes ignored, the parallel section at its defaults
+    but for `ONE_DEVICE_KEYS`) on `batches(config, steps)`, computed once per session."""
+    one = with_overrides(config, {}, parallel={})
+    kept = {key: config.parallel[key] for key in ONE_DEVICE_KEYS}
+    one.parallel = base_config().parallel
+    one.parallel.update(kept)
     key = f"single:{one.to_json_best_effort()}:{steps}" + ("" if batches is synthetic_batches else f":{batches.__name__}")
     return cache.get(key, lambda: run(one, batches(one, steps), 1))
