@@ -9,8 +9,8 @@ over data 2 x tensor 4 with SP (process CPU seconds, one compile each): step 5.9
 
 One visible difference: under the elemental emitter the random initialisation of a vocab-sharded
 table can differ from one device's by one ulp (measured 7.5e-9 on the embedding under tensor 4),
-so the proof that initialisation never depends on the mesh runs in a subprocess with the flags
-users run with (`tests/test_init_independence.py`).
+so the proof that initialisation never depends on the mesh runs in a subprocess with the default
+emitter (`tests/test_init_independence.py`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,7 @@ FAST_COMPILE = (
 )
 
 
-def subprocess_environment(fast_compile: bool = True, **extra) -> dict:
-    """os.environ for a child process: the fast-compile flags (or none) and no forced device count
-    (the child chooses its own devices), plus `extra`."""
-    environment = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if fast_compile:
-        environment["XLA_FLAGS"] = " ".join(FAST_COMPILE)
-    return environment | extra
+def subprocess_environment(**extra) -> dict:
+    """os.environ for a child process: the fast-compile flags and no forced device count (the child
+    chooses its own devices), then `extra`."""
+    return os.environ | {"XLA_FLAGS": " ".join(FAST_COMPILE)} | extra

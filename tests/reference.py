@@ -114,9 +114,8 @@ ONE_DEVICE_KEYS = ("attention_impl", "context_block_size")
 def single_device(cache, config, steps: int, batches=synthetic_batches):
     """The one-device run of `config` (mesh sizes ignored, the parallel section at its defaults
     but for `ONE_DEVICE_KEYS`) on `batches(config, steps)`, computed once per session."""
-    one = with_overrides(config, {}, parallel={})
-    kept = {key: config.parallel[key] for key in ONE_DEVICE_KEYS}
+    one = with_overrides(config, {})
     one.parallel = base_config().parallel
-    one.parallel.update(kept)
+    one.parallel.update({key: config.parallel[key] for key in ONE_DEVICE_KEYS})
     key = f"single:{one.to_json_best_effort()}:{steps}" + ("" if batches is synthetic_batches else f":{batches.__name__}")
     return cache.get(key, lambda: run(one, batches(one, steps), 1))

@@ -72,7 +72,7 @@ print(json.dumps(found))
 def test_init_is_bitwise_the_one_device_init_on_every_sharding_pattern():
     # JAXPAR_INIT_FLAGS: other flags for the child (with the fast-compile ones it fails on tensor layouts).
     flags = os.environ.get("JAXPAR_INIT_FLAGS", f"{DEVICE_COUNT} {FAST_COMPILE[0]}")  # -O0, default emitter
-    environment = subprocess_environment(fast_compile=False, XLA_FLAGS=flags, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    environment = subprocess_environment(XLA_FLAGS=flags, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", WORKER], env=environment, cwd=ROOT, capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
