@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import pickle
 import re
@@ -105,11 +106,11 @@ class Candidate:
 
     keys: tuple  # ((dotted key, value), ...)
 
-    @property
+    @functools.cached_property
     def values(self) -> dict:
         return dict(self.keys)
 
-    @property
+    @functools.cached_property
     def mesh(self) -> dict[str, int]:
         return {name: self.values[f"mesh.{name}"] for name in MESH_AXES}
 
@@ -286,8 +287,8 @@ class Screen:
         reason = self._screen(candidate.mesh)
         if reason is None:
             applied = candidate.apply(self.config)
-            try:
-                check(applied, self.num_devices)
+            try:  # the screen checked this config's keys and types; a candidate sets values of those keys
+                check(applied, self.num_devices, keys_checked=True)
                 return applied
             except ConfigError as e:
                 reason = _reason(e)

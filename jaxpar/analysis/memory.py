@@ -140,7 +140,7 @@ class ParamCounts:
 
 
 def param_counts(layout: Layout) -> ParamCounts:
-    return _param_counts(layout.config.model.to_json(), layout.plan)
+    return _param_counts(layout.model_json, layout.plan)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -51,11 +51,12 @@ def _spec(names, table) -> P:
 
 
 @functools.lru_cache(maxsize=4096)
-def _terms(model_json: str, train_json: str, plan) -> OptimizerTerms:
+def _terms(model_json: str, train_json: str, table_items: tuple, mesh_items: tuple) -> OptimizerTerms:
+    """Keyed by the optimizer-state rules table and the mesh, not the whole plan: the planner's
+    candidates differ mostly in knobs (remat, microbatches, schedule) these terms do not read."""
     train = ConfigDict(json.loads(train_json))
     record = optim.optimizer(train.optimizer)
-    table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
-    mesh = dict(plan.mesh_shape)
+    table, mesh = dict(table_items), dict(mesh_items)
     pb = DTYPE_BYTES[train.param_dtype]
     state = whole = flops = working = 0
     gathers: dict[tuple, float] = {}
@@ -85,7 +86,11 @@ def _terms(model_json: str, train_json: str, plan) -> OptimizerTerms:
 
 
 def optimizer_terms(layout: Layout) -> OptimizerTerms:
-    return _terms(layout.config.model.to_json(), layout.config.train.to_json(), layout.plan)
+    plan = layout.plan
+    table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
+    return _terms(
+        layout.model_json, layout.train_json, tuple(sorted(table.items())), plan.mesh_shape
+    )
 
 
 def optimizer_collectives(layout: Layout) -> list[Planned]:

@@ -122,15 +122,20 @@ def _schema(model_type: str) -> tuple[ConfigDict, frozenset[str]]:
     return schema, frozenset(known)
 
 
-def _config_problems(config, num_devices: int, platform: str | None) -> tuple[list[str], dict | None, bool]:
-    """(problems, mesh sizes or None, whether model and train sizes are sane enough to read data with)."""
+def _config_problems(
+    config, num_devices: int, platform: str | None, keys_checked: bool = False
+) -> tuple[list[str], dict | None, bool]:
+    """(problems, mesh sizes or None, whether model and train sizes are sane enough to read data with).
+    `keys_checked`: the key set and value types were checked already (see `check`)."""
     try:
         fam = family(config.model.get("model_type", "llama"))
     except UnknownFamily as e:
         return [f"{e}; set model.model_type"], None, False
-    schema, known = _schema(fam.name)
-    errors = _unknown_keys(config, schema, known) + _missing_keys(config, schema)
-    errors += [] if errors else _type_problems(config, schema)
+    errors = []
+    if not keys_checked:
+        schema, known = _schema(fam.name)
+        errors = _unknown_keys(config, schema, known) + _missing_keys(config, schema)
+        errors += [] if errors else _type_problems(config, schema)
     if errors:  # the remaining checks read values of the right keys and types
         return errors, None, False
     try:
@@ -167,10 +172,13 @@ def _config_problems(config, num_devices: int, platform: str | None) -> tuple[li
     return list(dict.fromkeys(errors)), mesh, sane
 
 
-def check(config, num_devices: int, platform: str | None = None) -> dict[str, int]:
+def check(config, num_devices: int, platform: str | None = None, *, keys_checked: bool = False) -> dict[str, int]:
     """Validates `config` for `num_devices` devices of `platform` ("cpu", "gpu", "tpu"; None: skip
-    the backend-dependent checks); returns the resolved mesh sizes."""
-    errors, mesh, _ = _config_problems(config, num_devices, platform)
+    the backend-dependent checks); returns the resolved mesh sizes. `keys_checked=True` skips the
+    unknown / missing key and type checks, for a config that differs from one that passed them
+    only in values of the same keys and types (the planner's candidates: those checks were 40%
+    of its time on the 70B)."""
+    errors, mesh, _ = _config_problems(config, num_devices, platform, keys_checked)
     if errors:
         raise ConfigError("\n".join(errors))
     return mesh
