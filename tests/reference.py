@@ -13,12 +13,16 @@ from jaxpar.train.setup import build
 from tests.tiny import with_overrides
 
 # Parameters after the last step (3 AdamW steps at lr 1e-2), about twice the worst measured over the
-# degeneracy, MoE, pipeline and context suites: 2.6e-3 of a leaf's largest element, 6.8e-5 in norm.
+# degeneracy, MoE, pipeline and context suites: 2.6e-3 of a leaf's largest element, 2.5e-4 in norm (below).
 # The elementwise bound is loose because Adam divides each gradient element by its own RMS: where a
 # step-1 gradient is ~1e-8 (1e-6 of the leaf's largest), the 1e-7-relative fp32 differences of
 # another layout's reduction order change that element's update by a good part of the learning rate.
+# In norm, one such element can dominate a small leaf: Qwen3-MoE's v [2, 64, 2, 16] under data 2 x
+# expert 2 x tensor 2, ZeRO-3, SP, capacity 1.0 (compiled as one LLVM module, tests/compile_flags.py):
+# one element with a step-1 gradient of 1.6e-8 (1.2e-7 of the leaf's largest; 1.9e-8 on the mesh)
+# ends 4.0e-4 away, 2.5e-4 of the leaf's norm; the next largest difference is 1.0e-5.
 # A lost last update on one data shard of one leaf is 3.2e-2 and 3.7e-2 (tests/test_degeneracy.py).
-PARAM_RTOL, PARAM_L2_RTOL = 5e-3, 1.5e-4
+PARAM_RTOL, PARAM_L2_RTOL = 5e-3, 5e-4
 
 # Per-step metrics compared at every step, besides the loss.
 COMPARED = ("grad_norm", "learning_rate", "loss_scale")

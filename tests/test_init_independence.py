@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.compile_flags import DEVICE_COUNT, FAST_COMPILE, subprocess_environment
+from tests.compile_flags import DEVICE_COUNT, LLVM_O0, ONE_CODEGEN_MODULE, subprocess_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +71,7 @@ print(json.dumps(found))
 @pytest.mark.timeout(600)
 def test_init_is_bitwise_the_one_device_init_on_every_sharding_pattern():
     # JAXPAR_INIT_FLAGS: other flags for the child (with the fast-compile ones it fails on tensor layouts).
-    flags = os.environ.get("JAXPAR_INIT_FLAGS", f"{DEVICE_COUNT} {FAST_COMPILE[0]}")  # -O0, default emitter
+    flags = os.environ.get("JAXPAR_INIT_FLAGS", f"{DEVICE_COUNT} {LLVM_O0} {ONE_CODEGEN_MODULE}")  # the default emitter
     environment = subprocess_environment(XLA_FLAGS=flags, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", WORKER], env=environment, cwd=ROOT, capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stderr[-3000:]
