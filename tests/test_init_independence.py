@@ -9,7 +9,8 @@ table), over expert (experts per rank, a shared expert, the router bias), and
 over pipeline in the schedule's storage order (interleaved and V). It runs in a child process with
 XLA:CPU's default fusion emitter, which users run with: under the suite's elemental one
 (`tests/compile_flags.py`) the vocab-sharded tables differ from one device's by one ulp. LLVM stays
-at -O0 (optimised code computes the same values; at -O2 this test took 150 CPU-s instead of 40).
+at -O0 and in one module (`tests/compile_flags.py`: neither changes the values; at -O2 this test
+took 150 CPU-s instead of 40).
 """
 
 import json

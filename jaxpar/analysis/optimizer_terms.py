@@ -88,9 +88,7 @@ def _terms(model_json: str, train_json: str, table_items: tuple, mesh_items: tup
 def optimizer_terms(layout: Layout) -> OptimizerTerms:
     plan = layout.plan
     table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
-    return _terms(
-        layout.model_json, layout.train_json, tuple(sorted(table.items())), plan.mesh_shape
-    )
+    return _terms(layout.model_json, layout.train_json, tuple(sorted(table.items())), plan.mesh_shape)
 
 
 def optimizer_collectives(layout: Layout) -> list[Planned]:
