@@ -11,7 +11,7 @@ import pytest
 
 from jaxpar.models.mixtral import model_config as mixtral_model_config
 from jaxpar.models.mixtral.schema import moe_spec
-from jaxpar.kernels.grouped_matmul import grouped_matmul
+from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair
 from jaxpar.models.moe import MoEBlock
 from jaxpar.models.options import RunOptions
 from jaxpar.model_facts import expert_capacity as capacity_per_expert
@@ -87,6 +87,43 @@ def test_tiled_grouped_matmul_matches_ragged_dot(sizes):
 
     for a, b in zip(grads("tiled"), grads("ragged")):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["tiled", "ragged"])
+@pytest.mark.parametrize("manual", [False, True], ids=["plain", "shard_map"])
+def test_grouped_matmul_pair_matches_two_grouped_matmuls(impl, manual):
+    """Gate and up as one grouped matmul over interleaved weights: values and gradients equal to
+    two separate grouped matmuls; inside shard_map (check_vma) the weights' gradients are summed
+    over the manual axis they are replicated on."""
+    from jax.sharding import PartitionSpec as P
+
+    x = jax.random.normal(jax.random.key(0), (4 * 40, 12))
+    w1, w2 = (jax.random.normal(jax.random.key(i), (6, 12, 7)) for i in (1, 2))
+    sizes = jnp.tile(jnp.array([5, 0, 12, 3, 0, 20], jnp.int32), 4)  # per device, the same groups
+
+    def loss(pair):
+        def per_device(x, w1, w2, sizes):
+            if pair:
+                out = grouped_matmul_pair(x, w1, w2, sizes, impl)
+                a, b = out[..., 0], out[..., 1]
+            else:
+                a, b = grouped_matmul(x, w1, sizes, impl), grouped_matmul(x, w2, sizes, impl)
+            value = jnp.sum(jnp.sin(a[:40]) * jnp.cos(b[:40]))  # not symmetric in a and b
+            return jax.lax.psum(value, "data") if manual else value
+
+        fn = per_device
+        if manual:
+            mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+            fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")), out_specs=P(), check_vma=True)
+        else:
+            sizes_one = sizes[:6]
+            fn = lambda x, w1, w2, _: per_device(x[:40], w1, w2, sizes_one)  # noqa: E731
+        return jax.jit(jax.value_and_grad(lambda x, w1, w2: fn(x, w1, w2, sizes), argnums=(0, 1, 2)))(x, w1, w2)
+
+    (value, grads), (ref_value, ref_grads) = loss(True), loss(False)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_capacity_formula():

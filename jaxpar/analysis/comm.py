@@ -89,8 +89,9 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     axes, low, L = (TENSOR,), lowering_for(layout), layout.layers_per_device
     # XLA:CPU runs MoE experts as a tiled loop (`kernels.grouped_matmul`) and reduces each
     # tile's partial sums over tensor inside it: per layer the forward's down projection, the
-    # backward's gate and up input gradients, and the recomputed forward unless remat is none
-    # (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts every tile, taken or not.
+    # backward's input gradient of gate and up (one grouped matmul over both), and the recomputed
+    # forward unless remat is none (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts
+    # every tile, taken or not.
     tiled = layout.is_moe and layout.target == "cpu"
     # Layers that route, layers with a dense MLP, and (Qwen2-MoE) routing layers whose shared
     # expert is a row-parallel MLP too: its output reduced in every forward pass, its input
@@ -109,8 +110,9 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
     if tiled:
         rows = moe_matmul_rows_per_token(layout) * layout.tokens
         # Forward passes (a pipeline stage's B re-runs F's, remat re-runs them once more) plus
-        # the backward's two (measured: 4 with remat full, 5 in a pipeline stage).
-        passes = forward_passes + (0 if layout.remat == "none" else 1) + 2
+        # the backward's one (tensor bytes measured: Qwen2-MoE-shaped expert 2 x tensor 2, remat
+        # none exact, remat full -3.5%; Mixtral-shaped pipeline 2 x tensor 2, remat full +0.01%).
+        passes = forward_passes + (0 if layout.remat == "none" else 1) + 1
         out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, routed * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
     if layout.sequence_parallel:
         scatter = _scatter(layout)

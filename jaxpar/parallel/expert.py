@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import EXPERT
-from jaxpar.kernels.grouped_matmul import grouped_matmul
+from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair
 from jaxpar.manual import manual_axes
 
 
@@ -243,5 +243,5 @@ def _received_swiglu(received, counts, ffn):
 
 def _expert_swiglu(rows, sizes, *, gate, up, down, impl):
     """Each expert's SwiGLU on its rows; rows sorted by expert, rows past sum(sizes) are padding."""
-    hidden = jax.nn.silu(grouped_matmul(rows, gate, sizes, impl)) * grouped_matmul(rows, up, sizes, impl)
-    return grouped_matmul(hidden, down, sizes, impl)
+    gate_up = grouped_matmul_pair(rows, gate, up, sizes, impl)
+    return grouped_matmul(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], down, sizes, impl)
