@@ -11,7 +11,7 @@ import pytest
 
 from jaxpar.models.mixtral import model_config as mixtral_model_config
 from jaxpar.models.mixtral.schema import moe_spec
-from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair
+from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair, layout_rows
 from jaxpar.models.moe import MoEBlock
 from jaxpar.models.options import RunOptions
 from jaxpar.model_facts import expert_capacity as capacity_per_expert
@@ -72,20 +72,34 @@ def test_dispatch_matches_per_token_loop(mesh):
 
 @pytest.mark.parametrize("sizes", [[5, 0, 12, 3, 0, 20], [0, 150, 0, 0, 130, 0], [0] * 6], ids=["small", "tiles", "empty"])
 def test_tiled_grouped_matmul_matches_ragged_dot(sizes):
-    """Values and gradients; groups empty, spanning tiles, and rows past the groups (padding)."""
-    sizes = jnp.array(sizes, jnp.int32)
-    rows, used = 300 if int(sizes.sum()) > 40 else 48, int(sizes.sum())
+    """Values and gradients of the tiled loop on its layout (each group padded to whole tiles)
+    against `ragged_dot` on the same rows packed; groups empty, one tile, many tiles; the
+    layout's padding rows stay zero and get no gradient."""
+    tile, rows = 16, 300
     x = jax.random.normal(jax.random.key(0), (rows, 12))
     w = jax.random.normal(jax.random.key(1), (6, 12, 7))
-    tiled = grouped_matmul(x, w, sizes, impl="tiled")
-    np.testing.assert_allclose(tiled[:used], jax.lax.ragged_dot(x, w, sizes)[:used], atol=1e-5, rtol=1e-5)
-    assert not np.asarray(tiled[used:]).any()
+    counts = np.array(sizes)
+    padded = -(-counts // tile) * tile
+    group = np.repeat(np.arange(6), counts)
+    used = len(group)
+    slot = (np.cumsum(padded) - padded)[group] + np.arange(used) - (np.cumsum(counts) - counts)[group]
+    layout = np.zeros(layout_rows(rows, 6, tile), bool)
+    layout[slot] = True
 
-    def grads(impl):
-        loss = lambda x, w: jnp.sum(jnp.sin(grouped_matmul(x, w, sizes, impl)[:used]))  # noqa: E731
-        return jax.grad(loss, argnums=(0, 1))(x, w)
+    def tiled(x, w):
+        laid_out = jnp.zeros((layout.size, 12)).at[slot].set(x[:used])
+        return grouped_matmul(laid_out, w, jnp.asarray(padded, jnp.int32), "tiled", tile)
 
-    for a, b in zip(grads("tiled"), grads("ragged")):
+    def ragged(x, w):
+        return jax.lax.ragged_dot(x, w, jnp.asarray(counts, jnp.int32))
+
+    np.testing.assert_allclose(tiled(x, w)[slot], ragged(x, w)[:used], atol=1e-5, rtol=1e-5)
+    assert not np.asarray(tiled(x, w)[~layout]).any()
+    grads = [
+        jax.grad(lambda x, w, f=f, rows=rows: jnp.sum(jnp.sin(f(x, w)[rows])), argnums=(0, 1))(x, w)
+        for f, rows in ((tiled, slot), (ragged, slice(0, used)))
+    ]
+    for a, b in zip(*grads):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
 
 
@@ -99,15 +113,15 @@ def test_grouped_matmul_pair_matches_two_grouped_matmuls(impl, manual):
 
     x = jax.random.normal(jax.random.key(0), (4 * 40, 12))
     w1, w2 = (jax.random.normal(jax.random.key(i), (6, 12, 7)) for i in (1, 2))
-    sizes = jnp.tile(jnp.array([5, 0, 12, 3, 0, 20], jnp.int32), 4)  # per device, the same groups
+    sizes = jnp.tile(jnp.array([8, 0, 16, 8, 0, 8], jnp.int32), 4)  # per device, the same groups of whole tiles
 
     def loss(pair):
         def per_device(x, w1, w2, sizes):
             if pair:
-                out = grouped_matmul_pair(x, w1, w2, sizes, impl)
+                out = grouped_matmul_pair(x, w1, w2, sizes, impl, tile=8)
                 a, b = out[..., 0], out[..., 1]
             else:
-                a, b = grouped_matmul(x, w1, sizes, impl), grouped_matmul(x, w2, sizes, impl)
+                a, b = grouped_matmul(x, w1, sizes, impl, tile=8), grouped_matmul(x, w2, sizes, impl, tile=8)
             value = jnp.sum(jnp.sin(a[:40]) * jnp.cos(b[:40]))  # not symmetric in a and b
             return jax.lax.psum(value, "data") if manual else value
 

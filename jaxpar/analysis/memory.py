@@ -44,7 +44,7 @@ import math
 from jaxpar.analysis.layout import Layout
 from jaxpar.analysis.leaves import model_leaves as _model_leaves, shard_elements as _shard_elements
 from jaxpar.analysis.optimizer_terms import optimizer_terms
-from jaxpar.kernels.grouped_matmul import TILE
+from jaxpar.kernels.grouped_matmul import group_tile, layout_rows
 from jaxpar.parallel.context.blockwise import chunk_size
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.sharding import rules_table
@@ -254,15 +254,14 @@ def moe_rows_per_token(layout: Layout) -> float:
 
 def moe_matmul_rows_per_token(layout: Layout) -> float:
     """Rows the expert matmuls compute per local token. On CPU the dropless path runs
-    `grouped_matmul`'s tiled loop: at most rows/TILE + E/ep + 1 tiles of TILE rows per layer."""
+    `grouped_matmul`'s tiled loop over its layout, each expert's rows padded to whole tiles: every
+    tile of the layout's static size counts, taken or not (it sits in a `cond`)."""
     rows = moe_rows_per_token(layout)
     if layout.target != "cpu" or layout.capacity_factor > 0:
         return rows
-
-    per_layer = rows * layout.tokens / layout.microbatches
-    tile = min(TILE, -(-int(per_layer) // 8) * 8)
-    tiles = -(-int(per_layer) // tile) + layout.experts // layout.e + 1
-    return tiles * tile / (layout.tokens / layout.microbatches)
+    tokens = layout.tokens / layout.microbatches
+    per_layer, groups = int(rows * tokens), layout.experts // layout.e
+    return layout_rows(per_layer, groups, group_tile("tiled", per_layer, groups)) / tokens
 
 
 def _moe_saved_per_token(layout: Layout, remat: str) -> float:
@@ -274,7 +273,10 @@ def _moe_saved_per_token(layout: Layout, remat: str) -> float:
         # Per JAX's residual list: six row-sized buffers per dispatched row (received rows,
         # gate / up outputs and activations, outputs), the k outputs gathered back per token,
         # router probabilities and top-k choices.
-        return cb * (rows * (2 * D + 4 * F) + layout.top_k * D) + router + 4 * (2 * layout.top_k + 4)
+        # (The tiled layout's padding rows on CPU: the grouped rows, gate, up, their activations
+        # and product, per padding row.)
+        padding = moe_matmul_rows_per_token(layout) - rows
+        return cb * (rows * (2 * D + 4 * F) + padding * (D + 6 * F) + layout.top_k * D) + router + 4 * (2 * layout.top_k + 4)
     if remat == "save_dots":
         if layout.target == "cpu":
             # XLA:CPU's tiled expert loop hides its dots from the remat policy: nothing of the

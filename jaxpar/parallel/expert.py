@@ -27,8 +27,10 @@ Two modes:
 - dropless (`capacity` 0), grouped per device: all R·S·k assignments sorted by expert. Send buffers
   [ep, M, D] with M = R·S·min(k, E/ep), the most one device can send another, so nothing is ever
   dropped (dense worst-case buffers, since the CPU backend has no `ragged_all_to_all`). The receiver
-  regroups the rows of all sources by local expert (padding last) and runs the experts with
-  `grouped_matmul` (`jaxpar.kernels`): `jax.lax.ragged_dot` on GPU/TPU, a tiled loop on CPU.
+  lays the rows of all sources out by local expert and runs the experts with `grouped_matmul`
+  (`jaxpar.kernels`): `jax.lax.ragged_dot` on GPU/TPU over the rows packed, a tiled loop on CPU
+  over each expert's rows padded to whole tiles. With ep = 1 the layout is gathered straight from
+  the tokens (one gather, as the sort needed anyway) and each assignment's output read back from it.
 
 Collectives: two all-to-alls over `expert` per MoE layer forward (dispatch and return), of
 [R, E, C, D] (capacity) or [ep, M, D] (dropless) per device, and two more in the backward; the
@@ -45,13 +47,20 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import EXPERT
-from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair
+from jaxpar.kernels.grouped_matmul import (
+    group_tile,
+    grouped_matmul,
+    grouped_matmul_pair,
+    layout_rows,
+    resolve_impl,
+)
 from jaxpar.manual import manual_axes
 
 
@@ -196,52 +205,95 @@ def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
     del capacity
     rows, seq, d = x.shape
     k = ids.shape[-1]
+    impl = resolve_impl(matmul_impl)
+    tokens = x.reshape(rows * seq, d)
     with jax.named_scope("moe_dispatch"):
         flat = ids.reshape(-1)  # [N = R·S·k], assignment order
         order = jnp.argsort(flat, stable=True)
         counts = _counts(flat, num_experts)  # [E]
-        sorted_rows = x.reshape(rows * seq, d)[order // k]
-    ffn = functools.partial(_expert_swiglu, gate=gate, up=up, down=down, impl=matmul_impl)
+    ffn = functools.partial(_expert_swiglu, gate=gate, up=up, down=down, impl=impl)
     if exchange is None:
-        with jax.named_scope("moe_experts"):
-            sorted_out = ffn(sorted_rows, counts)
-    else:
-        local_experts = num_experts // ep
-        # The most one device can receive from another: each token, at most min(k, E/ep) times.
-        slots = rows * seq * min(k, local_experts)
+        # The experts read their rows straight from the tokens, in the grouped layout.
         with jax.named_scope("moe_dispatch"):
-            device_counts = counts.reshape(ep, local_experts).sum(-1)
-            device_starts = _exclusive_cumsum(device_counts)
-            received = exchange(_pack(sorted_rows, device_starts, device_counts, slots), 0)  # [source, slots, D]
-            received_counts = exchange(counts.reshape(ep, local_experts), 0)  # [source, local expert]
+            layout = _GroupedLayout.of(flat[order][None], counts[None], group_tile(impl, flat.shape[0], num_experts))
+            token = jnp.take(order // k, layout.source, mode="fill", fill_value=rows * seq)
+            grouped = jnp.take(tokens, token, axis=0, mode="fill", fill_value=0)
         with jax.named_scope("moe_experts"):
-            out = _received_swiglu(received, received_counts, ffn)
+            out = ffn(grouped, layout.sizes, layout.tile)
         with jax.named_scope("moe_combine"):
-            out = exchange(out, 0).reshape(ep * slots, d)  # [destination, slots, D], flattened
-            device = flat[order] // local_experts
-            place = jnp.arange(flat.shape[0]) - device_starts[device]
-            sorted_out = out[device * slots + place]
+            slot = jnp.zeros_like(order).at[order].set(layout.slot[0])  # each assignment's row
+            return _combine(out[slot], weights)
+    local_experts = num_experts // ep
+    # The most one device can receive from another: each token, at most min(k, E/ep) times.
+    slots = rows * seq * min(k, local_experts)
+    with jax.named_scope("moe_dispatch"):
+        sorted_rows = tokens[order // k]
+        device_counts = counts.reshape(ep, local_experts).sum(-1)
+        device_starts = _exclusive_cumsum(device_counts)
+        received = exchange(_pack(sorted_rows, device_starts, device_counts, slots), 0)  # [source, slots, D]
+        received_counts = exchange(counts.reshape(ep, local_experts), 0)  # [source, local expert]
+    with jax.named_scope("moe_experts"):
+        out = _received_swiglu(received, received_counts, ffn, impl)
     with jax.named_scope("moe_combine"):
+        out = exchange(out, 0).reshape(ep * slots, d)  # [destination, slots, D], flattened
+        device = flat[order] // local_experts
+        place = jnp.arange(flat.shape[0]) - device_starts[device]
+        sorted_out = out[device * slots + place]
         return _combine(sorted_out[jnp.argsort(order)], weights)
 
 
-def _received_swiglu(received, counts, ffn):
+class _GroupedLayout(NamedTuple):
+    """Where rows go in the layout `grouped_matmul` reads: each group's rows back to back, in
+    order, every group padded to a multiple of `tile` rows (zero rows), padding last.
+    `slot` [sources, n]: each input row's row in the layout (rows of no group: past the end);
+    `source` [layout rows]: the flat input row each layout row holds (padding: past the end);
+    `sizes` [G]: the groups' padded sizes."""
+
+    slot: jax.Array
+    source: jax.Array
+    sizes: jax.Array
+    tile: int
+
+    @classmethod
+    def of(cls, group, counts, tile: int):
+        """`group` [sources, n]: each row's group (G for padding rows), each source's rows sorted
+        by group; `counts` [sources, G]: rows per group in each source. A group's rows are laid
+        out source after source."""
+        sources, n = group.shape
+        num_groups = counts.shape[-1]
+        padded = -(-counts.sum(0) // tile) * tile
+        group_start = _exclusive_cumsum(padded)  # in the layout
+        before = _exclusive_cumsum(counts, axis=0)  # the group's rows in earlier sources
+        in_source = _exclusive_cumsum(counts, axis=-1)  # where the group starts in its source
+        rows = layout_rows(sources * n, num_groups, tile)
+        real = group < num_groups
+        g = jnp.minimum(group, num_groups - 1)
+        index = jnp.arange(n)[None, :]
+        slot = group_start[g] + jnp.take_along_axis(before - in_source, g, axis=-1) + index
+        slot = jnp.where(real, slot, rows)
+        source = jnp.full((rows,), sources * n, jnp.int32).at[slot.reshape(-1)].set(
+            jnp.arange(sources * n, dtype=jnp.int32), mode="drop"
+        )
+        return cls(slot, source, padded, tile)
+
+
+def _received_swiglu(received, counts, ffn, impl):
     """Runs the local experts on blocks [source, slots, D], each sorted by local expert and
-    zero-padded: regroups all rows by expert (padding last), computes, puts them back."""
+    zero-padded: lays all rows out by expert, computes, puts them back."""
     sources, slots, d = received.shape
     local_experts = counts.shape[-1]
-    # Each slot's local expert (padding: local_experts, so it sorts last), as a repeat of the
-    # expert ids by their counts: linear in the slots (comparing every slot with every expert's
-    # start is slots × experts).
+    # Each slot's local expert (padding: local_experts), as a repeat of the expert ids by their
+    # counts: linear in the slots (comparing every slot with every expert's start is slots × experts).
     ids = jnp.arange(local_experts + 1, dtype=jnp.int32)
     padded = jnp.concatenate([counts, slots - counts.sum(-1, keepdims=True)], axis=-1)  # [source, E/ep + 1]
     expert = jax.vmap(lambda c: jnp.repeat(ids, c, total_repeat_length=slots))(padded)  # [source, slots]
-    order = jnp.argsort(expert.reshape(-1), stable=True)
-    out = ffn(received.reshape(sources * slots, d)[order], counts.sum(0))
-    return out[jnp.argsort(order)].reshape(sources, slots, d)
+    layout = _GroupedLayout.of(expert, counts, group_tile(impl, sources * slots, local_experts))
+    rows = received.reshape(sources * slots, d)
+    out = ffn(jnp.take(rows, layout.source, axis=0, mode="fill", fill_value=0), layout.sizes, layout.tile)
+    return jnp.take(out, layout.slot.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(sources, slots, d)
 
 
-def _expert_swiglu(rows, sizes, *, gate, up, down, impl):
-    """Each expert's SwiGLU on its rows; rows sorted by expert, rows past sum(sizes) are padding."""
-    gate_up = grouped_matmul_pair(rows, gate, up, sizes, impl)
-    return grouped_matmul(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], down, sizes, impl)
+def _expert_swiglu(rows, sizes, tile, *, gate, up, down, impl):
+    """Each expert's SwiGLU on its rows, in `grouped_matmul`'s layout (padding rows: zero)."""
+    gate_up = grouped_matmul_pair(rows, gate, up, sizes, impl, tile)
+    return grouped_matmul(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], down, sizes, impl, tile)
