@@ -67,7 +67,8 @@ BOUNDS = {
     # memory -0.02%, FLOPs -0.16%; bytes data +0.02%
     "zero1_muon": Bound(),
     # memory -8.49%, FLOPs -0.20%; bytes data +0.00%, data,expert -0.01%, expert -0.00%
-    # (MoE memory errors re-measured since the CPU experts' tiled layout, #22: see below)
+    # (MoE errors re-measured since the CPU experts' tiled layout, #22, whose padding rows the
+    # model prices; each MoE entry's earlier error is in git history.)
     "expert4_mixtral": Bound(memory=0.17),
     # memory -4.42%, FLOPs -0.72%; bytes data -0.00%, tensor -0.01%
     "tensor4_qwen3": Bound(memory=0.089, flops=0.015),

@@ -17,8 +17,11 @@ padding (zero on the tiled path, unspecified on the ragged one: callers never re
   Why this layout: the earlier loop cut packed rows into pieces at tile and group boundaries, and
   each piece's row masks, partial-output sums and transposes cost as much as its matmul. The bench
   MoE's experts (64 of 512 -> 128, 16,384 skewed rows; SwiGLU forward + backward under remat, 5
-  alternating rounds) took 712-805 ms that way and 558-623 ms this way; one dense matmul over the
-  same rows takes 251-296 ms.
+  alternating rounds) took 712-805 ms that way and 558-623 ms this way; the same SwiGLU as dense
+  matmuls over all rows at once takes 251-296 ms. Not taken: a loop per group (its weights sliced
+  once, the tiles in an inner loop) was ~8% faster at kernel level, but its trip counts are
+  dynamic, out of reach of the compiled-HLO accounting (`jaxpar.analysis.hlo_flops`); the whole
+  SwiGLU in one forward and one backward loop was no faster in the step (bench_moe 0.52 vs 0.50).
 
 `grouped_matmul_pair(x, w1, w2, sizes)` runs two weights over the same rows (the experts' gate
 and up) as one grouped matmul: on CPU one loop over [K, 2N] tiles beats two over [K, N].
