@@ -215,7 +215,7 @@ def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
     if exchange is None:
         # The experts read their rows straight from the tokens, in the grouped layout.
         with jax.named_scope("moe_dispatch"):
-            layout = _GroupedLayout.of(flat[order][None], counts[None], group_tile(impl, flat.shape[0], num_experts))
+            layout = _GroupedLayout.of(flat[order][None], counts[None], impl)
             token = jnp.take(order // k, layout.source, mode="fill", fill_value=rows * seq)
             grouped = jnp.take(tokens, token, axis=0, mode="fill", fill_value=0)
         with jax.named_scope("moe_experts"):
@@ -255,12 +255,13 @@ class _GroupedLayout(NamedTuple):
     tile: int
 
     @classmethod
-    def of(cls, group, counts, tile: int):
+    def of(cls, group, counts, impl: str):
         """`group` [sources, n]: each row's group (G for padding rows), each source's rows sorted
         by group; `counts` [sources, G]: rows per group in each source. A group's rows are laid
-        out source after source."""
+        out source after source, padded to the tile `impl` reads (`group_tile`)."""
         sources, n = group.shape
         num_groups = counts.shape[-1]
+        tile = group_tile(impl, sources * n, num_groups)
         padded = -(-counts.sum(0) // tile) * tile
         group_start = _exclusive_cumsum(padded)  # in the layout
         before = _exclusive_cumsum(counts, axis=0)  # the group's rows in earlier sources
@@ -287,7 +288,7 @@ def _received_swiglu(received, counts, ffn, impl):
     ids = jnp.arange(local_experts + 1, dtype=jnp.int32)
     padded = jnp.concatenate([counts, slots - counts.sum(-1, keepdims=True)], axis=-1)  # [source, E/ep + 1]
     expert = jax.vmap(lambda c: jnp.repeat(ids, c, total_repeat_length=slots))(padded)  # [source, slots]
-    layout = _GroupedLayout.of(expert, counts, group_tile(impl, sources * slots, local_experts))
+    layout = _GroupedLayout.of(expert, counts, impl)
     rows = received.reshape(sources * slots, d)
     out = ffn(jnp.take(rows, layout.source, axis=0, mode="fill", fill_value=0), layout.sizes, layout.tile)
     return jnp.take(out, layout.slot.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(sources, slots, d)
