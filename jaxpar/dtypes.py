@@ -1,6 +1,6 @@
 """The compute / parameter dtype names a config may use, defined once: their jax dtypes and their
 bytes per element. (HLO's own type names, `f32`, `bf16`..., are the HLO reader's business:
-`jaxpar.analysis.hlo.DTYPE_BYTES`.)"""
+`jaxpar.analysis.program.hlo.DTYPE_BYTES`.)"""
 
 import jax.numpy as jnp
 

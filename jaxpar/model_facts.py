@@ -7,7 +7,7 @@ costs. This module combines them into the one FLOP model everything reads:
 
 - `layer_flops` / `vocab_flops`: hardware FLOPs of a layer and of the vocab work per token, which
   the pipeline's auto stage split balances (`jaxpar.parallel.pipeline.balance`) and the cost model
-  splits over devices (`jaxpar.analysis.cost_model`);
+  splits over devices (`jaxpar.analysis.cost.cost_model`);
 - `model_flops_per_step`: model FLOPs for MFU (`jaxpar.train.observe`, `scripts/bench.py`), the
   convention the peer benchmark uses (6·N·T with N the matmul parameters a token touches, plus
   causal attention), so achieved GFLOP/s compare across systems.

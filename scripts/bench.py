@@ -70,7 +70,7 @@ def profile_steps(run, folder: str):
     """Two annotated steps under jax.profiler plus the step's HLO text, then the breakdown."""
     import jax
 
-    from jaxpar.analysis import profile
+    from jaxpar.analysis.program import profile
     from jaxpar.train.observe import STEP_ANNOTATION, save_step_hlo
 
     jax.profiler.start_trace(folder)

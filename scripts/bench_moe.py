@@ -14,7 +14,7 @@ last line is `moe_gflops=<x> dense_gflops=<y> ratio=<x / y> cpu_ratio=<the same 
 
 --a2a_experts: for each expert count, the MoE model on 8 emulated devices (data 2 x expert 4,
 top-k min(k, E)), two profiled steps, and the all-to-all's share of the per-device op time from
-the profile breakdown (`jaxpar.analysis.profile`), written under DIR/E<count>.
+the profile breakdown (`jaxpar.analysis.program.profile`), written under DIR/E<count>.
 """
 
 import os
@@ -89,10 +89,10 @@ def side_by_side(moe, dense):
 def a2a_shares(experts_list, top_k, expert_ffn):
     import jax
 
-    from jaxpar.analysis import profile
+    from jaxpar.analysis.program import profile
     from jaxpar.train import harness
     from jaxpar.train.observe import STEP_ANNOTATION, save_step_hlo
-    from tests.tiny import with_overrides
+    from tests.support.tiny import with_overrides
 
     lines = []
     for experts in experts_list:
@@ -121,7 +121,7 @@ def main(argv):
     del argv
     if _A2A.value:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-    sys.path.insert(0, ROOT)  # tests.tiny
+    sys.path.insert(0, ROOT)  # tests.support.tiny
     moe, dense = configs(_EXPERTS.value, _TOP_K.value, _EXPERT_FFN.value)
     rate, cpu_rate = side_by_side(moe, dense)
     if _A2A.value:

@@ -4,8 +4,8 @@ attention FLOP. Prints a table and writes a PNG.
 
     python scripts/context_report.py [--seq_lens=4096,16384] [--contexts=1,2,4,8] [--out=context_report.png]
 
-Everything is read from compiled programs (`jaxpar.analysis.compiled.compile_step`; nothing runs):
-`memory_analysis()` for temp bytes, and the HLO's collectives (`jaxpar.analysis.hlo`) — each op's
+Everything is read from compiled programs (`jaxpar.analysis.program.compiled.compile_step`; nothing runs):
+`memory_analysis()` for temp bytes, and the HLO's collectives (`jaxpar.analysis.program.hlo`) — each op's
 per-device bytes sent (`comm.wire_bytes`, ring-algorithm counts: all-gather and all-to-all
 R·(n-1)/n of the result R, all-reduce 2R·(n-1)/n, reduce-scatter R·(n-1), collective-permute R)
 times the trip counts of the while loops around it. Ops in conditional branches are counted as
@@ -52,7 +52,7 @@ def make_config(seq_len: int, c: int, impl: str):
 def collective_bytes(step) -> dict:
     """Per-device bytes sent per step by the compiled step's collectives, keyed "attention"
     (inside the attention's shard_map) / "other"."""
-    from jaxpar.analysis.comm import wire_bytes
+    from jaxpar.analysis.cost.comm import wire_bytes
 
     n = step.num_devices
     totals = collections.Counter()
@@ -71,7 +71,7 @@ def attention_flops_per_device(config, c: int) -> float:
 def measure(seq_len: int, c: int, impl: str):
     import jax
 
-    from jaxpar.analysis.compiled import compile_step
+    from jaxpar.analysis.program.compiled import compile_step
 
     config = make_config(seq_len, c, impl)
     step = compile_step(config, jax.devices()[:c], checked=True)

@@ -12,9 +12,9 @@ Sections (each measured here, on emulated CPU devices, or priced by `jaxpar.anal
             loss-free balancing's router bias, and with neither: per-expert and per-device token shares.
   plan      the 70B recommendation for 8 x A100-80G (`scripts/plan.py`'s answer).
   fidelity  the compiled sweeps in --sweeps (`scripts/sweep.py` outputs), summarised.
-  published published bf16 GPU training runs beside the model's prediction (`jaxpar.analysis.published`;
-            --fit prints the constants its FITTED runs imply, for `jaxpar.analysis.hardware`).
-  zero_context  ZeRO over data x context, Llama-3-70B, long sequences (`jaxpar.analysis.zero_memory`).
+  published published bf16 GPU training runs beside the model's prediction (`jaxpar.analysis.reports.published`;
+            --fit prints the constants its FITTED runs imply, for `jaxpar.analysis.cost.hardware`).
+  zero_context  ZeRO over data x context, Llama-3-70B, long sequences (`jaxpar.analysis.reports.zero_memory`).
 The article: ../shared/docs/000_8ef74b506aaf51aa.txt (Chinese), sections 2, 4, 5, 6.
 """
 
@@ -24,7 +24,7 @@ import time
 
 from absl import app, flags
 
-from jaxpar.analysis.markdown import table as _table
+from jaxpar.analysis.reports.markdown import table as _table
 
 _OUT = flags.DEFINE_string("out", "docs/experiments.md", "Markdown file to write.")
 _SECTIONS = flags.DEFINE_list(
@@ -53,10 +53,10 @@ def llama2_7b():
 
 
 def section_tp() -> list[str]:
-    from jaxpar.analysis.cost_model import estimate
-    from jaxpar.analysis.fidelity import compare
+    from jaxpar.analysis.cost.cost_model import estimate
+    from jaxpar.analysis.reports.fidelity import compare
     from jaxpar.axes import DATA, TENSOR
-    from tests.tiny import with_overrides
+    from tests.support.tiny import with_overrides
 
     rows, out = [], {}
     for zero in (0, 1):
@@ -121,7 +121,7 @@ def section_tp() -> list[str]:
 
 
 def section_pipeline() -> list[str]:
-    from jaxpar.analysis.layout import pipeline_shape
+    from jaxpar.analysis.cost.layout import pipeline_shape
     from jaxpar.parallel.pipeline.schedules import schedule_kind, theoretical_bubble
 
     lines = [
@@ -174,7 +174,7 @@ def section_pipeline() -> list[str]:
 def _context_available() -> tuple[bool, str]:
     from jaxpar.axes import CONTEXT, DATA
     from jaxpar.train.preflight import ConfigError, check
-    from tests.tiny import llama, with_overrides
+    from tests.support.tiny import llama, with_overrides
 
     config = with_overrides(llama({"seq_len": 64}, vocab_size=256), {DATA: 4, CONTEXT: 2})
     try:
@@ -212,9 +212,9 @@ def section_context() -> list[str]:
 
 
 def _context_measured() -> list[str]:
-    from jaxpar.analysis.fidelity import compare
+    from jaxpar.analysis.reports.fidelity import compare
     from jaxpar.axes import CONTEXT, DATA
-    from tests.tiny import llama, with_overrides
+    from tests.support.tiny import llama, with_overrides
 
     rows = []
     for impl in ("all_gather", "ring", "all_to_all"):
@@ -265,7 +265,7 @@ def section_expert() -> list[str]:
     from configs.mixtral_tiny import get_config
     from jaxpar.axes import DATA, EXPERT
     from jaxpar.train.loop import train
-    from tests.tiny import with_overrides
+    from tests.support.tiny import with_overrides
 
     # (label, router options): softmax scores unless named; z-loss off throughout.
     settings = {
@@ -328,8 +328,8 @@ def section_plan() -> list[str]:
     from jaxpar.analysis.planner import report
     from jaxpar.axes import PIPELINE, TENSOR
 
-    from jaxpar.analysis.cost_model import estimate
-    from jaxpar.analysis.search import plan_layouts
+    from jaxpar.analysis.cost.cost_model import estimate
+    from jaxpar.analysis.planner.search import plan_layouts
 
     start = time.perf_counter()
     text = report(get_config(), "a100-80g", 8, compare={TENSOR: 4, PIPELINE: 2})
@@ -358,7 +358,7 @@ def section_plan() -> list[str]:
         "TP 4 x PP 2 itself, on every profile at 8 devices and replicated over data where 70B fits. The article's",
         "reasons for it (TP inside NVLink, PP to cut memory) hold in the model, but on 8 devices they are moot. At",
         f"32 the winner is {plan.best.describe()}: with ZeRO-3's per-layer gathers and reductions priced behind",
-        "compute (`jaxpar.analysis.efficiency`), data parallelism across InfiniBand costs little, and tensor",
+        "compute (`jaxpar.analysis.cost.efficiency`), data parallelism across InfiniBand costs little, and tensor",
         f"parallelism stays inside a node. `configs/llama3_70b.py` ships {shipped.layout.describe()}, whose mesh ranks",
         f"{rank} ({100 * gap:+.0f}% step time): it was the peak-rate model's runner-up, before communication could hide.",
         "",
@@ -431,14 +431,14 @@ def section_fidelity(dirs: list[str]) -> list[str]:
 
 
 def section_published() -> list[str]:
-    from jaxpar.analysis.published import section
+    from jaxpar.analysis.reports.published import section
 
     return section(with_planner=_PLANNER.value)
 
 
 def section_zero_context() -> list[str]:
     from configs.llama3_70b import get_config
-    from jaxpar.analysis.zero_memory import section
+    from jaxpar.analysis.reports.zero_memory import section
 
     return section(get_config(), seq=131072, batch=64, hardware="h100-80g", n=128, compiled_seq=32768)
 
@@ -462,7 +462,7 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/, tests/
     if _FIT.value:
-        from jaxpar.analysis.published import FITTED, RUNS, fit_matmul_efficiency
+        from jaxpar.analysis.reports.published import FITTED, RUNS, fit_matmul_efficiency
 
         for profile, name in FITTED.items():
             print(f"{profile}: matmul_efficiency {fit_matmul_efficiency(next(r for r in RUNS if r.name == name)):.3f} ({name})")

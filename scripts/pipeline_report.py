@@ -58,7 +58,7 @@ def make_config(schedule: str | None, p: int, m: int, v: int):
 def measure(config, devices):
     """(compiled temp bytes per device, bytes over `pipeline` per step {"layers", "step"}, median
     step seconds after one warm-up step)."""
-    from jaxpar.analysis.compiled import pipeline_traffic
+    from jaxpar.analysis.program.compiled import pipeline_traffic
     from jaxpar.train import harness
 
     run = harness.prepare(config, devices)

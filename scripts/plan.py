@@ -5,7 +5,7 @@
         [--config.mesh.tensor=8 ...]
 
 Prints the top meshes that fit with their predicted step time, tokens/s per device and MFU (at
-achieved rates, `jaxpar.analysis.efficiency`; `--efficiency=1` for the peak bound), their memory /
+achieved rates, `jaxpar.analysis.cost.efficiency`; `--efficiency=1` for the peak bound), their memory /
 compute / communication split, which vertex of the memory–compute–communication triangle binds and
 why the winner wins. When nothing fits,
 one line starting `no mesh fits` says which memory term overflows and the smallest device count
@@ -20,7 +20,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
-_HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Hardware profile (jaxpar.analysis.hardware.PROFILES).")
+_HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Hardware profile (jaxpar.analysis.cost.hardware.PROFILES).")
 _DEVICES = flags.DEFINE_integer("devices", 8, "Number of devices.")
 _BATCH = flags.DEFINE_integer("global_batch_size", None, "Override train.global_batch_size.")
 _SEQ = flags.DEFINE_integer("seq_len", None, "Override train.seq_len.")
@@ -28,7 +28,7 @@ _TOP = flags.DEFINE_integer("top", 5, "Meshes to show.")
 _COMPARE = flags.DEFINE_string("compare", "", "A mesh to discuss, e.g. tensor=4,pipeline=2.")
 _EFFICIENCY = flags.DEFINE_string(
     "efficiency", "achieved", "achieved: each matmul at its shape's efficiency, attention at its kernel's, ZeRO-3 "
-    "gathers hidden behind compute (jaxpar.analysis.efficiency); or a number: every matmul at that fraction of peak, "
+    "gathers hidden behind compute (jaxpar.analysis.cost.efficiency); or a number: every matmul at that fraction of peak, "
     "nothing overlapped (1: the peak bound)."
 )
 flags.mark_flags_as_required(["config"])
@@ -48,7 +48,7 @@ def parse_mesh(text: str) -> dict:
 
 def main(argv):
     del argv
-    from jaxpar.analysis.hardware import HardwareError
+    from jaxpar.analysis.cost.hardware import HardwareError
     from jaxpar.analysis.planner import command_line_keys, report
 
     config = _CONFIG.value

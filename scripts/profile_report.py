@@ -5,7 +5,7 @@
 Reads the latest `jax.profiler` trace under the folder (written with
 `--config.train.profile_steps=N`, or `scripts/bench.py --profile`) and the train step's HLO text
 saved beside it (`hlo/`), and prints per scope: device time per step, share of all op time,
-and how it splits into forward, backward and remat recompute (`jaxpar.analysis.profile`).
+and how it splits into forward, backward and remat recompute (`jaxpar.analysis.program.profile`).
 """
 
 import sys
@@ -19,7 +19,7 @@ _TOP = flags.DEFINE_integer("top", 0, "Also list this many costliest ops of each
 def main(argv):
     if len(argv) != 2:
         raise app.UsageError("usage: profile_report.py WORKDIR/profile")
-    from jaxpar.analysis import profile
+    from jaxpar.analysis.program import profile
 
     try:
         trace = profile.load(argv[1])

@@ -8,7 +8,7 @@ Enumerates the meshes (data, pipeline, context, expert, tensor) preflight admits
 stage where mesh.data > 1 (and each remat policy in --remats; default the config's), AOT-compiles
 the real train step for each on abstract inputs, and writes DIR/sweep.csv (one row per layout),
 DIR/collectives.csv (per layout, collective kind and mesh axes), DIR/sweep.md and two PNG plots.
-See `jaxpar.analysis.sweep` for the columns.
+See `jaxpar.analysis.reports.sweep` for the columns.
 """
 
 import os
@@ -57,8 +57,8 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import csv
 
-    from jaxpar.analysis import sweep as sw
-    from jaxpar.analysis.candidates import Screen, Space, candidates
+    from jaxpar.analysis.reports import sweep as sw
+    from jaxpar.analysis.planner.candidates import Screen, Space, candidates
 
     config = _CONFIG.value
     if _BATCH.value:
@@ -73,7 +73,7 @@ def main(argv):
     start = time.perf_counter()
     screen = Screen(config, _DEVICES.value)
     if _REPRICE.value:
-        from jaxpar.analysis.comm_zero import spans_context
+        from jaxpar.analysis.cost.comm_zero import spans_context
 
         again, zero = set(_RECOMPILE.value), _RECOMPILE_ZERO.value
         rows = sw.reprice(
@@ -108,7 +108,7 @@ def main(argv):
     with open(os.path.join(_OUT.value, "sweep.md"), "w") as f:
         f.write(sw.markdown(rows, screen, title=title, notes=notes))
     if _PLOTS.value and rows:
-        from jaxpar.analysis.plots import plot_memory, plot_step_time
+        from jaxpar.analysis.reports.plots import plot_memory, plot_step_time
 
         plot_memory(rows, os.path.join(_OUT.value, "memory.png"), title=f"Per-device memory: {title}")
         plot_step_time(rows, os.path.join(_OUT.value, "step_time.png"), title=f"Predicted step time: {title}")

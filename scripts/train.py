@@ -59,7 +59,7 @@ def run(args, config) -> int:
 
     plan_errors = ()
     if args.plan:  # the planner (the whole cost model) is imported only when asked for
-        from jaxpar.analysis.hardware import HardwareError
+        from jaxpar.analysis.cost.hardware import HardwareError
         from jaxpar.analysis.planner import PlanError
 
         plan_errors = (PlanError, HardwareError)
@@ -99,7 +99,7 @@ def fit_advice(config, error) -> str:
     """The planner's best layout for these devices (imported only now: a run that fits never loads it)."""
     import jax
 
-    from jaxpar.analysis.fit_advice import advice
+    from jaxpar.analysis.planner.fit_advice import advice
 
     try:
         return advice(config, jax.devices(), error.available)
@@ -113,7 +113,7 @@ def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> N
     `train.predicted_step_s` to its predicted step time, which every metrics record then carries."""
     import jax
 
-    from jaxpar.analysis import plan_text
+    from jaxpar.analysis.planner import plan_text
     from jaxpar.analysis.planner import apply_layout, best_plan, prediction_line
 
     plan = best_plan(config, hardware, num_devices, fixed=explicit)

@@ -1,7 +1,7 @@
 """Every test runs on 8 emulated CPU devices; the flag must be set before jax is imported.
 
 The tests compile many tiny programs and run each for a few steps, so compile time dominates:
-`tests/compile_flags.py` cuts it about 4x and leaves the XLA graph (fusion, sharding, collectives)
+`tests/support/compile_flags.py` cuts it about 4x and leaves the XLA graph (fusion, sharding, collectives)
 unchanged.
 
 `shared_cache` keeps expensive results (one-device reference runs) in a directory all xdist
@@ -12,7 +12,7 @@ import hashlib
 import os
 import pickle
 
-from tests.compile_flags import DEVICE_COUNT, FAST_COMPILE
+from tests.support.compile_flags import DEVICE_COUNT, FAST_COMPILE
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICE_COUNT, *FAST_COMPILE]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -85,18 +85,19 @@ def test_jaxpar_import_graph_is_acyclic():
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
-def package_of(module: str) -> str:
+def package_of(module: str, depth: int = 2) -> str:
     """The node of the package graph a module belongs to: `jaxpar.<package>` for a module inside a
-    package (`jaxpar.models.llama.hf` -> `jaxpar.models`), the module itself at the top level."""
+    package (`jaxpar.models.llama.hf` -> `jaxpar.models`), the module itself at the top level.
+    `depth=3` names subpackages (`jaxpar.analysis.cost.memory` -> `jaxpar.analysis.cost`)."""
     parts = module.split(".")
-    return ".".join(parts[:2])
+    return ".".join(parts[:depth])
 
 
-def package_graph(module_graph: dict) -> dict:
+def package_graph(module_graph: dict, depth: int = 2) -> dict:
     graph: dict = {}
     for module, imported in module_graph.items():
-        node = package_of(module)
-        graph.setdefault(node, set()).update(package_of(m) for m in imported if package_of(m) != node)
+        node = package_of(module, depth)
+        graph.setdefault(node, set()).update(package_of(m, depth) for m in imported if package_of(m, depth) != node)
     return graph
 
 
@@ -119,6 +120,50 @@ def test_jaxpar_package_graph_is_acyclic():
     assert {"jaxpar.models", "jaxpar.parallel", "jaxpar.kernels", "jaxpar.interop", "jaxpar.train"} <= set(graph)
     assert sum(len(v) for v in graph.values()) > 20, "the reader found too few package imports to be trusted"
     assert find_cycle(graph) is None, f"package import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+# The analysis wing's rooms, lowest first: each may import only the rooms before it.
+ANALYSIS_ROOMS = ("program", "cost", "planner", "reports")
+
+
+def room_violations(module_graph: dict, rooms=ANALYSIS_ROOMS, parent="jaxpar.analysis") -> set:
+    """(importer room, imported room) pairs where a room imports one after it, or a room module
+    imports the package root's modules directly (every analysis module lives in a room)."""
+    order = {f"{parent}.{room}": i for i, room in enumerate(rooms)}
+    graph = package_graph({m: deps for m, deps in module_graph.items() if m.startswith(parent + ".")}, depth=3)
+    found = set()
+    for node, imported in graph.items():
+        for dep in imported:
+            if not dep.startswith(parent + "."):
+                continue
+            if node not in order or dep not in order or order[dep] > order[node]:
+                found.add((node, dep))
+    return found
+
+
+def test_room_checker_finds_an_upward_import():
+    planted = {
+        "jaxpar.analysis.program.hlo": {"jaxpar.analysis.cost.memory"},  # the reader reaching for the model
+        "jaxpar.analysis.cost.memory": {"jaxpar.analysis.program.hlo"},
+        "jaxpar.analysis.reports.sweep": {"jaxpar.analysis.planner.search"},
+    }
+    assert room_violations(planted) == {("jaxpar.analysis.program", "jaxpar.analysis.cost")}
+    assert find_cycle(package_graph(planted, depth=3)) is not None
+    stray = {"jaxpar.analysis.loose": {"jaxpar.analysis.cost.memory"}}  # a module outside every room
+    assert room_violations(stray) == {("jaxpar.analysis.loose", "jaxpar.analysis.cost")}
+
+
+def test_analysis_rooms_import_one_way():
+    """program <- cost <- planner <- reports: the program reader never needs the model, the model
+    never the planner, the planner never a report."""
+    known = modules()
+    graph = {name: imports_of(path.read_text(), set(known)) - {name} for name, path in known.items()}
+    rooms = {package_of(m, 3) for m in graph if m.startswith("jaxpar.analysis.")}
+    assert rooms == {f"jaxpar.analysis.{r}" for r in ANALYSIS_ROOMS}, rooms
+    edges = package_graph({m: d for m, d in graph.items() if m.startswith("jaxpar.analysis.")}, depth=3)
+    assert sum(len(v) for v in edges.values()) >= 5, "the reader found too few room imports to be trusted"
+    assert not room_violations(graph)
+    assert find_cycle(edges) is None
 
 
 def axis_literals(source: str) -> list:
@@ -182,7 +227,7 @@ NOT_READ_DIRECTLY = {
     (ContextPlan, "size"): "mesh.context, read from `mesh_shape`",
 }
 # Where the cost model reads the plan: the analysis, and the rules table it shards parameters with.
-PRICING_SOURCES = sorted((PACKAGE / "analysis").glob("*.py")) + [PACKAGE / "sharding.py"]
+PRICING_SOURCES = sorted((PACKAGE / "analysis" / "cost").glob("*.py")) + [PACKAGE / "sharding.py"]
 
 
 def attribute_reads(source: str, owners: tuple) -> set:

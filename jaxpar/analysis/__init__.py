@@ -1,26 +1,18 @@
-"""Cost analysis for jaxpar layouts: an analytic model, and what XLA actually compiles to check it.
+"""Cost analysis for jaxpar layouts, in four rooms whose imports flow one way
+(`tests/test_structure.py` holds them to it):
 
-- `hlo`, `hlo_groups`: the HLO reader (collectives, replica groups, loops, branches, mesh axes).
-- `hlo_flops`: matmul FLOPs of compiled HLO with loop trip counts applied.
-- `compiled`: AOT-compile jaxpar's train step on abstract inputs; memory, FLOPs, collectives.
-- `hardware`: accelerator profiles (A100, H100, H200, TPU v5p) and link assignment per mesh axis.
-- `layout`: what is priced: the `ParallelPlan` the run would execute (`make_plan`) and the
-  family's `ModelFacts`; nothing here re-derives a decision the plan makes.
-- `memory`, `comm` (with `comm_context`, `comm_zero`), `cost_model`: per-device memory, collectives
-  per axis, FLOPs by part, step time; `efficiency`: the achieved rates the step time uses (matmuls by
-  shape, attention at its kernel's, communication hidden behind compute).
-- `published`: published GPU training runs beside the model's prediction (docs/experiments.md).
-- `fit_advice`: the planner's way out when the training loop's fit check (`jaxpar.train.fit`) stops a
-  run; `zero_memory`: what ZeRO over data x context saves, compiled and planned.
-- `fidelity`: the model next to the compiled program.
-- `candidates`: the layouts of a config on N devices (mesh x ZeRO x remat x SP x microbatches),
-  screened by preflight.
-- `search`, `plan_text`, `planner`: rank the layouts that fit, explain the choice;
-  `planner.best_plan` is what `scripts/train.py --plan` calls, `planner.report` what
-  `scripts/plan.py` prints.
-- `sweep`, `plots`: compile every layout and set the model beside it (`scripts/sweep.py`).
-- `profile`: a `jax.profiler` trace of the train step read back per named scope, joined to the
-  step's HLO through `hlo` (`scripts/profile_report.py`).
+- `program`: reading what XLA compiled — the HLO reader (collectives, replica groups, loops,
+  branches, mesh axes), matmul FLOPs with trip counts, the train step compiled on abstract inputs
+  (memory, FLOPs, collectives), a `jax.profiler` trace per named scope, and the byte convention
+  collectives are counted in. Imports no other room.
+- `cost`: the analytic model of the plan that runs — what is priced (`layout`: the `ParallelPlan`
+  `make_plan` builds and the family's facts), hardware profiles, memory, collectives per axis,
+  achieved rates, step time (`cost_model.estimate`). Reads `program` only for collective kinds.
+- `planner`: the layouts of a config on N devices, ranked by the cost model; the fit check's way
+  out; the text that explains a choice. `jaxpar.analysis.planner` itself is what `scripts/train.py
+  --plan` and `scripts/plan.py` call.
+- `reports`: the model set beside compiled programs and published runs — fidelity, sweeps, plots,
+  the markdown sections of docs/experiments.md.
 
-Nothing is imported here, so `import jaxpar.analysis.hlo` stays free of jaxpar's model code.
+Nothing is imported here, so `import jaxpar.analysis.program.hlo` stays free of jaxpar's model code.
 """

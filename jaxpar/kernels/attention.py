@@ -11,7 +11,7 @@ path), with fewer passes over the [B, H, T, S] scores:
     and recomputes the probabilities in one fused pass — the flash-attention backward without
     tiling: dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K, dK = dSᵀ Q.
 Softmax statistics are fp32 whatever the input dtype (as jax's XLA path does). Compared with
-`jax.nn.dot_product_attention` by `tests/test_cpu_kernels.py`.
+`jax.nn.dot_product_attention` by `tests/kernels/test_cpu_kernels.py`.
 
 Packed documents (`segment_ids` [B, T], T = S, int; 0 marks padding): a query sees only earlier keys
 of its own segment. A padding query sees nothing: its output is 0, and its output gradient is
@@ -20,7 +20,7 @@ dropped in the backward, so it adds nothing to dK, dV (its masked scores stay fi
 `masked_attention(q, k, v, mask [B, T, S])` is the same forward with an explicit mask instead of
 the causal one: the decode path (`jaxpar.sampling`) attends over a KV cache whose valid slots
 differ per row (left padding). Forward only; proven by the cached-vs-full-forward logits of
-`tests/test_sampling.py`.
+`tests/sampling/test_sampling.py`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ transpose back into the dot) and computes the canonical [K, T]·[T, N] dot, whic
 dx = dy·wᵀ is what autodiff computes. The values are the same sums (fp32: equal to ~1e-7).
 Measured in the closing report of the performance issue (bench MLP forward + backward) and by
 `scripts/bench.py`; compared with autodiff by
-`tests/test_cpu_kernels.py::test_project_matches_einsum`.
+`tests/kernels/test_cpu_kernels.py::test_project_matches_einsum`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A family's `facts(model)` (`jaxpar/models/<family>/costs.py`) adds its MLP or experts to these and
 returns a `jaxpar.model_facts.ModelFacts`. Counts follow the modules in `jaxpar.models.layers`
-exactly; tests/test_families.py checks every family's `params_total` against its parameter tree.
+exactly; tests/models/test_families.py checks every family's `params_total` against its parameter tree.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 # Logical names of dims that index matrices rather than lie inside one.
 BATCH_NAMES = ("layers", "experts")
-# Every logical name a parameter dim carries (tests/test_optimizers.py checks it against the models).
+# Every logical name a parameter dim carries (tests/optim/test_optimizers.py checks it against the models).
 PARAM_NAMES = ("vocab", "embed", "norm", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
 
 

@@ -7,8 +7,8 @@ Frobenius pre-scaling, its shape scaling). What jaxpar adds is where it runs: th
 expert-sharded dim into the layers dim, a layout change the partitioner can only make by
 gathering), and the momentum is gathered to whole matrices once before the iteration and cut back
 to the optimizer-state layout after it (`jaxpar.optim.matrices`), instead of leaving the
-iteration's matmuls to the partitioner (measured: a gather at every matmul, 10x the bytes). `tests/test_oracle.py` compares five steps
-with `optax.contrib.muon` applied per matrix by hand; `tests/test_optimizer_degeneracy.py` every
+iteration's matmuls to the partitioner (measured: a gather at every matmul, 10x the bytes). `tests/train/test_oracle.py` compares five steps
+with `optax.contrib.muon` applied per matrix by hand; `tests/optim/test_optimizer_degeneracy.py` every
 layout with one device.
 """
 

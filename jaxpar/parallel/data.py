@@ -20,9 +20,9 @@ and MoE models reduce per microbatch instead: FSDP keeps gradients sharded, and 
 load-balancing statistics are whole-microbatch sums, which per-replica accumulation would make
 depend on `mesh.data`.
 
-Proven equal to one device by `tests/test_degeneracy.py` (data8, grad_accum with tensor, ZeRO-1,
+Proven equal to one device by `tests/parallel/test_degeneracy.py` (data8, grad_accum with tensor, ZeRO-1,
 ZeRO-3, SP and expert-as-data); one reduction per step by
-`tests/test_compiled.py::test_grad_accumulation_reduces_gradients_once_per_step`.
+`tests/analysis/test_compiled.py::test_grad_accumulation_reduces_gradients_once_per_step`.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ Collectives: two all-to-alls over `expert` per MoE layer forward (dispatch and r
 [R, E, C, D] (capacity) or [ep, M, D] (dropless) per device, and two more in the backward; the
 expert weights' gradients are summed over the batch axes they are replicated on.
 
-Proven equal to a per-token loop by `tests/test_moe.py` and to one device by
-`tests/test_moe_degeneracy.py`.
+Proven equal to a per-token loop by `tests/models/test_moe.py` and to one device by
+`tests/models/test_moe_degeneracy.py`.
 
 Not implemented: a `ragged_all_to_all` exchange that sends only the filled part of each block
 (GPU/TPU only; there is no multi-GPU machine here to test it on).

@@ -16,8 +16,8 @@ one after the MLP; with SP, an all-gather of the sequence before each and a redu
 (the same bytes, less activation memory). The loss all-reduces `[B, S]` scalars over `tensor`.
 The backward mirrors these.
 
-Proven equal to one device by `tests/test_degeneracy.py` (tensor2/4/8, SP, tied embeddings, one
-KV head under tensor 4); "logits never gathered" by `tests/test_compiled.py`.
+Proven equal to one device by `tests/parallel/test_degeneracy.py` (tensor2/4/8, SP, tied embeddings, one
+KV head under tensor 4); "logits never gathered" by `tests/analysis/test_compiled.py`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ per-layer gathers likewise, behind compute. Priced on Llama 3 70B at 32k and 128
 128 H100 (tensor 8 x context 2-8 x data 2-4, ZeRO-1 and 3, remat full), the step time moves by under
 0.05% while the peak per device falls by 4-65 GiB (docs/experiments.md, section 8 measures it
 compiled): room for less recomputation and fewer microbatches, which is where the speed comes from.
-The planner tries both (`jaxpar.analysis.candidates`).
+The planner tries both (`jaxpar.analysis.planner.candidates`).
 
 Collectives: stage 1 — the gradient reduction becomes a reduce-scatter to the optimizer-state
 layout (`constrain_grads`), and the updated parameters are all-gathered back to their replicated
@@ -27,9 +27,9 @@ layout. Stage 3 — each layer's parameters are all-gathered inside the layer sc
 (`gather_layer`; again in the backward, whatever the remat policy: `layer_remat_policy`), one
 layer at a time, and gradients are reduce-scattered per microbatch, as FSDP does.
 
-Proven equal to one device by `tests/test_degeneracy.py` (zero1, zero3, zero3 + tensor + SP, and
+Proven equal to one device by `tests/parallel/test_degeneracy.py` (zero1, zero3, zero3 + tensor + SP, and
 over data x context with and without accumulation); the memory division by
-`tests/test_compiled.py::test_zero_stages_divide_memory_over_data`.
+`tests/analysis/test_compiled.py::test_zero_stages_divide_memory_over_data`.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class Args:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
-    plan: str = ""  # a hardware name (jaxpar.analysis.hardware): fill the layout keys from the planner
+    plan: str = ""  # a hardware name (jaxpar.analysis.cost.hardware): fill the layout keys from the planner
     help: bool = False
     overrides: list[tuple[str, str]] = field(default_factory=list)  # ("train.steps", "3")
 

@@ -13,7 +13,7 @@ arguments, per device) with what one device can hold (`available_per_device`):
 If it does not fit it raises `DoesNotFit` (a `ConfigError`: scripts/train.py exits 2), one line: needed
 against available per device and the term that dominates (parameters, optimizer state, temporaries —
 activations, gradients and work buffers —, outputs). scripts/train.py adds the planner's best layout
-for these devices (`jaxpar.analysis.fit_advice`; the planner is not imported here, `jaxpar.analysis`
+for these devices (`jaxpar.analysis.planner.fit_advice`; the planner is not imported here, `jaxpar.analysis`
 imports this package). `train.skip_fit_check=True` compiles without comparing.
 
 The compiled executable is what the loop then runs: the abstract state carries the shardings the real

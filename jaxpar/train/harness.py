@@ -16,7 +16,7 @@ across runs. `step` compiles on first use if `compile` was not called; callers t
 compile itself (its wall time, or jax.monitoring's compile events) call `compile` explicitly.
 
 Compiling on abstract inputs instead (nothing allocated, e.g. for memory and collectives of a
-config too large to run) is `jaxpar.analysis.compiled.compile_step(config, devices, checked=True)`,
+config too large to run) is `jaxpar.analysis.program.compiled.compile_step(config, devices, checked=True)`,
 which builds with `checked_build` from here.
 """
 

@@ -6,7 +6,7 @@
     trace under `WORKDIR/profile`, each step annotated,
     with the step's compiled HLO text in `WORKDIR/profile/hlo/` so that
     `scripts/profile_report.py` can attribute device time to named scopes
-    (`jaxpar.analysis.profile`, which reads `HLO_DIR` and `STEP_ANNOTATION` from here);
+    (`jaxpar.analysis.program.profile`, which reads `HLO_DIR` and `STEP_ANNOTATION` from here);
   - `observer.throughput(step, seconds)` — `step_s` (execution only: the loop compiles ahead of
     time), `tokens_per_sec`, `mfu` (model FLOPs `ModelFacts.model_flops_per_step` / step time / peak FLOP/s of the
     devices), on the first step run `compile_s`, the ahead-of-time compile, and with

@@ -41,12 +41,12 @@ chunk pairs (and, for the ring, whole blocks) whose keys all lie after all the q
 skipped by `lax.cond` (no collective in the branches). The mask comes from the carried true
 positions, so the load-balanced order works unchanged.
 
-Equal to one device through the production train step: tests/test_context.py —
+Equal to one device through the production train step: tests/parallel/test_context.py —
 test_matches_single_device (c = 2, 4, 8, every impl balanced and contiguous, with data, tensor +
 SP, per-replica accumulation, ZeRO-3, Mixtral with expert 2, pipeline 1f1b and interleaved),
 test_ring_step_moves_kv_by_collective_permute_only, test_ring_step_temp_memory_falls_with_context.
 The kernels alone against `jax.nn.dot_product_attention(is_causal=True)`:
-tests/test_context_attention.py (test_matches_one_device, test_tensor_and_context,
+tests/parallel/test_context_attention.py (test_matches_one_device, test_tensor_and_context,
 test_under_vmap_over_data, ...; test_fully_masked_blocks_are_skipped).
 """
 

@@ -15,15 +15,15 @@ step then keeps the optimizer's shard). Llama 3 70B on 8 emulated devices, data 
 all_gather: 37.6 TB per device per step before, 1.52 TB after (docs/sweeps/llama3_70b_8dev).
 With tensor > 1 the partitioner gathers the heads over `tensor` in front of the all_gather and
 all_to_all exchanges, as in the pipeline engine (a nested shard_map manual over tensor fails to
-lower in jax 0.10.2); priced in `analysis.comm_context`, and still far less than the old
+lower in jax 0.10.2); priced in `analysis.cost.comm_context`, and still far less than the old
 per-microbatch sums (70B data 2 x context 2 x tensor 2: 67.7 TB -> 31.3 TB per device per step).
 The loss and metrics are means over the ranks: each rank holds the mean over its own tokens,
 and every rank holds as many (rows split evenly, sequence split evenly).
 
 Chosen by the plan (`GradientStrategy.PER_RANK`: grad_accum > 1, mesh.context > 1, no ZeRO-3, no
-MoE auxiliary losses). Proven equal to one device by tests/test_context.py (the `accum` cases);
+MoE auxiliary losses). Proven equal to one device by tests/parallel/test_context.py (the `accum` cases);
 one gradient reduction per step by
-tests/test_compiled.py::test_context_accumulation_reduces_gradients_once_per_step.
+tests/analysis/test_compiled.py::test_context_accumulation_reduces_gradients_once_per_step.
 """
 
 from __future__ import annotations

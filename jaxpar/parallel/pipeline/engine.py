@@ -53,11 +53,11 @@ the engine makes its input tokens [m, mb, S+1], not activations, so only the sta
 MoE: router statistics are accumulated per microbatch beside the activations (`router.py`), so
 the load-balancing and z losses equal the non-pipelined step's (per microbatch, averaged).
 
-Proven equal to one device by `tests/test_pipeline.py` (every schedule, uneven and auto splits,
+Proven equal to one device by `tests/parallel/pipeline/test_pipeline.py` (every schedule, uneven and auto splits,
 with data, expert-as-data, tensor + SP, ZeRO-1/3, remat, tied embeddings),
-`tests/test_pipeline_stage_maps.py` (V-shaped stage maps: hops 0 and ±1, both ends on rank 0)
-and `tests/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), with context
-parallelism by `tests/test_context.py`; the slot plan by `tests/test_pipeline_slots.py`.
+`tests/parallel/pipeline/test_pipeline_stage_maps.py` (V-shaped stage maps: hops 0 and ±1, both ends on rank 0)
+and `tests/parallel/pipeline/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), with context
+parallelism by `tests/parallel/test_context.py`; the slot plan by `tests/parallel/pipeline/test_pipeline_slots.py`.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
     positions, segments = jax.tree.map(vary_everywhere, (seq.positions, seq.segment_ids))
     # Target weights stay invariant over `pipeline` (equal on every rank): the spread head's loss
     # is invariant there, and a varying factor would make its transpose psum the cotangent over
-    # `pipeline` (gradients p times too large; tests/test_packed.py).
+    # `pipeline` (gradients p times too large; tests/data/test_packed.py).
     weights = seq.weights
 
     def of_microbatch(mb):

@@ -31,14 +31,14 @@ stores_in_schedule_order`: v > 1 and L divisible by p), and the train state hold
 leaves, optimizer moments included, in that order (`order.py`: permuted once when the state is
 built or restored, un-permuted for checkpoints, HF export and the gradients tests read). Measured
 on the production step of config-built runs, tiny Llama, 8 layers, p = 2, bytes per device per
-step over `pipeline` (tests/test_pipeline_layer_order.py): interleaved 1F1B at m = 4, the 722,944
+step over `pipeline` (tests/parallel/pipeline/test_pipeline_layer_order.py): interleaved 1F1B at m = 4, the 722,944
 of layer and gradient collective-permutes gone, the 1,501,276 of activations, gradients and vocab
 reductions unchanged; zb_v at m = 2, 722,944 → 0, 3,002,204 unchanged. The order is a property of
 (split, p, v, stage map) — a checkpoint written in [L] order maps onto any of them.
 
 Chosen over storing the staged layout in the train state (mesh-dependent shapes: checkpoints,
 HF export and the optimizer would all need converting) and over a storage split that follows
-the stage split (jax shards only evenly). Proven equal to one device by `tests/test_pipeline.py`.
+the stage split (jax shards only evenly). Proven equal to one device by `tests/parallel/pipeline/test_pipeline.py`.
 """
 
 from __future__ import annotations

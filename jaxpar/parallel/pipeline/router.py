@@ -9,7 +9,7 @@ so one psum over `pipeline` and the manual batch axes gives k's totals on every 
 negligible traffic). They yield k's aux loss and metrics, and are kept: every later B/W of k
 (on any stage) pulls back the gradient of the aux losses with respect to the totals — the aux
 losses are sums over layers, so that is exactly each stage's share. Proven equal to one device
-(with `grad_accum` = m) by `tests/test_pipeline_moe.py`.
+(with `grad_accum` = m) by `tests/parallel/pipeline/test_pipeline_moe.py`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ imbalance the source article balances by moving layers; this is "vocabulary para
 et al. 2024). Cost: per microbatch four [mb, S, D] all-reduces over `pipeline` (embedding,
 embedding gradient, head input, its gradient) and two [mb, S] ones.
 
-Proven equal to one device by `tests/test_pipeline.py` (tied and untied, with tensor, data and
+Proven equal to one device by `tests/parallel/pipeline/test_pipeline.py` (tied and untied, with tensor, data and
 ZeRO); the bytes per device by `test_vocab_tables_per_device_bytes_fall_with_pipeline` and the
 absence of table-sized collectives by `test_no_collective_moves_a_vocab_table` there.
 """

@@ -7,7 +7,7 @@ and cost F = B = W = 1 chunk unit (a chunk: one of a rank's two stages).
 list scheduler that never lets a rank hold more than 2p stashed chunk inputs (p microbatches of a
 whole rank's layers: 1F1B's rank-0 peak) and prefers, every step, B (what the chain waits for)
 over F over W (which nothing waits for, so it fills the holes). For p <= 4 and every m checked
-(`tests/test_schedules_v.py`) that gives 6m + p - 1 steps: each rank's 6m units of work plus the
+(`tests/parallel/pipeline/test_schedules_v.py`) that gives 6m + p - 1 steps: each rank's 6m units of work plus the
 p - 1 steps the last rank must wait for the first microbatch — the lower bound of any lockstep
 table; at p = 5..8 up to p - 4 steps more (a greedy choice, not a proof of optimality). The
 paper's zero bubble hides that start-up skew across iterations (optimizer post-validation); a

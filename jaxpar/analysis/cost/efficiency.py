@@ -1,0 +1,127 @@
+"""Achieved, not peak: how fast a device runs the step's matmuls, its attention, and which collectives hide.
+
+The cost model (`jaxpar.analysis.cost.cost_model`) counts matmul FLOPs by part and bytes per collective;
+this module turns them into seconds on a hardware profile (`jaxpar.analysis.cost.hardware`) with three
+effects every GPU user sees, each a line or two of arithmetic:
+
+1. Matmul efficiency by shape and dtype. One GEMM [m, k] x [k, n] of b-byte operands takes
+       t = max(2mnk / (eta * peak), b (mk + kn + mn) / HBM bandwidth) + t_kernel,
+   eta the fraction of peak a large GEMM reaches (`Hardware.matmul_efficiency`), the roofline
+   term for skinny shapes (few rows: operands stream in faster than they are used), and a fixed
+   time per kernel (launch and tail, `Hardware.kernel_seconds`) that dominates small ones. The
+   backward's two GEMMs per forward one (dX = dY W^T, dW = X^T dY) move the same three operands
+   and run at its efficiency. m is the rows one device multiplies at once: a microbatch's tokens
+   (a routed expert: its share of them, balanced), n and k the layer's dims as the plan shards
+   them; b the compute dtype's bytes, at that dtype's peak (fp32 on NVIDIA GPUs: TF32).
+2. Attention at its kernel's efficiency. cuDNN's fused kernel (the plan's attention "cudnn") runs
+   QK^T and PV at `Hardware.attention_efficiency` of peak for long sequences and S / (S + 128) of
+   that at S keys (flat from 1k tokens up: a fused kernel's tile work grows with S); the XLA paths,
+   which materialise [S, S] scores, and context parallelism's blockwise kernels run them as batched
+   GEMMs of [S_q, head_dim] x [head_dim, S_kv] (blocks of `parallel.context_block_size`) by rule 1.
+3. Communication XLA overlaps with compute. XLA's GPU compiler issues collectives asynchronously
+   and its latency-hiding scheduler moves them off the critical path when no op waits for them
+   (MaxText's GPU recipes turn it on with --xla_gpu_enable_latency_hiding_scheduler and the
+   pipelined all-gather / reduce-scatter flags). Overlapped (`Planned.overlap`): ZeRO-3's per-layer
+   weight all-gathers (the next layer's runs during this layer's compute) and per-layer gradient
+   reductions inside the backward scan, and the context ring's K/V permutes (the next block's
+   during this block's attention). Exposed: everything whose result the very next op consumes —
+   tensor / sequence parallelism's reductions and gathers, the expert all-to-alls, the context
+   all-gather and all-to-all exchanges, the pipeline's permutes (the engine's lockstep time steps) —
+   and what runs once per step after the last matmul: the gradient reduction after accumulation
+   and ZeRO-1's gather of the updated parameters.
+       step = compute + bubble + exposed + max(0, overlapped - compute)
+
+Not modelled: element-wise and normalisation kernels (memory-bound, a few % of a large model's
+step), the optimizer update's HBM traffic, kernel fusion, host overheads, stragglers, and
+collectives' latency (only bandwidth is priced). `step_time(..., efficiency=x)` keeps the flat
+model (x of peak for every matmul, nothing overlapped) as a bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.analysis.cost import hardware as hw
+from jaxpar.analysis.cost.layout import Layout
+from jaxpar.analysis.cost.planned import Planned
+from jaxpar.parallel.context.blockwise import chunk_size
+
+# Attention on a fused kernel reaches `S / (S + ATTENTION_HALF_SEQ)` of its long-sequence rate:
+# a flash-attention forward on H100 (head dim 128, bf16) measured 397, 401, 422, 427, 429 TFLOP/s
+# at 1k, 2k, 4k, 8k, 16k tokens (pytorch/benchmark PR #2296, CUTLASS kernel): 0.93 of the 16k rate
+# at 1k, which 128 reproduces (0.89 at 1k, 0.98 at 8k).
+ATTENTION_HALF_SEQ = 128
+
+
+def matmul_efficiency(m: float, n: float, k: float, dtype_bytes: int, hardware: hw.Hardware, dtype: str) -> float:
+    """Fraction of `hardware`'s `dtype` peak one [m, k] x [k, n] GEMM reaches (rule 1)."""
+    if min(m, n, k) <= 0:
+        return 1.0
+    peak = hardware.peak(dtype)
+    flops = 2.0 * m * n * k
+    compute = flops / (hardware.matmul_efficiency * peak)
+    memory = dtype_bytes * (m * k + k * n + m * n) / hardware.hbm_bandwidth
+    return flops / (peak * (max(compute, memory) + hardware.kernel_seconds))
+
+
+def attention_efficiency(layout: Layout, hardware: hw.Hardware) -> float:
+    """Fraction of peak the attention kernel's QK^T and PV reach (rule 2)."""
+    dtype = layout.compute_dtype_name
+    if layout.flash_attention:
+        return hardware.attention_efficiency * layout.seq / (layout.seq + ATTENTION_HALF_SEQ)
+    if layout.c > 1:
+        local = layout.seq // layout.c
+        block = chunk_size(local, layout.plan.context.block)
+        return matmul_efficiency(block, block, layout.head_dim, layout.activation_bytes, hardware, dtype)
+    return matmul_efficiency(layout.seq, layout.seq, layout.head_dim, layout.activation_bytes, hardware, dtype)
+
+
+def part_shapes(layout: Layout) -> dict:
+    """(m, n, k) of one device's GEMM for each matmul part of `cost_model.forward_flops_per_token`."""
+    m = layout.tokens / layout.microbatches  # one microbatch's tokens on this device
+    t, d = layout.t, layout.hidden
+    tk = t if layout.kv_sharded else 1
+    shapes = {
+        "qo": (m, layout.heads * layout.head_dim / t, d),
+        "kv": (m, layout.kv_heads * layout.head_dim / tk, d),
+        "mlp": (m, layout.ffn / t, d),
+        "head": (m, layout.vocab / layout.vocab_shards, d),
+        "optimizer": (d, d, layout.ffn),  # Muon's Newton-Schulz: products of whole weight matrices
+    }
+    if layout.is_moe:
+        moe = layout.facts.moe
+        # Balanced routing: an expert parallel group's rows spread evenly over its E experts.
+        rows = m * moe.routed_rows(layout.seq) * layout.e / layout.experts
+        shapes["router"] = (m, layout.experts, d)
+        shapes["experts"] = (rows, layout.expert_ffn / t, d)
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    seconds: float
+    by_part: dict  # part -> seconds
+    efficiency: dict  # part -> fraction of peak
+
+
+def compute_seconds(layout: Layout, flops_by_part: dict, hardware: hw.Hardware) -> Compute:
+    """Seconds of the step's matmuls, part by part at each part's efficiency (rules 1 and 2)."""
+    dtype = layout.compute_dtype_name
+    peak = hardware.peak(dtype)
+    shapes = part_shapes(layout)
+    by_part, eff = {}, {}
+    for part, flops in flops_by_part.items():
+        if flops <= 0:
+            continue
+        if part == "attention":
+            eff[part] = attention_efficiency(layout, hardware)
+        else:
+            m, n, k = shapes[part]
+            eff[part] = matmul_efficiency(m, n, k, layout.compute_bytes, hardware, dtype)
+        by_part[part] = flops / (peak * eff[part])
+    return Compute(sum(by_part.values()), by_part, eff)
+
+
+def overlapped(p: Planned) -> bool:
+    """Whether XLA can run this collective behind compute (rule 3)."""
+    return p.overlap

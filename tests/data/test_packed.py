@@ -1,0 +1,144 @@
+"""Packed documents train exactly like the same documents run alone.
+
+The reference: every document of one packed batch run alone on one device — each in its own row,
+positions 0 .., plain causal attention, no segments (rows are independent and causal, so what
+follows a document's end in its row changes none of its logits) — its per-token losses summed per
+document, and the gradient of their sum (= the sum of the per-document gradients). The packed
+batch (documents of 2 .. S+1 tokens, first fit into rows, padding where none fits, one row all
+padding) must give:
+- on one device, every document's summed token loss within 1e-5 of its reference, through the
+  xla attention path and the CPU kernel (`jaxpar_xla`);
+- through the production train step on every mesh below, step 1's loss = Σ losses / Σ targets and
+  gradients = Σ per-document gradients / Σ targets, within 1e-5 relative: context parallelism's
+  three kernels balanced and contiguous (documents straddle chunks and ranks), inside pipeline
+  stages, with sequence and tensor parallelism, gradient accumulation (per replica and per
+  (replica, context rank)), Llama and Mixtral (router loss coefficients 0: the auxiliary losses
+  are batch-level, not per document).
+The cuDNN path is the xla path's mask handed to cuDNN: on a GPU, `test_cudnn_matches_xla_with_segments`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar import models
+from jaxpar.models.options import RunOptions
+from jaxpar.parallel.context.sequence import real_targets, segment_positions
+from jaxpar.parallel.plan import ParallelPlan
+from jaxpar.parallel.tensor import cross_entropy
+from tests.support import tiny
+from tests.support.documents import documents_in, packed_batch
+from tests.support.reference import max_relative_error, run
+
+ROWS, SEQ = 8, 32
+
+
+def _config(family: str):
+    if family == "mixtral":
+        return tiny.mixtral({"global_batch_size": ROWS, "seq_len": SEQ}, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    return tiny.llama({"global_batch_size": ROWS, "seq_len": SEQ})
+
+
+def batch_and_documents():
+    """One packed batch [8, 2, 33] and its documents (the last row left all padding)."""
+    rng = np.random.default_rng(7)
+    lengths = list(rng.integers(2, SEQ + 2, 40))
+    docs = [rng.integers(0, 250, n) for n in lengths]
+    batch = packed_batch(docs, ROWS - 1, SEQ + 1)
+    batch = np.concatenate([batch, np.zeros((1, 2, SEQ + 1), np.int32)])
+    found = documents_in(batch)
+    assert len(found) > ROWS and (batch[:, 1] == 0).any(), "the batch must pack several documents and pad"
+    return batch, found
+
+
+def reference(family: str):
+    """(per-document summed losses, their total, target count, gradient of the total) on one device."""
+    config = _config(family)
+    _, docs = batch_and_documents()
+    params = models.init_params(config.model, config.train.seed)
+    rows = np.zeros((len(docs), SEQ + 1), np.int32)
+    mask = np.zeros((len(docs), SEQ), np.float32)
+    for i, d in enumerate(docs):
+        rows[i, : len(d)], mask[i, : len(d) - 1] = d, 1.0
+
+    def per_doc(p):
+        logits, _ = models.apply(config.model, p, jnp.asarray(rows[:, :-1]))
+        return jnp.sum(cross_entropy(logits, jnp.asarray(rows[:, 1:])) * mask, axis=1)
+
+    losses = jax.jit(per_doc)(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(per_doc(p))))(params)
+    return {"losses": np.asarray(losses), "count": float(mask.sum()), "grads": jax.device_get(grads)}
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("impl", ["xla", "jaxpar_xla"])
+def test_every_document_loss_equals_it_alone(family, impl, shared_cache):
+    ref = shared_cache.get(f"packed-reference:{family}", lambda: reference(family))
+    config = _config(family)
+    batch, docs = batch_and_documents()
+    params = models.init_params(config.model, config.train.seed)
+    tokens, segments = batch[:, 0, :-1], batch[:, 1, :-1]
+    opts = RunOptions(plan=ParallelPlan(attention=impl))
+    logits, _ = jax.jit(lambda p: models.apply(config.model, p, tokens, opts, segment_positions(segments), segments))(params)
+    losses = np.asarray(cross_entropy(logits, batch[:, 0, 1:]) * real_targets(batch[:, 1]))
+    packed = [losses[r][(segments[r] == s) & real_targets(batch[r, 1])].sum()
+              for r in range(ROWS) for s in np.unique(segments[r][segments[r] > 0])]
+    assert len(packed) == len(docs)
+    np.testing.assert_allclose(packed, ref["losses"], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(logits)))
+
+
+def cp(impl, balanced=True, **parallel):
+    return dict(context_impl=impl, context_load_balance=balanced, **parallel)
+
+
+# name: (family, train overrides, mesh, parallel)
+CASES = {
+    "one_device_xla": ("llama", {}, {}, {"attention_impl": "xla"}),
+    "data2_tensor2_sp_accum2": ("llama", {"grad_accum": 2}, {"data": 2, "tensor": 2}, {"sequence_parallel": True}),
+    "c2_ring_balanced_tensor2_sp_data2": ("llama", {}, {"context": 2, "tensor": 2, "data": 2}, cp("ring", sequence_parallel=True)),
+    "c2_ring_contiguous_data2_accum2": ("llama", {"grad_accum": 2}, {"context": 2, "data": 2}, cp("ring", False)),
+    "c4_all_gather_contiguous_data2": ("llama", {}, {"context": 4, "data": 2}, cp("all_gather", False)),
+    "pp2_1f1b_c2_all_gather_balanced_data2": (
+        "llama", {}, {"pipeline": 2, "context": 2, "data": 2},
+        cp("all_gather", pipeline_schedule="1f1b", num_microbatches=4),
+    ),
+    "mixtral_c2_all_to_all_balanced_expert2_data2": ("mixtral", {}, {"context": 2, "expert": 2, "data": 2}, cp("all_to_all")),
+    "mixtral_pp2_c2_all_to_all_contiguous": (
+        "mixtral", {}, {"pipeline": 2, "context": 2}, cp("all_to_all", False, pipeline_schedule="gpipe", num_microbatches=2),
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_batch_gradients_equal_sum_of_documents(name, shared_cache):
+    family, train, mesh, parallel = CASES[name]
+    ref = shared_cache.get(f"packed-reference:{family}", lambda: reference(family))
+    config = tiny.with_overrides(_config(family), mesh, parallel=parallel, train=train)
+    batch, _ = batch_and_documents()
+    result = run(config, [batch], num_devices=math.prod(mesh.values()) if mesh else 1)
+    want_loss = ref["losses"].sum() / ref["count"]
+    assert abs(result["losses"][0] - want_loss) <= 1e-5 * want_loss
+    want_grads = jax.tree.map(lambda g: g / ref["count"], ref["grads"])
+    err = max_relative_error(result["grads1"], want_grads)
+    assert err <= 1e-5, f"packed gradients differ from the per-document sum by {err:.2e} (relative)"
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a GPU")
+def test_cudnn_matches_xla_with_segments():
+    batch, _ = batch_and_documents()
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((ROWS, SEQ, 8, 16)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((ROWS, SEQ, 2, 16)), jnp.bfloat16) for _ in range(2))
+    from jaxpar.models.layers import causal_attention
+
+    segments = jnp.asarray(batch[:, 1, :-1])
+    grads = [jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, impl, segments).astype(jnp.float32) ** 2),
+                      argnums=(0, 1, 2))(q, k, v) for impl in ("cudnn", "xla")]
+    for a, b in zip(*grads):
+        assert np.all(np.isfinite(np.asarray(a, np.float32)))
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=5e-2, rtol=5e-2)
