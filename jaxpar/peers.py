@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 EXIT_PEER_LOST = 4
 PROBE_S = 1.0  # between two probes of the neighbour (and reads of the verdict)

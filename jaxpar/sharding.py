@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import CONTEXT, EXPERT, PIPELINE, TENSOR
 
@@ -69,12 +70,12 @@ class Rules:
         """NamedShardings for a tree whose leaves are tuples of logical names."""
         return jax.tree.map(self.sharding, logical_tree, is_leaf=is_logical_names)
 
-    def without(self, *mesh_axes) -> "Rules":
+    def without(self, *mesh_axes) -> Rules:
         """The same table with `mesh_axes` removed everywhere (e.g. a layer gathered for FSDP)."""
         table = {k: tuple(a for a in v if a not in mesh_axes) for k, v in self.table.items()}
         return Rules(self.mesh, table)
 
-    def on(self, mesh) -> "Rules":
+    def on(self, mesh) -> Rules:
         """The same table bound to another (e.g. a shard_map's abstract) mesh."""
         return Rules(mesh, self.table)
 

@@ -101,7 +101,7 @@ def main(_):
     contenders = {"cached": cached, "recompute": recompute, "hf": with_transformers}
     results, best = {}, {name: (float("inf"), 0.0) for name in contenders}
     for name, fn in warm_ups.items():
-        _, wall, _ = timed(lambda: jax.block_until_ready(fn()))
+        _, wall, _ = timed(lambda: jax.block_until_ready(fn()))  # noqa: B023 (called here)
         print(f"{name}: warm-up {wall:.2f} s", flush=True)
     for _ in range(_REPEATS.value):
         for name, fn in contenders.items():

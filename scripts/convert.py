@@ -100,10 +100,10 @@ def train_command(args, given_model, saved_model) -> str:
 def to_checkpoint(args) -> int:
     import jax
 
-    from jaxpar.train import preflight
     from jaxpar.checkpoint import Checkpoints
     from jaxpar.checkpoint.listing import CONVERTED_FROM
     from jaxpar.interop import hf, sharded
+    from jaxpar.train import preflight
     from jaxpar.train.setup import build
 
     problems = []

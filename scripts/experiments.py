@@ -143,7 +143,7 @@ def section_pipeline() -> list[str]:
                 shape = pipeline_shape(name, p, m, v)
                 row.append(f"{100 * shape.bubble_fraction:.1f}% ({100 * theoretical_bubble(name, p, m, v):.1f}%), {shape.act_slots:.0f}")
             rows.append(row)
-        lines += [f"p = {p} ranks. Cell: table bubble (textbook), stashed stage inputs per rank (with v = 2 each is half a rank's layers).", ""]
+        lines += [f"p = {p} ranks. Cell: table bubble (textbook), stashed stage inputs per rank (with v = 2 each is half a rank's layers).", ""]  # noqa: E501
         lines += _table(["microbatches", "GPipe", "1F1B", "interleaved 1F1B (v=2)", "ZB-H1", "ZB-V", "DualPipeV"], rows) + [""]
     one_f = pipeline_shape("1f1b", 4, 24, 1).bubble_fraction
     lines += [
@@ -158,7 +158,8 @@ def section_pipeline() -> list[str]:
         "  inputs in flight (more with this engine's lockstep steps: the counts above), independent of m; GPipe keeps",
         "  all m. That is why 1F1B's activation memory grows with p, not with the microbatch count.",
         "- The V schedules (rank r holds stages r and 2p - 1 - r): ZB-V's table takes 6m + p - 1 unit steps at",
-        "  p <= 4 and at these (p, m) (up to p - 4 more at some other m, p = 5..8: a greedy layout), the least a lockstep table can — the papers' zero",
+        "  p <= 4 and at these (p, m) (up to p - 4 more at some other m, p = 5..8: a greedy layout), the least a lockstep table can "
+        "— the papers' zero",
         "  bubble hides the last rank's p - 1 start-up steps across iterations (optimizer post-validation), which a",
         "  synchronous step cannot. DualPipeV in lockstep costs its F & B cells F + B and lands on ZB-H1's bubble",
         "  exactly, with 2p + 1 stashed chunk inputs (DeepSeek's PP + 1). Both keep at most 2p chunk inputs",
@@ -325,11 +326,10 @@ def section_expert() -> list[str]:
 
 def section_plan() -> list[str]:
     from configs.llama3_70b import get_config
-    from jaxpar.analysis.planner import report
-    from jaxpar.axes import PIPELINE, TENSOR
-
     from jaxpar.analysis.cost.cost_model import estimate
+    from jaxpar.analysis.planner import report
     from jaxpar.analysis.planner.search import plan_layouts
+    from jaxpar.axes import PIPELINE, TENSOR
 
     start = time.perf_counter()
     text = report(get_config(), "a100-80g", 8, compare={TENSOR: 4, PIPELINE: 2})

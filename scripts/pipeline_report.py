@@ -87,7 +87,8 @@ def main(argv):
     p, m = _STAGES.value, _MICRO.value
     devices = jax.devices()[: p * _DATA.value]
     print(
-        f"p={p} m={m} (v={_VIRTUAL.value} for interleaved_1f1b, 2 for zb_v and dualpipev), data={_DATA.value}; Llama {_LAYERS.value} layers, "
+        f"p={p} m={m} (v={_VIRTUAL.value} for interleaved_1f1b, 2 for zb_v and dualpipev), data={_DATA.value}; "
+        f"Llama {_LAYERS.value} layers, "
         f"hidden {_HIDDEN.value}, seq {_SEQ.value}, {_ROWS.value} rows per microbatch per replica; "
         f"{len(devices)} emulated CPU devices on the host's cores"
     )

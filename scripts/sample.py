@@ -67,7 +67,8 @@ def parse(argv: list[str]):
         return args, []
     sources = [name for name in ("workdir", "checkpoint", "from_hf") if getattr(args, name)]
     if len(sources) != 1:
-        problems.append("give exactly one of --workdir, --checkpoint, --from_hf" + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
+        problems.append("give exactly one of --workdir, --checkpoint, --from_hf"
+                        + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
     if args.step != -1 and args.from_hf:
         problems.append("--step applies to --workdir / --checkpoint, not --from_hf")
     if not (texts or args.prompt_file or args.prompt_ids):
@@ -78,7 +79,8 @@ def parse(argv: list[str]):
     for name in ("cpu_devices", *MESH_FLAGS):
         if getattr(args, name) < 0:
             problems.append(f"--{name}={getattr(args, name)} must be >= 0 (0: the default)")
-    from jaxpar.sampling.filters import SamplingParams, problems as sampling_problems
+    from jaxpar.sampling.filters import SamplingParams
+    from jaxpar.sampling.filters import problems as sampling_problems
 
     args.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     problems += [p for p in sampling_problems(args.sampling, vocab_size=1 << 31) if "top_k" not in p]
@@ -141,7 +143,8 @@ def run(args) -> int:
     n_rows, _, slots = sampler.buckets(rows, args.max_new_tokens)
     mesh = " ".join(f"{k}={v}" for k, v in sampler.mesh.shape.items())
     print(f"sampling from {loaded.source} on mesh {mesh}")
-    print(f"KV cache: {sampler.cache_bytes_per_device(n_rows, slots) / 2**20:.2f} MiB per device ({n_rows} rows x {slots} slots)", flush=True)
+    print(f"KV cache: {sampler.cache_bytes_per_device(n_rows, slots) / 2**20:.2f} MiB per device ({n_rows} rows x {slots} slots)",
+          flush=True)
     # Each of a prompt's samples draws differently: the batch rows differ, the seed is shared.
     result = sampler.generate(loaded.params, rows, args.max_new_tokens, args.sampling, args.seed, eos)
     records = []

@@ -57,8 +57,8 @@ def main(argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import csv
 
-    from jaxpar.analysis.reports import sweep as sw
     from jaxpar.analysis.planner.candidates import Screen, Space, candidates
+    from jaxpar.analysis.reports import sweep as sw
 
     config = _CONFIG.value
     if _BATCH.value:

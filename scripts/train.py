@@ -51,9 +51,9 @@ def run(args, config) -> int:
     from jaxpar import distributed
     from jaxpar.checkpoint import CheckpointError
     from jaxpar.train.fit import DoesNotFit
-    from jaxpar.train.preflight import ConfigError
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
+    from jaxpar.train.preflight import ConfigError
     from jaxpar.train.signals import Interrupted
     from jaxpar.train.workdir import WorkdirError
 
@@ -113,8 +113,7 @@ def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> N
     `train.predicted_step_s` to its predicted step time, which every metrics record then carries."""
     import jax
 
-    from jaxpar.analysis.planner import plan_text
-    from jaxpar.analysis.planner import apply_layout, best_plan, prediction_line
+    from jaxpar.analysis.planner import apply_layout, best_plan, plan_text, prediction_line
 
     plan = best_plan(config, hardware, num_devices, fixed=explicit)
     keys = {k: v for k, v in plan.best.candidate.values.items() if k not in explicit}
@@ -125,7 +124,8 @@ def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> N
         print(f"plan for {num_devices} x {hardware}: {chosen}")
         print(plan_text.choice(plan))
         platform = jax.devices()[0].platform
-        print(prediction_line(plan) + ("" if platform == "gpu" or platform == "tpu" else f"; this run is on {platform} devices"), flush=True)
+        print(prediction_line(plan) + ("" if platform == "gpu" or platform == "tpu" else f"; this run is on {platform} devices"),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,8 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
         sections = " and ".join(s.rstrip(".") for s in MUST_MATCH if any(_under(n, (s,)) for n in fixed))
         raise CheckpointError(
             f"checkpoint {checkpoint} was saved with a different {sections}: "
-            f"{_describe(fixed, saved_flat, current_flat)}; resuming needs the same {' and '.join('config.' + s.rstrip('.') for s in MUST_MATCH)}"
+            f"{_describe(fixed, saved_flat, current_flat)}; "
+            f"resuming needs the same {' and '.join('config.' + s.rstrip('.') for s in MUST_MATCH)}"
         )
     if problem := _optimizer_change(saved_flat, current_flat, checkpoint):
         raise CheckpointError(problem)

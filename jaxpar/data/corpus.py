@@ -18,11 +18,10 @@ each naming the key.
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -442,5 +441,5 @@ def describe(config) -> str:
     return f"data: {', '.join(parts)} ({packing}; tokenizer {config.data.tokenizer or 'bytes'})"
 
 
-__all__ = ["DataError", "Source", "corpus_fingerprint", "corpus_problems", "corpus_tokens", "corpus_warnings", "eval_batches", "eval_stream",
-           "training_stream", "validate_data_config"]
+__all__ = ["DataError", "Source", "corpus_fingerprint", "corpus_problems", "corpus_tokens", "corpus_warnings", "eval_batches",
+           "eval_stream", "training_stream", "validate_data_config"]

@@ -253,7 +253,7 @@ def prepare(
     def flush(batch, out):
         nonlocal num_tokens, num_documents, largest, starting
         encoded = tokenizer([text for text, _, _ in batch], add_special_tokens=False)["input_ids"]
-        for ids, (text, ends, nbytes) in zip(encoded, batch):
+        for ids, (_, ends, nbytes) in zip(encoded, batch):
             if starting and (ids or ends):
                 ids, starting = prefix + ids, False
             if ends:

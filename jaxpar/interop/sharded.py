@@ -68,7 +68,7 @@ def load_params_onto(directory: str, model_config, shardings, dtype: str = "floa
         for path, abstract in _paths(shapes):
             shape = tuple(abstract.shape)
 
-            @functools.lru_cache(maxsize=None)  # replicated blocks are asked for once per device
+            @functools.cache  # replicated blocks are asked for once per device
             def block(key, path=path, shape=shape):
                 index = tuple(slice(a, b) for a, b in key)
                 if path[0] not in stacks:

@@ -7,7 +7,7 @@ exactly; tests/models/test_families.py checks every family's `params_total` agai
 
 from __future__ import annotations
 
-from jaxpar.model_facts import MoEFacts, ModelFacts, head_dim_of, padded_vocab_size
+from jaxpar.model_facts import ModelFacts, MoEFacts, head_dim_of, padded_vocab_size
 
 
 def attention_params(model) -> int:

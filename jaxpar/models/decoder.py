@@ -214,7 +214,7 @@ class Decoder(nnx.Module):
         # kind takes its consecutive slice of it.
         parts, first = [], 0
         for is_dense, start, stop in layer_runs(self.cfg.num_hidden_layers, type(self).dense_layer_indices(self.cfg)):
-            run_cache = jax.tree.map(lambda a: a[first : first + stop - start], cache)
+            run_cache = jax.tree.map(lambda a: a[first : first + stop - start], cache)  # noqa: B023 (called here)
             blocks = self.dense_layers if is_dense else self.layers
             x, run_cache = scan_blocks(blocks, x, opts, layer, xs=run_cache, span=(start, stop))
             parts.append(run_cache)

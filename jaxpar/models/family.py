@@ -10,8 +10,8 @@ and no code outside a family's folder asks for a family by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from jaxpar.models.hf_adapter import Adapter
 

@@ -27,8 +27,8 @@ layout), shared by the MoE families.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from ml_collections import ConfigDict

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.model_facts import head_dim_of, padded_vocab_size
 from jaxpar.kernels import attention as attention_kernel
 from jaxpar.kernels.dense import project
+from jaxpar.model_facts import head_dim_of, padded_vocab_size
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.context.sharded import model_attention
 from jaxpar.parallel.tensor import repeat_kv

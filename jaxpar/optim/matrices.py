@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Logical names of dims that index matrices rather than lie inside one.
 BATCH_NAMES = ("layers", "experts")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
+
 # Not re-exported by optax.contrib (0.2.8); the function optax.contrib.muon itself runs.
 from optax.contrib._muon import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 

@@ -29,8 +29,8 @@ non-parameter-shaped leaf (Adafactor's factored moments) is sharded like the dim
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -16,8 +16,8 @@ learning rate of the next one, as optax counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax.numpy as jnp
 import optax

@@ -12,7 +12,8 @@ describe, or describes with another shape, raises: the record and optax must agr
 from __future__ import annotations
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey
 
 from jaxpar.sharding import is_logical_names

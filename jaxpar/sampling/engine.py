@@ -37,7 +37,7 @@ from jaxpar.model_facts import head_dim_of
 from jaxpar.models.families import family
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel import tensor
-from jaxpar.parallel.plan import SINGLE_DEVICE, make_plan
+from jaxpar.parallel.plan import make_plan
 from jaxpar.sampling.filters import SamplingParams, choose, problems
 from jaxpar.sharding import param_rules
 

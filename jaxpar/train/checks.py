@@ -43,7 +43,8 @@ def train_choices(train) -> list[str]:
     errors += one_of("train.wsd_decay_shape", train.wsd_decay_shape, DECAY_SHAPES)
     unknown = [n for n in excluded_from_decay(train) if n not in PARAM_NAMES]
     if unknown:
-        errors.append(f"train.weight_decay_exclude={train.weight_decay_exclude!r} names {unknown}, not parameter logical names {PARAM_NAMES}")
+        errors.append(f"train.weight_decay_exclude={train.weight_decay_exclude!r} names {unknown}, "
+                      f"not parameter logical names {PARAM_NAMES}")
     if train.init_from_hf and not os.path.isdir(train.init_from_hf):
         errors.append(f"train.init_from_hf={train.init_from_hf!r} is not a directory; point it at a transformers checkpoint")
     return errors

@@ -31,16 +31,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxpar import peers
-from jaxpar.train import preflight
 from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
+from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data.batches import DocumentBatches, to_global
 from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, training_stream
 from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
-from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.train import aside as asides
+from jaxpar.train import preflight
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
 from jaxpar.train.eval import Evaluator, evaluator

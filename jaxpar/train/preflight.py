@@ -104,14 +104,14 @@ def _type_problems(config, schema, prefix: str = "") -> list[str]:
         if value is None and schema[key] is None:
             continue  # an optional key (placeholder), unset
         ok = {bool: lambda v: isinstance(v, bool), float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(
-            kind, lambda v: isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+            kind, lambda v: isinstance(v, kind) and not (kind is int and isinstance(v, bool))  # noqa: B023 (called here)
         )(value)
         if not ok:
             errors.append(f"{path}={value!r} must be {_type_name(kind)}")
     return errors
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _schema(model_type: str) -> tuple[ConfigDict, frozenset[str]]:
     """(the full schema of a `model_type` run, every key any family knows). Built once per family:
     the planner checks thousands of candidates, and rebuilding these took 35% of its time."""

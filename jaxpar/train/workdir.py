@@ -242,7 +242,7 @@ class WorkdirLock:
         self._file = None
         self.stale: str | None = None  # the previous holder, if the lock was left by a killed run
 
-    def acquire(self) -> "WorkdirLock":
+    def acquire(self) -> WorkdirLock:
         workdir = os.path.dirname(self.path)
         try:
             # The first write of a run: permission checks can pass where nothing can be created (as

@@ -36,18 +36,18 @@ from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.comm import context_collectives, wire_bytes
 from jaxpar.analysis.cost.context_work import attention_fraction
 from jaxpar.analysis.cost.cost_model import estimate, flops_per_device
-from jaxpar.analysis.reports.fidelity import AxisBytes, Fidelity, compare
-from jaxpar.analysis.program.hlo import ALL_REDUCE, DTYPE_BYTES
 from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.cost.memory import estimate_memory, param_counts, saved_per_token_layer
 from jaxpar.analysis.cost.planned import Planned
+from jaxpar.analysis.program.hlo import ALL_REDUCE, DTYPE_BYTES
+from jaxpar.analysis.reports.fidelity import AxisBytes, Fidelity, compare
 from jaxpar.config import base_config
 from jaxpar.models.llama import model_config as llama_model_config
 from jaxpar.models.mixtral import model_config as mixtral_model_config
+from jaxpar.models.options import RunOptions
 from jaxpar.models.qwen2_moe import model_config as qwen2_moe_model_config
 from jaxpar.models.qwen3 import model_config as qwen3_model_config
 from jaxpar.models.qwen3_moe import model_config as qwen3_moe_model_config
-from jaxpar.models.options import RunOptions
 from jaxpar.parallel.plan import ParallelPlan
 from jaxpar.train.loss import mean_cross_entropy
 from jaxpar.train.setup import build, bytes_per_device

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import models
 from jaxpar.model_facts import padded_vocab_size
@@ -114,7 +115,7 @@ def test_logit_checker_sees_a_gathered_logits_tensor():
     vocab = padded_vocab_size(VOCAB)
     sharded = NamedSharding(mesh, P("data", None, "tensor"))
     for reshape in (lambda x: x, lambda x: x.reshape(-1, x.shape[-1])):
-        fn = jax.jit(lambda x: jax.lax.with_sharding_constraint(reshape(x) * 2, NamedSharding(mesh, P())))
+        fn = jax.jit(lambda x: jax.lax.with_sharding_constraint(reshape(x) * 2, NamedSharding(mesh, P())))  # noqa: B023
         text = fn.lower(jax.ShapeDtypeStruct((16, 16, vocab), jnp.float32, sharding=sharded)).compile().as_text()
         assert logits_like(collectives(text), vocab, 4, params=set()), "the checker missed a logits gather"
 

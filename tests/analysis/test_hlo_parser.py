@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis.program import hlo
 from jaxpar.analysis.program.hlo_flops import matmul_flops
@@ -77,7 +78,8 @@ HloModule test, entry_computation_layout={()->f32[]}
   %q = (s32[], f32[8,16]{1,0}) parameter(0)
   %w = (s32[], f32[8,16]{1,0}) while(%q), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
   %g = f32[8,16]{1,0} get-tuple-element(%w), index=1
-  %ag = f32[8,64]{1,0} all-gather(%g), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={1}, use_global_device_ids=true, metadata={op_name="jit(f)/cond/branch_1/all_gather"}
+  %ag = f32[8,64]{1,0} all-gather(%g), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={1}, use_global_device_ids=true, \
+metadata={op_name="jit(f)/cond/branch_1/all_gather"}
   %j = s32[] get-tuple-element(%w), index=0
   %s = f32[8,16]{1,0} slice(%ag), slice={[0:8], [0:16]}
   ROOT %r = (s32[], f32[8,16]{1,0}) tuple(%j, %s)
@@ -86,7 +88,8 @@ HloModule test, entry_computation_layout={()->f32[]}
 %unknown_body (u: (s32[], bf16[4,4])) -> (s32[], bf16[4,4]) {
   %u = (s32[], bf16[4,4]{1,0}) parameter(0)
   %b = bf16[4,4]{1,0} get-tuple-element(%u), index=1
-  %rs = bf16[1,4]{1,0} reduce-scatter(%b), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, use_global_device_ids=true, to_apply=%add
+  %rs = bf16[1,4]{1,0} reduce-scatter(%b), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, \
+dimensions={0}, use_global_device_ids=true, to_apply=%add
   %k = s32[] get-tuple-element(%u), index=0
   ROOT %o = (s32[], bf16[4,4]{1,0}) tuple(%k, %b)
 }
@@ -241,8 +244,10 @@ def test_instructions_by_name_with_opcode_and_op_name():
 
 ENTRY %main.5 (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
-  %while.4 = (s32[], (f32[4]{0}, f32[4]{0})) while((s32[], (f32[4]{0}, f32[4]{0})) %t), condition=%c, body=%body, metadata={op_name="jit(f)/while"}
-  ROOT %ynn_fusion.2 = f32[4]{0} fusion(%p), kind=kCustom, calls=%f, metadata={op_name="jit(f)/transpose(jvp(mlp))/dot_general" stack_frame_id=3}
+  %while.4 = (s32[], (f32[4]{0}, f32[4]{0})) while((s32[], (f32[4]{0}, f32[4]{0})) %t), condition=%c, body=%body, \
+metadata={op_name="jit(f)/while"}
+  ROOT %ynn_fusion.2 = f32[4]{0} fusion(%p), kind=kCustom, calls=%f, \
+metadata={op_name="jit(f)/transpose(jvp(mlp))/dot_general" stack_frame_id=3}
 }"""
     found = hlo.instructions(text)
     assert hlo.module_name(text) == "jit_f" and hlo.module_name("no module line") == ""

@@ -15,21 +15,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from pathlib import Path
 
 import pytest
 
 from jaxpar.analysis.cost import hardware as hw
-from jaxpar.analysis.planner.candidates import Screen, Space, candidates, factorizations, meshes
 from jaxpar.analysis.cost.cost_model import estimate
 from jaxpar.analysis.cost.layout import _exact_shape, pipeline_shape
 from jaxpar.analysis.planner import PlanError, apply_layout, best_layout, command_line_keys, report
+from jaxpar.analysis.planner.candidates import Screen, Space, candidates, factorizations, meshes
 from jaxpar.analysis.planner.search import USABLE_FRACTION, plan_layouts
 from jaxpar.axes import EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.train.preflight import ConfigError, check
 from tests.support import tiny
 from tests.support.paths import REPO as ROOT
-
 
 
 def _load(name: str):

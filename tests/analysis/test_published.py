@@ -15,7 +15,6 @@ No compilation: arithmetic on configs.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,6 @@ from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.reports import published as P
 from jaxpar.models.families import facts
 from tests.support.paths import REPO as ROOT
-
 
 
 def test_the_documented_table_is_what_the_model_computes():

@@ -15,15 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.checkpoint import CheckpointError, Checkpoints, check_shared_storage, compare_configs
 from jaxpar.checkpoint.integrity import fingerprints
 from jaxpar.train.setup import build
 from tests.support.checkpoint_worker import kill_state, perturbed, source_config, target_abstract, target_program
 from tests.support.compile_flags import subprocess_environment
-from tests.support.tiny import with_overrides
 from tests.support.paths import ROOT
+from tests.support.tiny import with_overrides
 
 WORKER = os.path.join(ROOT, "tests", "support", "checkpoint_worker.py")
 
@@ -245,7 +246,8 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_writing(tmp_path, mon
 
     free["bytes"] = 1000
     with pytest.raises(CheckpointError, match=r"has 1000 bytes \(1000 B\) free but a checkpoint of this run needs about"):
-        train(tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 8}, data={"max_corpus_bytes": 100_000}), str(tmp_path / "run"), progress=False)
+        train(tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 8}, data={"max_corpus_bytes": 100_000}), str(tmp_path / "run"),
+              progress=False)
     assert sorted(os.listdir(tmp_path / "run")) == [".lock", "checkpoints"] and os.listdir(tmp_path / "run" / "checkpoints") == []
 
 

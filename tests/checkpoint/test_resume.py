@@ -128,7 +128,8 @@ def test_resume_after_sigterm_with_warmup_and_cosine_is_bitwise_identical(runs, 
         with pytest.raises(Interrupted) as error:
             train(config(**schedule), str(workdir), progress=False)
     checkpoints = workdir / "checkpoints"
-    assert str(error.value) == f"interrupted by SIGTERM after step 3: checkpoint {checkpoints / '3'} saved; rerun the same command to resume"
+    assert str(error.value) == (f"interrupted by SIGTERM after step 3: checkpoint {checkpoints / '3'} saved; "
+                                "rerun the same command to resume")
     assert sorted(os.listdir(checkpoints)) == ["2", "3"]
     history = train(config(**schedule), str(workdir), progress=False)
     assert [r["step"] for r in history] == [4, 5, 6]
@@ -155,7 +156,8 @@ def test_resume_onto_another_mesh(runs, tmp_path, mesh, devices, capsys):
     reference = metrics(runs / "reference")
     resumed = metrics(workdir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    assert without_timing(resumed[:restored_step]) == without_timing(reference[:restored_step]), "lines before the checkpoint must stay as they were"
+    assert without_timing(resumed[:restored_step]) == without_timing(reference[:restored_step]), (
+        "lines before the checkpoint must stay as they were")
     assert [r["step"] for r in history] == list(range(restored_step + 1, 7))
     got = np.array([r["loss"] for r in history])
     want = np.array([r["loss"] for r in reference[restored_step:]])

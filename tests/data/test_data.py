@@ -1,9 +1,10 @@
 """Data pipeline: global batches are a function of (tokens, seq_len, G, seed, step) only."""
 
-import numpy as np
 import jax
+import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import base_config

@@ -137,7 +137,7 @@ def test_cudnn_matches_xla_with_segments():
     from jaxpar.models.layers import causal_attention
 
     segments = jnp.asarray(batch[:, 1, :-1])
-    grads = [jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, impl, segments).astype(jnp.float32) ** 2),
+    grads = [jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, impl, segments).astype(jnp.float32) ** 2),  # noqa: B023
                       argnums=(0, 1, 2))(q, k, v) for impl in ("cudnn", "xla")]
     for a, b in zip(*grads):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))

@@ -148,6 +148,7 @@ def test_undecodable_bytes_are_counted_and_a_binary_file_is_refused(tmp_path):
         prepare(str(tmp_path / "tok"), [str(tmp_path / "binary.dat")], str(tmp_path / "b.bin"), progress=False)
     assert not os.path.exists(tmp_path / "b.bin") and not os.path.exists(tmp_path / "b.bin.partial")
     # The script: --overwrite replaces the file written above, and the replaced bytes are reported.
-    done = run_script(f"--tokenizer={tmp_path / 'tok'}", f"--input={tmp_path / 'mostly.txt'}", f"--output={tmp_path / 'a.bin'}", "--overwrite")
+    done = run_script(f"--tokenizer={tmp_path / 'tok'}", f"--input={tmp_path / 'mostly.txt'}", f"--output={tmp_path / 'a.bin'}",
+                      "--overwrite")
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"warning: 3 bytes of 1763 were not UTF-8 and became U+FFFD (most in {tmp_path / 'mostly.txt'})" in done.stderr

@@ -17,8 +17,8 @@ import pytest
 from jaxpar.train.loop import train
 from tests.support import tiny
 from tests.support.compile_flags import subprocess_environment
-from tests.train.test_bad_inputs import write
 from tests.support.paths import ROOT
+from tests.train.test_bad_inputs import write
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")

@@ -25,9 +25,8 @@ from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
 from jaxpar.train.setup import build
 from tests.support import tiny
-from tests.train.test_bad_inputs import write
 from tests.support.paths import ROOT
-
+from tests.train.test_bad_inputs import write
 
 FAMILIES = {
     # vocab 250: padded to 256 inside the params, so the embedding / head blocks cross the padding.
@@ -60,7 +59,8 @@ def test_sharded_import_equals_whole_tensor_load_and_reads_only_blocks(family, t
     assert os.path.isfile(tmp_path / "model.safetensors.index.json"), "expected a sharded checkpoint"
     reads = []
     read_block = hf_adapter.rows_cols  # every layer entry reads its blocks through it
-    monkeypatch.setattr(hf_adapter, "rows_cols", lambda get, name, rows, cols: reads.append((name, rows, cols)) or read_block(get, name, rows, cols))
+    monkeypatch.setattr(hf_adapter, "rows_cols",
+                        lambda get, name, rows, cols: reads.append((name, rows, cols)) or read_block(get, name, rows, cols))
     make, mesh = FAMILIES[family]
     config = tiny.with_overrides(make(), mesh, parallel={"zero_stage": 3})
     program = build(config)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import math
-from pathlib import Path
 
 import jax
 import pytest

@@ -21,7 +21,7 @@ import sys
 import pytest
 
 from tests.support.compile_flags import DEVICE_COUNT, LLVM_O0, ONE_CODEGEN_MODULE, subprocess_environment
-
+from tests.support.paths import ROOT
 
 # name: (tiny config maker, model overrides, mesh, parallel)
 LAYOUTS = {
@@ -48,7 +48,6 @@ import jax, numpy as np
 from jaxpar.train.setup import build
 from tests.support import tiny
 from tests.models.test_init_independence import LAYOUTS
-from tests.support.paths import ROOT
 
 def params(config, devices):
     program = build(config, jax.devices()[:devices])

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair, layout_rows
+from jaxpar.model_facts import expert_capacity as capacity_per_expert
 from jaxpar.models.mixtral import model_config as mixtral_model_config
 from jaxpar.models.mixtral.schema import moe_spec
-from jaxpar.kernels.grouped_matmul import grouped_matmul, grouped_matmul_pair, layout_rows
 from jaxpar.models.moe import MoEBlock
 from jaxpar.models.options import RunOptions
-from jaxpar.model_facts import expert_capacity as capacity_per_expert
 from jaxpar.parallel.expert import moe_ffn
 from jaxpar.train.preflight import ConfigError, check
 from jaxpar.train.setup import build

@@ -24,8 +24,8 @@ from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
 from jaxpar.optim.matrices import MatrixDims, gathered_bytes, matrix_dims, newton_schulz_flops, whole_matrix_spec
 from jaxpar.optim.muon import Matrix
 from jaxpar.optim.state import StateLayoutError
-from jaxpar.train.preflight import ConfigError, check
 from jaxpar.sharding import is_logical_names
+from jaxpar.train.preflight import ConfigError, check
 from jaxpar.train.setup import build, bytes_per_device
 from tests.support import tiny
 
@@ -228,7 +228,8 @@ def test_muon_gathers_what_its_record_prices():
     specs = jax.tree.leaves(program.opt_rules.tree_shardings(logical))
     priced = sum(
         record.gathered_bytes(x.shape, names, sharding.spec, sizes)
-        for x, names, sharding in zip(jax.tree.leaves(models.param_shapes(config.model)), jax.tree.leaves(logical, is_leaf=is_logical_names), specs)
+        for x, names, sharding in zip(jax.tree.leaves(models.param_shapes(config.model)),
+                                      jax.tree.leaves(logical, is_leaf=is_logical_names), specs)
     )
     print(f"muon gathers {received['muon'] - received['adamw']} bytes per device per step, the record prices {priced}")
     assert priced > 0 and received["muon"] - received["adamw"] == priced

@@ -4,7 +4,8 @@ Degeneracy: 3 fp32 steps per case against the one-device run of the same model a
 (identical initial params, step-1 loss and gradients within 1e-5 relative, every step's loss and
 gradient norm within 1e-4). Together the cases cover context 2, 4 and 8, each implementation
 balanced and contiguous, and context with data, tensor + sequence parallelism, gradient
-accumulation (per (replica, context rank), with and without data, tensor, ZeRO-1), ZeRO-3, Mixtral with expert 2, and pipeline 2 under 1f1b and
+accumulation (per (replica, context rank), with and without data, tensor, ZeRO-1), ZeRO-3,
+Mixtral with expert 2, and pipeline 2 under 1f1b and
 interleaved_1f1b — each combination at least once, not the full cross product. The attention
 kernels alone are compared with one-device attention in tests/parallel/test_context_attention.py.
 """

@@ -6,8 +6,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import models
 from jaxpar.mesh import make_mesh
-from jaxpar.train.setup import build
 from jaxpar.sharding import Rules, ShardingRuleError
+from jaxpar.train.setup import build
 from tests.support import tiny
 
 

@@ -12,7 +12,6 @@ import pytest
 
 import jaxpar
 from jaxpar.checkpoint import Checkpoints
-from jaxpar.mesh import make_mesh
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.setup import build
 from tests.support import tiny
@@ -67,8 +66,8 @@ def test_workdir_and_checkpoint_sample_on_other_meshes(run_dir, capsys, tmp_path
 
 
 def test_from_hf_with_samples_and_seed(capsys, tmp_path):
-    from tests.interop.test_hf_llama import hf_model
     from jaxpar.interop import hf
+    from tests.interop.test_hf_llama import hf_model
 
     hf_model("gqa_untied").save_pretrained(tmp_path / "hf")
     cfg, params = hf.load(tmp_path / "hf")

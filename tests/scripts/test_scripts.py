@@ -18,7 +18,7 @@ import pytest
 
 from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
 from tests.support.compile_flags import subprocess_environment
-
+from tests.support.paths import ROOT
 
 
 def env():
@@ -62,7 +62,6 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 bench.load_config = lambda model: tiny.with_overrides(tiny.llama(vocab_size=256), {})
 from absl import app
-from tests.support.paths import ROOT
 sys.argv = ["bench.py", *sys.argv[1:]]
 app.run(bench.main)
 """

@@ -67,10 +67,9 @@ def _phase_functions():
     """Phase -> (owner, attribute): a function the phase calls first, patched to send the signal."""
     import jax
 
-    from jaxpar.train import preflight
     from jaxpar.checkpoint.manager import Checkpoints
     from jaxpar.data.batches import DocumentBatches
-    from jaxpar.train import loop
+    from jaxpar.train import loop, preflight
 
     return {
         "preflight": (preflight, "check_run"),

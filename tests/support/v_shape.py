@@ -14,7 +14,7 @@ import functools
 
 from jaxpar.parallel.pipeline.programs import from_programs
 from jaxpar.parallel.pipeline.schedules import ScheduleKind
-from jaxpar.parallel.pipeline.table import B, F, W, Action
+from jaxpar.parallel.pipeline.table import Action, B, F, W
 from jaxpar.parallel.pipeline.vshape import v_stages
 
 

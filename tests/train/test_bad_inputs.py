@@ -19,8 +19,8 @@ from safetensors.numpy import load_file, save_file
 from tests.support import tiny
 from tests.support.compile_flags import subprocess_environment
 from tests.support.documents import make_tokenizer, texts, write_jsonl
-from tests.train.test_workdir import hold_lock
 from tests.support.paths import ROOT
+from tests.train.test_workdir import hold_lock
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 
@@ -160,7 +160,8 @@ CASES = [
     ("config_missing", lambda t: ([f"--config={t.root / 'nope.py'}"], "nope.py does not exist")),
     ("config_syntax", lambda t: ([f"--config={write(t.root / 'syntax.py', 'def get_config(:')}"], "syntax error in")),
     ("config_no_get_config", lambda t: ([f"--config={write(t.root / 'empty.py', 'x = 1')}"], "defines no get_config()")),
-    ("config_raises", lambda t: ([f"--config={write(t.root / 'raises.py', 'def get_config():' + chr(10) + '    return 1 / 0')}"], "raises.py at line 2 raised ZeroDivisionError")),
+    ("config_raises", lambda t: ([f"--config={write(t.root / 'raises.py', 'def get_config():' + chr(10) + '    return 1 / 0')}"],
+                                 "raises.py at line 2 raised ZeroDivisionError")),
     ("config_not_configdict", lambda t: ([f"--config={write(t.root / 'dict.py', 'def get_config(): return {}')}"], "returned a dict")),
     ("config_is_a_folder", lambda t: ([f"--config={t.root}"], "is not a file")),
     # -- data
@@ -169,28 +170,42 @@ CASES = [
     ("text_empty_folder", lambda t: (data("text", os.path.dirname(write(t.root / "emptydir" / ".hidden", ""))), "holds 0 tokens")),
     ("tokens_odd_size", lambda t: (data("tokens", write(t.root / "odd.bin", "abc")), "odd.bin' is 3 bytes, not a multiple")),
     ("tokens_empty", lambda t: (data("tokens", write(t.root / "empty.bin", "")), "empty.bin' is empty")),
-    ("tokens_too_large_id", lambda t: (data("tokens", tokens(t.root / "big.bin", [5] * 700 + [300] + [7] * ENOUGH)), "holds token id 300 at position 700")),
-    ("tokens_negative_id", lambda t: (data("tokens", tokens(t.root / "neg.bin", [5] * ENOUGH + [-3], "int16"), "int16"), "holds negative token id -3")),
-    ("tokens_sidecar_vocab", lambda t: (data("tokens", tokens(t.root / "side.bin", [5] * ENOUGH, sidecar={"vocab_size": 1000})), "model.vocab_size=256 is smaller than the 1000 tokens")),
+    ("tokens_too_large_id", lambda t: (data("tokens", tokens(t.root / "big.bin", [5] * 700 + [300] + [7] * ENOUGH)),
+                                       "holds token id 300 at position 700")),
+    ("tokens_negative_id", lambda t: (data("tokens", tokens(t.root / "neg.bin", [5] * ENOUGH + [-3], "int16"), "int16"),
+                                      "holds negative token id -3")),
+    ("tokens_sidecar_vocab", lambda t: (data("tokens", tokens(t.root / "side.bin", [5] * ENOUGH, sidecar={"vocab_size": 1000})),
+                                        "model.vocab_size=256 is smaller than the 1000 tokens")),
     ("tokens_dtype", lambda t: (data("tokens", tokens(t.root / "t.bin", [5] * ENOUGH), "float32"), "data.token_dtype='float32'")),
     ("source_unknown", lambda t: (["--config.data.source=web"], "data.source='web' is not one of")),
     ("path_ignored", lambda t: ([f"--config.data.path={t.root}"], "is set but data.source='stdlib' does not read it")),
     # -- documents, tokenizers, mixtures, eval sets
-    ("jsonl_no_text_field", lambda t: (data("text", write_jsonl(t.root / "body.jsonl", texts(50), field="body")), "no 'text' field; set data.text_field")),
-    ("datasets_empty_documents", lambda t: (data("datasets", write_jsonl(t.root / "empty.jsonl", [""] * 20)), "holds no document of 2 or more tokens")),
-    ("tokenizer_vocab_too_big", lambda t: (data("text", t.jsonl()) + [f"--config.data.tokenizer={t.tokenizer()}", "--config.model.vocab_size=16"], "more than model.vocab_size=16")),
-    ("mixture_weight_zero", lambda t: ([f"--config.data.mixture={t.jsonl()}:2,{t.jsonl()}:0", "--config.data.source=text"], "data.mixture[1].weight=0.0 must be a number > 0")),
-    ("eval_missing", lambda t: (data("text", t.jsonl()) + [f"--config.eval.path={t.root / 'noeval.jsonl'}"], "noeval.jsonl' does not exist")),
-    ("eval_too_short", lambda t: (data("text", t.jsonl()) + [f"--config.eval.path={write_jsonl(t.root / 'ev.jsonl', texts(3))}", "--config.eval.steps=5"], "fewer than eval.steps=5")),
+    ("jsonl_no_text_field", lambda t: (data("text", write_jsonl(t.root / "body.jsonl", texts(50), field="body")),
+                                       "no 'text' field; set data.text_field")),
+    ("datasets_empty_documents", lambda t: (data("datasets", write_jsonl(t.root / "empty.jsonl", [""] * 20)),
+                                            "holds no document of 2 or more tokens")),
+    ("tokenizer_vocab_too_big", lambda t: (data("text", t.jsonl())
+                                           + [f"--config.data.tokenizer={t.tokenizer()}", "--config.model.vocab_size=16"],
+                                           "more than model.vocab_size=16")),
+    ("mixture_weight_zero", lambda t: ([f"--config.data.mixture={t.jsonl()}:2,{t.jsonl()}:0", "--config.data.source=text"],
+                                       "data.mixture[1].weight=0.0 must be a number > 0")),
+    ("eval_missing", lambda t: (data("text", t.jsonl()) + [f"--config.eval.path={t.root / 'noeval.jsonl'}"],
+                                "noeval.jsonl' does not exist")),
+    ("eval_too_short", lambda t: (data("text", t.jsonl())
+                                  + [f"--config.eval.path={write_jsonl(t.root / 'ev.jsonl', texts(3))}", "--config.eval.steps=5"],
+                                  "fewer than eval.steps=5")),
     # -- workdirs (no --overwrite where the earlier run itself is the problem)
     ("workdir_is_a_file", lambda t: ([f"--workdir={write(t.root / 'afile', 'x')}"], "afile is a file, not a directory")),
     ("workdir_parent_file", lambda t: ([f"--workdir={write(t.root / 'bfile', 'x')}/run"], "bfile is a file")),
     ("workdir_unwritable", lambda t: (t.unwritable(), "is not writable")),
-    ("gcs_without_gcsfs", lambda t: (t.without_module("gcsfs", ["--config.checkpoint.dir=gs://jaxpar-test-bucket/run"]), 'checkpoint.dir=gs://jaxpar-test-bucket/run needs the gcsfs package: pip install -e ".[gcs]"')),
+    ("gcs_without_gcsfs", lambda t: (t.without_module("gcsfs", ["--config.checkpoint.dir=gs://jaxpar-test-bucket/run"]),
+                                     'checkpoint.dir=gs://jaxpar-test-bucket/run needs the gcsfs package: pip install -e ".[gcs]"')),
     ("checkpoint_dir_file", lambda t: ([f"--config.checkpoint.dir={write(t.root / 'cfile', 'x')}"], "checkpoint.dir=")),
-    ("earlier_run_no_checkpoint", lambda t: (t.no_overwrite(t.earlier_logs_only()), "holds an earlier run (metrics.jsonl, config.json) but no complete checkpoint")),
+    ("earlier_run_no_checkpoint", lambda t: (t.no_overwrite(t.earlier_logs_only()),
+                                             "holds an earlier run (metrics.jsonl, config.json) but no complete checkpoint")),
     ("earlier_run_other_model", lambda t: (t.no_overwrite(["--config.model.hidden_size=128"]), "model.hidden_size (saved 64, now 128)")),
-    ("earlier_run_other_data", lambda t: (t.no_overwrite(["--config.data.max_corpus_bytes=90000"]), "data.max_corpus_bytes (saved 100000, now 90000)")),
+    ("earlier_run_other_data", lambda t: (t.no_overwrite(["--config.data.max_corpus_bytes=90000"]),
+                                          "data.max_corpus_bytes (saved 100000, now 90000)")),
     ("workdir_locked", lambda t: (t.locked(), "is in use by another run (host elsewhere, pid")),
     # As root (the tests' user) /proc passes the permission checks, but no directory can be made in
     # it: the lock's creation fails ("cannot create its lock file"); others get preflight's line.

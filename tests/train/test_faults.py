@@ -24,8 +24,8 @@ from jaxpar.checkpoint.listing import finished_steps, incomplete_saves
 from jaxpar.train.observe import TIMING_FIELDS
 from jaxpar.train.signals import StopSignals
 from tests.support.compile_flags import subprocess_environment
-from tests.train.test_bad_inputs import write
 from tests.support.paths import ROOT
+from tests.train.test_bad_inputs import write
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 WORKER = os.path.join(ROOT, "tests", "support", "train_worker.py")
@@ -74,7 +74,8 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(t
     assert [r["step"] for r in lines(workdir)] == [1, 2, 3], "every step exactly once"
     # Step 2, redone from checkpoint 1 (cosine schedule), is bitwise the step the killed run logged.
     redone = lines(workdir)[1]
-    assert {k: v for k, v in redone.items() if k not in TIMING_FIELDS} == {k: v for k, v in killed_lines[1].items() if k not in TIMING_FIELDS}
+    assert ({k: v for k, v in redone.items() if k not in TIMING_FIELDS}
+            == {k: v for k, v in killed_lines[1].items() if k not in TIMING_FIELDS})
     assert finished_steps(checkpoints) == [1, 2, 3] and incomplete_saves(checkpoints) == []
 
 
@@ -164,7 +165,8 @@ def test_a_signal_at_every_start_up_phase_stops_with_one_line(tmp_path):
             continue
         then = "resume" if phase == "restore" else "start"
         said = {"data": "loading data"}.get(phase, phase)
-        assert line == f"interrupted by {name} during start-up ({said}); nothing of an earlier run was changed: rerun the same command to {then}"
+        assert line == (f"interrupted by {name} during start-up ({said}); nothing of an earlier run was changed: "
+                        f"rerun the same command to {then}")
         assert f"received {name}: stopping after this start-up phase" in done.stdout
         if phase == "restore":
             assert finished_steps(checkpoints) == [1] and [r["step"] for r in lines(workdir)] == [1]

@@ -1,7 +1,8 @@
 """The fit check (`jaxpar.train.fit`): a step too big for the devices stops before anything is allocated.
 
 - A model whose step needs more than this machine's whole memory on every one of 8 emulated devices
-  (2.8B fp32 parameters replicated over data 8 with AdamW: ~63 GiB per device): the training loop raises `DoesNotFit` naming needed vs available per
+  (2.8B fp32 parameters replicated over data 8 with AdamW: ~63 GiB per device): the training
+  loop raises `DoesNotFit` naming needed vs available per
   device and the largest term, before the corpus is read or the state initialised, and without a
   single new array on the devices (the compile is abstract).
 - A tiny model fits: the loop's check passes, and the bytes it counts are XLA's own

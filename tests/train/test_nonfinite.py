@@ -104,5 +104,6 @@ def test_skip_policy_leaves_the_state_untouched_and_stops_past_the_cap(tmp_path)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2", "3", "4"]
     before, after = restore(config, str(tmp_path / "checkpoints"), 2), restore(config, str(tmp_path / "checkpoints"), 4)
     assert int(after.state.step) == 2 and int(after.state.loss_scale.skipped_steps) == 2
-    for a, b in zip(jax.tree.leaves((before.state.params, before.state.opt_state)), jax.tree.leaves((after.state.params, after.state.opt_state))):
+    for a, b in zip(jax.tree.leaves((before.state.params, before.state.opt_state)),
+                    jax.tree.leaves((after.state.params, after.state.opt_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -24,14 +24,14 @@ import pytest
 from jaxpar.analysis.program import hlo, profile
 from jaxpar.train import observe
 from tests.support import tiny
-from tests.support.paths import ROOT
 
 
 def test_op_names_read_from_hlo_map_to_scopes():
     text = """HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
 ENTRY %main.5 (p: f32[4]) -> f32[4] {
   %p = f32[4]{0} parameter(0)
-  ROOT %ynn_fusion.2 = f32[4]{0} fusion(%p), kind=kCustom, calls=%f, metadata={op_name="jit(f)/transpose(jvp(mlp))/dot_general" stack_frame_id=3}
+  ROOT %ynn_fusion.2 = f32[4]{0} fusion(%p), kind=kCustom, calls=%f, \
+metadata={op_name="jit(f)/transpose(jvp(mlp))/dot_general" stack_frame_id=3}
 }"""
     assert profile.scope_of(hlo.instructions(text)["ynn_fusion.2"].op_name) == ("mlp", "backward")
 

@@ -118,7 +118,8 @@ def test_step1_gradients_match_transformers(name, tmp_path):
     _, metrics, grads = program.step_with_grads(state, rows)
     grads = jax.device_get(grads)
     errors = jax.tree.map(lambda x, r: float(np.max(np.abs(x - r)) / np.max(np.abs(r))), grads, expected)
-    print(f"{name}: loss {float(metrics['loss']):.6f} vs transformers {float(loss.detach()):.6f}; worst gradient {max(jax.tree.leaves(errors)):.1e}")
+    print(f"{name}: loss {float(metrics['loss']):.6f} vs transformers {float(loss.detach()):.6f}; "
+          f"worst gradient {max(jax.tree.leaves(errors)):.1e}")
     assert abs(float(metrics["loss"]) - float(loss)) <= 1e-6 * float(loss)
     assert max(jax.tree.leaves(errors)) <= GRAD_RTOL, errors
     if "mixtral" in name:

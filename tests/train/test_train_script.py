@@ -4,8 +4,9 @@ import json
 import os
 import subprocess
 import sys
-from tests.support.compile_flags import subprocess_environment
 
+from tests.support.compile_flags import subprocess_environment
+from tests.support.paths import ROOT
 
 
 def imported(stderr: str) -> set[str]:

@@ -14,16 +14,19 @@ Compute-dtype values move in the compute dtype (`Layout.activation_bytes`: fp32 
 
 - tensor (Megatron, `jaxpar.sharding` rules): per layer, forward 2 all-reduces of a (attention
   and MLP outputs, row-parallel), backward 2 (their inputs' gradients); remat full recomputes the
-  attention one (the recompute skips the MLP's down projection). The vocab-parallel embedding all-reduces a once; the LM head's input gradient
+  attention one (the recompute skips the MLP's down projection). The vocab-parallel embedding
+  all-reduces a once; the LM head's input gradient
   (fp32) once; the loss reduces three [tokens] fp32 vectors. With sequence parallelism each
   all-reduce becomes an all-gather + reduce-scatter pair of the same a.
 - data / expert-as-data (batch axes): gradients all-reduced over the batch axes once per step
   (per-replica / per-rank accumulation) or once per microbatch (MoE, ZeRO-3: plain accumulation). ZeRO-1:
   reduce-scatter of the gradients over data, then all-gather of the updated parameters (param
-  dtype); over data x context (`parallel.zero_axes`) `jaxpar.analysis.cost.comm_zero`; the embedding's gradient instead moves its cotangent activations by all-to-all (and
+  dtype); over data x context (`parallel.zero_axes`) `jaxpar.analysis.cost.comm_zero`; the
+  embedding's gradient instead moves its cotangent activations by all-to-all (and
   the token ids by all-gather). ZeRO-3: each layer's weights all-gathered (compute dtype) inside
   the layer scan and again in the backward (three times in a pipeline stage, whose backward
-  re-runs its forward), and each layer's gradient reduce-scattered, per microbatch; the LM head is gathered once and its gradient reduce-scattered; the embedding
+  re-runs its forward), and each layer's gradient reduce-scattered, per microbatch; the LM head
+  is gathered once and its gradient reduce-scattered; the embedding
   lookup all-to-alls its activations (and all-gathers token ids) forward and backward.
 - expert (`jaxpar.parallel.expert`): per MoE layer, forward two all-to-alls of the dispatch
   buffer (tokens · rows-per-token · D; dropless buffers are worst-case sized) plus one of the
@@ -59,17 +62,26 @@ jaxpar does today. `Planned`, `wire_bytes` and the lowerings live in `jaxpar.ana
 from __future__ import annotations
 
 from jaxpar.analysis.cost.comm_context import (  # noqa: F401 (context_collectives: re-exported)
-    context_collectives, context_gradients, dispatch_manual_over_context, context_reduced_with_data,
+    context_collectives,
+    context_gradients,
+    context_reduced_with_data,
+    dispatch_manual_over_context,
 )
 from jaxpar.analysis.cost.comm_zero import spans_context, zero1, zero3_embedding, zero3_gathers
-from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.analysis.cost.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
-from jaxpar.analysis.cost.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
-    IDEAL, XLA_CPU, Planned, XlaLowering, lowering_for, present_axes, wire_bytes,
-)
-from jaxpar.parallel.data import GradientStrategy
-from jaxpar.analysis.cost.optimizer_terms import optimizer_collectives
 from jaxpar.analysis.cost.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
+from jaxpar.analysis.cost.optimizer_terms import optimizer_collectives
+from jaxpar.analysis.cost.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
+    IDEAL,
+    XLA_CPU,
+    Planned,
+    XlaLowering,
+    lowering_for,
+    present_axes,
+    wire_bytes,
+)
+from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
+from jaxpar.parallel.data import GradientStrategy
 
 
 def _scatter(layout: Layout) -> str:
@@ -113,7 +125,8 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
         # the backward's one (tensor bytes measured: Qwen2-MoE-shaped expert 2 x tensor 2, remat
         # none exact, remat full -3.5%; Mixtral-shaped pipeline 2 x tensor 2, remat full +0.01%).
         passes = forward_passes + (0 if layout.remat == "none" else 1) + 1
-        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, routed * passes, f"{tag}: expert partial sums per tile (XLA:CPU)", True))
+        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, routed * passes,
+                           f"{tag}: expert partial sums per tile (XLA:CPU)", True))
     if layout.sequence_parallel:
         scatter = _scatter(layout)
         # (Every layer's MLP-sized scatters, MoE or not, as measured; a shared expert's on top is
@@ -231,7 +244,8 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
             zero_axes = data
             # With context the embedding's shard is summed over each axis apart (measured, ibid.).
             table = 4 * counts.embedding if layout.c > 1 else 0
-            out.append(Planned(ALL_REDUCE, present_axes(layout, CONTEXT, EXPERT), (grads - embed_bytes - table) / layout.d, k, "ZeRO-1 MoE: shards over expert"))
+            out.append(Planned(ALL_REDUCE, present_axes(layout, CONTEXT, EXPERT), (grads - embed_bytes - table) / layout.d, k,
+                               "ZeRO-1 MoE: shards over expert"))
             if table:
                 out += [
                     Planned(ALL_REDUCE, (EXPERT,), table / layout.d, k, "ZeRO-1 MoE: embedding shard over expert"),
@@ -270,7 +284,8 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, present_axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
-        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m, "ZeRO-3 MoE: other layer gradients", overlap=True))
+        out.append(Planned(ALL_REDUCE, present_axes(layout, DATA, EXPERT), 4 * (layer - counts.experts), L * m,
+                           "ZeRO-3 MoE: other layer gradients", overlap=True))
         if not spanned:
             out.append(_embedding_cotangent_replicated(layout))
     if spanned:
@@ -292,7 +307,8 @@ def _embedding_cotangent_replicated(layout: Layout) -> Planned:
     per microbatch (measured, Mixtral 8x7B data 2/4 x expert 2/4 with tensor and context, ZeRO 1
     and 3, and at test size). A jaxpar layout the partitioner handles badly, priced as it is."""
     rows = layout.tokens / layout.microbatches * layout.d * layout.e
-    return Planned(ALL_GATHER, present_axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches, "ZeRO MoE: embedding cotangent replicated", True)
+    return Planned(ALL_GATHER, present_axes(layout, DATA, EXPERT), rows * layout.hidden * 4, layout.microbatches,
+                   "ZeRO MoE: embedding cotangent replicated", True)
 
 
 def _embedding_by_all_to_all(layout: Layout, axes, *, forward: bool) -> list[Planned]:
@@ -350,7 +366,8 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     out = [Planned(COLLECTIVE_PERMUTE, (PIPELINE,), mb_act, 2 * steps, "PP: activations and gradients per time step")]
     # ZeRO-3 leaves the batch axes to the partitioner: the engine's loss scalars are summed over
     # its manual axes and tensor (measured, Llama 3 70B data 2 x pipeline 2 x tensor 2 / context 2).
-    everyone = present_axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero.shard_params else present_axes(layout, DATA, PIPELINE, CONTEXT, EXPERT)
+    everyone = (present_axes(layout, PIPELINE, CONTEXT, TENSOR) if layout.zero.shard_params
+                else present_axes(layout, DATA, PIPELINE, CONTEXT, EXPERT))
     out.append(Planned(ALL_REDUCE, everyone, 4, 1, "PP: the loss over pipeline and replicas"))
     if layout.vocab_spread:
         out += _spread_vocab(layout, counts, steps, mb_tokens, mb_full, mb_act)
@@ -404,7 +421,8 @@ def _spread_vocab(layout: Layout, counts: ParamCounts, steps: float, mb_tokens: 
             # at vocab 512, 3 at Llama 3 70B data 2 x pipeline 2 x tensor 2). Each with its ids.
             table_shard = layout.vocab * layout.hidden * 4 / (layout.vocab_shards * layout.d)
             moves = 3 if mb_act < table_shard else 1
-            out.append(Planned(COLLECTIVE_PERMUTE, (DATA, TENSOR), mb_act + mb_tokens / layout.t * 4, moves * steps, "PP vocab+SP ZeRO-3: lookups re-laid over data x tensor"))
+            out.append(Planned(COLLECTIVE_PERMUTE, (DATA, TENSOR), mb_act + mb_tokens / layout.t * 4, moves * steps,
+                               "PP vocab+SP ZeRO-3: lookups re-laid over data x tensor"))
         if layout.sequence_parallel:
             out += [
                 Planned(ALL_GATHER, (TENSOR,), mb_full, m, "PP vocab+SP: the head's input sequence"),

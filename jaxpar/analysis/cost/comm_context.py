@@ -4,11 +4,11 @@ gradients' sums over context (`context_gradients`), as jaxpar's step compiles th
 
 from __future__ import annotations
 
-from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
-from jaxpar.analysis.cost.layout import CONTEXT, EXPERT, TENSOR, Layout, LayoutError
 from jaxpar.analysis.cost.comm_zero import spans_context
+from jaxpar.analysis.cost.layout import CONTEXT, EXPERT, TENSOR, Layout, LayoutError
 from jaxpar.analysis.cost.memory import ParamCounts
 from jaxpar.analysis.cost.planned import Planned
+from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 from jaxpar.parallel.data import GradientStrategy
 
 
@@ -91,7 +91,8 @@ def context_collectives(layout: Layout) -> list[Planned]:
     if impl == "ring":
         block = kv / c
         return [
-            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1), "CP ring: K and V blocks (fwd, and again in the bwd)", overlap=True),
+            Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1),
+                    "CP ring: K and V blocks (fwd, and again in the bwd)", overlap=True),
             Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)", overlap=True),
         ]
     if impl == "all_to_all":

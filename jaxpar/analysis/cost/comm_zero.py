@@ -22,11 +22,10 @@ Mixtral 8x7B sweeps):
 
 from __future__ import annotations
 
-from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE
 from jaxpar.analysis.cost.layout import CONTEXT, DATA, EXPERT, Layout
 from jaxpar.analysis.cost.memory import ParamCounts
 from jaxpar.analysis.cost.planned import Planned, lowering_for, present_axes
-from jaxpar.analysis.program.hlo import REDUCE_SCATTER
+from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
 
 
 def spans_context(layout: Layout) -> bool:

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.analysis.cost.optimizer_terms import optimizer_terms
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.comm import Planned, planned_collectives
 from jaxpar.analysis.cost.context_work import attention_fraction
 from jaxpar.analysis.cost.efficiency import compute_seconds, overlapped
 from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.cost.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
+from jaxpar.analysis.cost.optimizer_terms import optimizer_terms
 
 
 @dataclasses.dataclass(frozen=True)

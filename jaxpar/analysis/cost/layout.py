@@ -51,7 +51,7 @@ class Layout:
     @classmethod
     def from_config(
         cls, config, num_devices: int | None = None, mesh: dict | None = None, target: str = "gpu"
-    ) -> "Layout":
+    ) -> Layout:
         """`mesh`: resolved axis sizes; else `config.mesh` resolved for `num_devices` devices."""
         if target not in TARGETS:
             raise LayoutError(f"target={target!r} is not one of {TARGETS}")
@@ -292,7 +292,7 @@ class Layout:
         return self.config.train.compute_dtype
 
     @property
-    def pipeline_shape(self) -> "PipelineShape":
+    def pipeline_shape(self) -> PipelineShape:
         """Time steps, bubble and buffer slots of the pipeline schedule (p > 1)."""
         pipe = self.plan.pipeline
         return pipeline_shape(pipe.schedule, self.p, pipe.microbatches, pipe.virtual_stages)

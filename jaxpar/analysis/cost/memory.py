@@ -24,7 +24,8 @@ count of the buffers the step keeps, per device:
 
 Peak = state + max(backward phase, optimizer phase). The backward phase holds grads, stash,
 param_cast and the working set; the optimizer phase holds three gradient-sized fp32
-buffers (`OPTIMIZER_GRAD_BUFFERS`, measured: temp = 2.96 x grads on XLA:CPU when it dominates). Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
+buffers (`OPTIMIZER_GRAD_BUFFERS`, measured: temp = 2.96 x grads on XLA:CPU when it dominates).
+Small buffers (scalars, metrics, norms' statistics) are ignored, so tiny
 models read low.
 
 Pipeline (p > 1) and MoE layers are priced by `pipeline_memory` / the MoE residual terms below.
@@ -42,7 +43,8 @@ import functools
 import math
 
 from jaxpar.analysis.cost.layout import Layout
-from jaxpar.analysis.cost.leaves import model_leaves as _model_leaves, shard_elements as _shard_elements
+from jaxpar.analysis.cost.leaves import model_leaves as _model_leaves
+from jaxpar.analysis.cost.leaves import shard_elements as _shard_elements
 from jaxpar.analysis.cost.optimizer_terms import optimizer_terms
 from jaxpar.kernels.grouped_matmul import group_tile, layout_rows
 from jaxpar.parallel.context.blockwise import chunk_size
@@ -385,7 +387,6 @@ def context_attention_buffers(layout: Layout, micro_tokens: float) -> float:
 def _working_set(layout: Layout, counts: ParamCounts, micro_tokens: float, chunk_layers: int) -> float:
     """max(one layer's backward, its attention scores, the loss) for `micro_tokens` tokens at
     once (see module doc)."""
-    t = layout.t
     # The largest layer's backward: a routing one when dense layers sit among MoE layers.
     layer_residuals = micro_tokens * saved_per_token_layer(layout, "none", routing=layout.is_moe)
     factor = MOE_WORKING_FACTOR if layout.is_moe else WORKING_FACTOR[layout.remat]

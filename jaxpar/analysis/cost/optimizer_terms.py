@@ -20,14 +20,14 @@ from jax.sharding import PartitionSpec as P
 from ml_collections import ConfigDict
 
 from jaxpar import optim
-from jaxpar.analysis.program.hlo import ALL_GATHER
 from jaxpar.analysis.cost.layout import Layout
-from jaxpar.analysis.cost.leaves import model_leaves as _model_leaves, shard_elements as _shard_elements
+from jaxpar.analysis.cost.leaves import model_leaves as _model_leaves
+from jaxpar.analysis.cost.leaves import shard_elements as _shard_elements
 from jaxpar.analysis.cost.planned import Planned
+from jaxpar.analysis.program.hlo import ALL_GATHER
 from jaxpar.dtypes import DTYPE_BYTES
 from jaxpar.optim import matrices
 from jaxpar.sharding import rules_table
-
 
 # Muon's update holds about this many copies of the gathered whole matrices at once (the gathered
 # momentum, the iteration's X, X·Xᵀ, its polynomial and the next X, for every layer at once since the

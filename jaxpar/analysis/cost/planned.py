@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.program.hlo import COLLECTIVE_PERMUTE
 from jaxpar.analysis.program.wire import wire_bytes  # noqa: F401 (re-exported for the cost model)
-from jaxpar.analysis.cost.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)

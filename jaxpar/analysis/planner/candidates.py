@@ -85,7 +85,7 @@ class Space:
     zero_axes: tuple | None = ("auto", DATA)  # with mesh.context > 1 and ZeRO: over data x context or data
 
     @classmethod
-    def of_config(cls, zero_stages=(0, 1, 3), remats=None, microbatch_rows: int = 0) -> "Space":
+    def of_config(cls, zero_stages=(0, 1, 3), remats=None, microbatch_rows: int = 0) -> Space:
         """The sweep's default: ZeRO stages vary, everything else as the config says (or
         `microbatch_rows` rows per microbatch on every mesh)."""
         return cls(

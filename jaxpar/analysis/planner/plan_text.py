@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.planner.search import (
-    USABLE_FRACTION, Plan, Priced, memory_terms, overflow, param_total, plan_layouts, state_bytes_per_param,
+    USABLE_FRACTION,
+    Plan,
+    Priced,
+    memory_terms,
+    overflow,
+    param_total,
+    plan_layouts,
+    state_bytes_per_param,
 )
 from jaxpar.axes import DATA, MESH_AXES
 from jaxpar.dtypes import DTYPE_BYTES
@@ -80,7 +87,8 @@ def ranking(plan: Plan, top: int = 5) -> str:
     meshes = plan.best_per_mesh()
     lines = [
         f"{len(meshes)} meshes fit ({len(plan.fitting)} layouts of {len(plan.fitting) + len(plan.too_big)} priced; "
-        f"{plan.screen.summary()}" + (f"; not priced: {sum(plan.unpriced.values())} ({next(iter(plan.unpriced))})" if plan.unpriced else "") + ")",
+        f"{plan.screen.summary()}"
+        + (f"; not priced: {sum(plan.unpriced.values())} ({next(iter(plan.unpriced))})" if plan.unpriced else "") + ")",
         f"{'#':>2}  {'layout':<52} {'step':>8} {'tok/s/dev':>9} {'MFU':>4}  {'compute':>8} {'comm':>8} {'exposed':>8} "
         f"{'bubble':>8}  {'peak GiB':>8}",
     ]

@@ -17,13 +17,20 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from jaxpar.analysis.cost.optimizer_terms import state_bytes_per_param as optimizer_state_per_param
 from jaxpar.analysis.cost import hardware as hw
-from jaxpar.analysis.planner.candidates import (
-    ACCUM_KEY, CONTEXT_IMPL_KEY, MICROBATCH_KEY, ZERO_AXES_KEY, Candidate, Screen, Space, candidates,
-)
 from jaxpar.analysis.cost.cost_model import Estimate, estimate
 from jaxpar.analysis.cost.memory import MemoryEstimate
+from jaxpar.analysis.cost.optimizer_terms import state_bytes_per_param as optimizer_state_per_param
+from jaxpar.analysis.planner.candidates import (
+    ACCUM_KEY,
+    CONTEXT_IMPL_KEY,
+    MICROBATCH_KEY,
+    ZERO_AXES_KEY,
+    Candidate,
+    Screen,
+    Space,
+    candidates,
+)
 from jaxpar.axes import MESH_AXES, PIPELINE
 from jaxpar.dtypes import DTYPE_BYTES
 from jaxpar.models.families import facts

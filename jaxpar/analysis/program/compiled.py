@@ -19,8 +19,8 @@ from collections import defaultdict
 from jax.sharding import Mesh
 
 from jaxpar.analysis.program import hlo
-from jaxpar.analysis.program.wire import wire_bytes
 from jaxpar.analysis.program.hlo_flops import matmul_flops
+from jaxpar.analysis.program.wire import wire_bytes
 from jaxpar.axes import PIPELINE
 
 

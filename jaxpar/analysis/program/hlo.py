@@ -37,7 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxpar.analysis.program.hlo_groups import (  # noqa: F401 (iota_groups, mesh_axes_groups: re-exported)
-    HloParseError, _ints, iota_groups, mesh_axes_groups, parse_replica_groups,
+    HloParseError,
+    _ints,
+    iota_groups,
+    mesh_axes_groups,
+    parse_replica_groups,
 )
 
 ALL_REDUCE = "all-reduce"

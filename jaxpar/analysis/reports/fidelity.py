@@ -17,9 +17,9 @@ import dataclasses
 
 import numpy as np
 
+from jaxpar.analysis.cost.cost_model import Estimate, estimate
 from jaxpar.analysis.program import hlo
 from jaxpar.analysis.program.compiled import CompiledStep, compile_step
-from jaxpar.analysis.cost.cost_model import Estimate, estimate
 from jaxpar.axes import PIPELINE
 from jaxpar.parallel.pipeline.layout import stage_layout
 from jaxpar.parallel.pipeline.slots import LAST

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.analysis.reports.markdown import table as _table
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.cost_model import Estimate, estimate
-from jaxpar.axes import DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
+from jaxpar.analysis.reports.markdown import table as _table
+from jaxpar.axes import DATA, EXPERT, MESH_AXES, PIPELINE
 from jaxpar.config import base_config
 from jaxpar.models import llama, mixtral
 from jaxpar.models.families import facts as model_facts

@@ -27,12 +27,12 @@ import pickle
 import time
 
 from jaxpar.analysis.cost import hardware as hw
-from jaxpar.analysis.planner.candidates import Candidate, Screen, Space, candidates
-from jaxpar.analysis.program.compiled import CompiledStep, compile_step
 from jaxpar.analysis.cost.cost_model import Estimate, estimate
-from jaxpar.analysis.reports.fidelity import Fidelity
 from jaxpar.analysis.cost.layout import Layout
+from jaxpar.analysis.planner.candidates import Candidate, Screen, Space, candidates
 from jaxpar.analysis.planner.search import USABLE_FRACTION, memory_terms
+from jaxpar.analysis.program.compiled import CompiledStep, compile_step
+from jaxpar.analysis.reports.fidelity import Fidelity
 from jaxpar.axes import MESH_AXES
 
 # Fidelity targets (the issue's): peak memory within 15%, collective bytes within 10%.
@@ -279,7 +279,8 @@ def fidelity_summary(rows: list[SweepRow]) -> list[str]:
     for r in priced:
         if not r.within_tolerance:
             errs = ", ".join(f"{'+'.join(a)} {100 * e:+.1f}%" for a, e in r.axis_errors().items() if abs(e) > BYTES_TOLERANCE)
-            out.append(f"  - outside: {r.candidate.describe()}: memory {100 * r.fidelity.memory_error:+.1f}%" + (f"; bytes {errs}" if errs else ""))
+            out.append(f"  - outside: {r.candidate.describe()}: memory {100 * r.fidelity.memory_error:+.1f}%"
+                       + (f"; bytes {errs}" if errs else ""))
     unexpected = [(r, t) for r in priced for t in _unexpected(r.fidelity)]
     out += ["", "Collectives XLA emitted that the model does not plan (kind over axes: bytes per device per step; "
             f"from {MIN_LISTED_BYTES / 1e6:g} MB):", ""]

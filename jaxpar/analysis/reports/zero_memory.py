@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import copy
 
-from jaxpar.analysis.reports.markdown import table as _table
-from jaxpar.analysis.planner.candidates import ZERO_AXES_KEY, set_keys
 from jaxpar.analysis.cost.cost_model import estimate
+from jaxpar.analysis.planner.candidates import ZERO_AXES_KEY, set_keys
 from jaxpar.analysis.planner.search import plan_layouts
+from jaxpar.analysis.reports.markdown import table as _table
 from jaxpar.axes import CONTEXT, DATA, MESH_AXES, TENSOR
 
 GIB = 2**30

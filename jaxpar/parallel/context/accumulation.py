@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import CONTEXT
+from jaxpar.manual import manual_spec, vary_everywhere
 from jaxpar.parallel.context.sequence import split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.manual import manual_spec, vary_everywhere
 
 
 def per_rank_grads(loss_fn, params, batch, *, accum: int, rules, plan, scale, param_names):

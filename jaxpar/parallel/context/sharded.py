@@ -9,13 +9,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import CONTEXT, TENSOR
+from jaxpar.manual import manual_axes
 from jaxpar.parallel.context.local import (
     DEFAULT_BLOCK,
     all_gather_attention_local,
     all_to_all_attention_local,
     ring_attention_local,
 )
-from jaxpar.manual import manual_axes
 
 IMPLS = {
     "all_gather": all_gather_attention_local,

@@ -27,7 +27,7 @@ import dataclasses
 import itertools
 
 from jaxpar.parallel.pipeline.schedules import make_schedule
-from jaxpar.parallel.pipeline.table import B, F, W, Schedule
+from jaxpar.parallel.pipeline.table import B, F, Schedule, W
 
 AUTO = "auto"
 PLACEMENTS = ("spread", "ends")

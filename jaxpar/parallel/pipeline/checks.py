@@ -5,7 +5,7 @@ semantics.
 
 from __future__ import annotations
 
-from jaxpar.parallel.pipeline.table import B, F, KINDS, W, Action, Schedule
+from jaxpar.parallel.pipeline.table import KINDS, Action, B, F, Schedule, W
 
 _MAX_SHOWN = 8
 

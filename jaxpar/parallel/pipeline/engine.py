@@ -15,7 +15,8 @@ accumulates its own gradients over the m microbatches and they are reduced once,
 engine; under ZeRO-3 the partitioner reduce-scatters per microbatch instead, as FSDP does.
 
 Collectives: before the scan, the layer exchange of an uneven split or a non-modular stage map
-(`layout.py`; none for an equal split stored in the schedule's order). Per time step, for each rank distance d a stage-to-stage hop of the table's stage
+(`layout.py`; none for an equal split stored in the schedule's order). Per time step, for each
+rank distance d a stage-to-stage hop of the table's stage
 map uses (`Schedule.hops`), one `ppermute` of the step's stage output by +d and one of its input
 gradient by -d, and the vocab-parallel all-reduces over `pipeline` (`vocab.py`). The modular map
 (stage s on rank s % p) uses d = 1 only: one ppermute each way per step (rings when v > 1); a V
@@ -71,10 +72,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import PIPELINE
+from jaxpar.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.context.plan import sequence_axes
 from jaxpar.parallel.context.sequence import TokenBatch, default_positions, split_rows
 from jaxpar.parallel.data import split_microbatches
-from jaxpar.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
 from jaxpar.parallel.pipeline import router
 from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
 from jaxpar.parallel.pipeline.slots import FIRST, LAST, STEP_FIELDS

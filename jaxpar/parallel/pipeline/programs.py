@@ -5,7 +5,7 @@ dualpipev (`schedules.py`, `vshape.py`) state their schedules this way.
 
 from __future__ import annotations
 
-from jaxpar.parallel.pipeline.table import B, F, Action, Schedule, StageMap, check_sizes, from_placements, modular_stages
+from jaxpar.parallel.pipeline.table import Action, B, F, Schedule, StageMap, check_sizes, from_placements, modular_stages
 
 
 def from_programs(name: str, p: int, m: int, v: int, programs, *, split_backward: bool = False,

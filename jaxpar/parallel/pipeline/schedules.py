@@ -18,19 +18,19 @@ import dataclasses
 from collections.abc import Callable
 
 from jaxpar.axes import PIPELINE
+from jaxpar.parallel.pipeline.programs import from_programs
 from jaxpar.parallel.pipeline.table import (  # noqa: F401  (bubble_fraction: see the docstring)
+    Action,
     B,
     F,
-    W,
-    Action,
     Schedule,
     StageMap,
+    W,
     bubble_fraction,
     check_sizes,
     from_placements,
     modular_stages,
 )
-from jaxpar.parallel.pipeline.programs import from_programs
 from jaxpar.parallel.pipeline.vshape import _dualpipev_constraints, dualpipev, v_stages, zb_v
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxpar.parallel.pipeline.checks import validate
 from jaxpar.parallel.pipeline.schedules import make_schedule
-from jaxpar.parallel.pipeline.table import B, F, W, Schedule
+from jaxpar.parallel.pipeline.table import B, F, Schedule, W
 
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
 # Per-(step, rank) int32 fields the engine scans over, besides one `recv_act{h}` and one

@@ -18,8 +18,9 @@ embedding's weight gradient). The cotangent is the output gradient plus the rout
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from jaxpar.axes import PIPELINE
 from jaxpar.parallel.pipeline.programs import from_programs
-from jaxpar.parallel.pipeline.table import B, F, W, Action, Schedule, StageMap, check_sizes, from_placements
+from jaxpar.parallel.pipeline.table import Action, B, F, Schedule, StageMap, W, check_sizes, from_placements
 
 
 def v_stages(p: int, v: int = 2) -> StageMap:

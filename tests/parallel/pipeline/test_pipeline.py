@@ -17,7 +17,8 @@ import pytest
 
 from jaxpar import models
 from jaxpar.mesh import resolve_mesh_shape
-from jaxpar.parallel.pipeline.options import checks as pipeline_checks, pipeline_options
+from jaxpar.parallel.pipeline.options import checks as pipeline_checks
+from jaxpar.parallel.pipeline.options import pipeline_options
 from jaxpar.train.setup import build, bytes_per_device
 from jaxpar.train.step import loss_and_grads
 from tests.support import tiny

@@ -18,17 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.analysis.program.compiled import pipeline_traffic
 from jaxpar.analysis.cost.cost_model import estimate
+from jaxpar.analysis.program.compiled import pipeline_traffic
 from jaxpar.axes import PIPELINE
 from jaxpar.parallel.pipeline import options
 from jaxpar.parallel.pipeline.layout import stage_layout, storage_order, to_stages
 from jaxpar.parallel.pipeline.table import modular_stages
 from jaxpar.parallel.pipeline.vshape import v_stages
 from jaxpar.train.setup import build
+from tests.parallel.pipeline.test_pipeline import pipeline_config, pp
 from tests.support import tiny
 from tests.support.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error, synthetic_batches
-from tests.parallel.pipeline.test_pipeline import pipeline_config, pp
 
 
 @pytest.mark.parametrize("split, p, v, stages", [

@@ -16,10 +16,11 @@ import pytest
 
 from jaxpar import models
 from jaxpar.mesh import resolve_mesh_shape
-from jaxpar.parallel.pipeline.options import checks as pipeline_checks, pipeline_options
+from jaxpar.parallel.pipeline.options import checks as pipeline_checks
+from jaxpar.parallel.pipeline.options import pipeline_options
+from tests.parallel.pipeline.test_pipeline import STEPS, pipeline_config, pp
 from tests.support import tiny
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
-from tests.parallel.pipeline.test_pipeline import STEPS, pipeline_config, pp
 
 # name: (family, model overrides, mesh, parallel); splits `auto` unless given.
 CASES = {

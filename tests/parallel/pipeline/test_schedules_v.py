@@ -21,7 +21,7 @@ import pytest
 from jaxpar.parallel.pipeline.checks import peak_in_flight, validate
 from jaxpar.parallel.pipeline.programs import from_programs
 from jaxpar.parallel.pipeline.schedules import make_schedule, theoretical_bubble
-from jaxpar.parallel.pipeline.table import B, F, W, Action, bubble_fraction, parse, render, step_costs
+from jaxpar.parallel.pipeline.table import Action, B, F, bubble_fraction, parse, render, step_costs
 from jaxpar.parallel.pipeline.vshape import dualpipev, v_stages, zb_v
 
 ZB_V_PM = [(p, m) for p in range(1, 9) for m in sorted({p, p + 1, 2 * p, 3 * p + 1})]
