@@ -14,9 +14,9 @@ import pytest
 from jaxpar import distributed
 from jaxpar.checkpoint import Checkpoints
 from jaxpar.checkpoint.integrity import leaf_names
-from tests.checkpoint.test_checkpoint import assert_on_shardings
 from tests.support.checkpoint_worker import target_abstract, target_program
 from tests.support.paths import ROOT
+from tests.support.restored import assert_on_shardings
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 WORKER = os.path.join(ROOT, "tests", "support", "checkpoint_worker.py")

@@ -25,8 +25,8 @@ from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
 from jaxpar.train.setup import build
 from tests.support import tiny
+from tests.support.files import write
 from tests.support.paths import ROOT
-from tests.train.test_bad_inputs import write
 
 FAMILIES = {
     # vocab 250: padded to 256 inside the params, so the embedding / head blocks cross the padding.

@@ -24,8 +24,8 @@ from jaxpar.checkpoint.listing import finished_steps, incomplete_saves
 from jaxpar.train.observe import TIMING_FIELDS
 from jaxpar.train.signals import StopSignals
 from tests.support.compile_flags import subprocess_environment
+from tests.support.files import write
 from tests.support.paths import ROOT
-from tests.train.test_bad_inputs import write
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 WORKER = os.path.join(ROOT, "tests", "support", "train_worker.py")

@@ -23,18 +23,8 @@ from jaxpar.train.setup import build, bytes_per_device
 from jaxpar.train.step import loss_and_grads
 from tests.support import tiny
 from tests.support.hlo import collectives
+from tests.support.pipeline_cases import STEPS, pipeline_config, pp
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
-
-STEPS = 3
-
-
-def pipeline_config(**model):
-    return tiny.llama(**{"num_hidden_layers": 8, **model})
-
-
-def pp(schedule, m, v=1, **parallel):
-    return dict(pipeline_schedule=schedule, num_microbatches=m, virtual_stages=v, **parallel)
-
 
 # name: (model overrides, mesh, parallel). 8 layers unless named; splits are `auto` unless given.
 # 7 layers on pipeline 2 or 3 leave the [L, ...] stacks replicated over `pipeline`; 8 layers split

@@ -26,8 +26,8 @@ from jaxpar.parallel.pipeline.layout import stage_layout, storage_order, to_stag
 from jaxpar.parallel.pipeline.table import modular_stages
 from jaxpar.parallel.pipeline.vshape import v_stages
 from jaxpar.train.setup import build
-from tests.parallel.pipeline.test_pipeline import pipeline_config, pp
 from tests.support import tiny
+from tests.support.pipeline_cases import pipeline_config, pp
 from tests.support.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error, synthetic_batches
 
 

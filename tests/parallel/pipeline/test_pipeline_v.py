@@ -18,8 +18,8 @@ from jaxpar import models
 from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.parallel.pipeline.options import checks as pipeline_checks
 from jaxpar.parallel.pipeline.options import pipeline_options
-from tests.parallel.pipeline.test_pipeline import STEPS, pipeline_config, pp
 from tests.support import tiny
+from tests.support.pipeline_cases import STEPS, pipeline_config, pp
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
 
 # name: (family, model overrides, mesh, parallel); splits `auto` unless given.
