@@ -104,6 +104,7 @@ def test_latest_step_excludes_an_unfinished_async_save(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "2"], "Orbax removed the interrupted save's directory"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_kill_9_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     env = subprocess_environment()

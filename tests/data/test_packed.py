@@ -32,6 +32,7 @@ from jaxpar.parallel.tensor import cross_entropy
 from tests.support import tiny
 from tests.support.documents import documents_in, packed_batch
 from tests.support.reference import max_relative_error, run
+from tests.support.tiers import slow_except
 
 ROWS, SEQ = 8, 32
 
@@ -73,7 +74,7 @@ def reference(family: str):
     return {"losses": np.asarray(losses), "count": float(mask.sum()), "grads": jax.device_get(grads)}
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("family", slow_except(["llama", "mixtral"], "llama"))
 @pytest.mark.parametrize("impl", ["xla", "jaxpar_xla"])
 def test_every_document_loss_equals_it_alone(family, impl, shared_cache):
     ref = shared_cache.get(f"packed-reference:{family}", lambda: reference(family))
@@ -114,7 +115,8 @@ CASES = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CASES))
+# Fast tier: one device, and packed rows through ring context + tensor SP (the others are slow).
+@pytest.mark.parametrize("name", slow_except(CASES, "one_device_xla", "c2_ring_balanced_tensor2_sp_data2"))
 def test_packed_batch_gradients_equal_sum_of_documents(name, shared_cache):
     family, train, mesh, parallel = CASES[name]
     ref = shared_cache.get(f"packed-reference:{family}", lambda: reference(family))

@@ -9,10 +9,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.compile_flags import subprocess_environment
 from tests.support.multiprocess_worker import multiprocess_config, run
 from tests.support.paths import ROOT
 from tests.support.processes import free_port
+
+pytestmark = pytest.mark.multiprocess  # every test here starts several JAX processes of one run
 
 WORKER = os.path.join(ROOT, "tests", "support", "multiprocess_worker.py")
 

@@ -21,6 +21,8 @@ from tests.support.files import write
 from tests.support.paths import ROOT
 from tests.support.processes import free_port
 
+pytestmark = pytest.mark.multiprocess  # every test here starts several JAX processes of one run
+
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 

@@ -27,6 +27,7 @@ from tests.support.paths import ROOT
 WORKER = os.path.join(ROOT, "tests", "support", "init_worker.py")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_init_is_bitwise_the_one_device_init_on_every_sharding_pattern():
     # JAXPAR_INIT_FLAGS: other flags for the child (with the fast-compile ones it fails on tensor layouts).

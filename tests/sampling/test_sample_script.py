@@ -46,6 +46,7 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_workdir_and_checkpoint_sample_on_other_meshes(run_dir, capsys, tmp_path):
     workdir, model, params = run_dir
     expected = jaxpar.generate(model, params, [[104, 105], [5, 6, 7]], max_new_tokens=10)

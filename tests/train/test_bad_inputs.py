@@ -322,7 +322,8 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, tmp_path, mon
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--config.train.setps=3"], "error: --config.train.setps: unknown config key; did you mean --config.train.steps?"),
+        pytest.param(["--config.train.setps=3"], "error: --config.train.setps: unknown config key; did you mean --config.train.steps?",
+                     marks=pytest.mark.slow),
         (["--config.train.learning_rate=-1.0", "--cpu_devices=2"], "error: train.learning_rate=-1.0 must be > 0"),
     ],
     ids=["key_typo", "negative_rate"],

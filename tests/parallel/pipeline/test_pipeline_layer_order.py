@@ -71,6 +71,7 @@ def build_program(schedule, m, v, monkeypatch, stored: bool):
     return config, program
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("schedule, m, v", [("interleaved_1f1b", 4, 2), ("zb_v", 2, 2)])
 def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v, monkeypatch):

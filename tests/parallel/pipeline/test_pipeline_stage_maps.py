@@ -74,6 +74,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
