@@ -1,5 +1,5 @@
 """The tiers: the contributor's loop (`pytest -m "not slow and not multiprocess"`) keeps a test of
-every package.
+every package, and GPU tests are selected by the platform the host has.
 
 The fast tier is collected the way a contributor runs it, by pytest in a child process; each
 checker first finds what it looks for in a planted tree.
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import conftest
+from tests.support import platforms
 from tests.support.paths import REPO
 
 FAST = "not slow and not multiprocess"
@@ -64,3 +66,51 @@ def test_every_package_keeps_a_test_in_the_fast_tier():
     assert {f"tests/{name}" for name in packages} <= folders, "a jaxpar package without its tests/ folder"
     assert len(folders) >= 12, folders  # the reader found the suite
     assert folders_without_fast_tests(REPO) == set()
+
+
+# ---- GPU tests: selected by the platform present ----
+
+
+class Item:
+    """What `pytest_runtest_setup` reads of a test: its markers."""
+
+    def __init__(self, *markers):
+        self.markers = markers
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+
+def test_gpu_tests_are_skipped_with_the_reason_only_where_there_is_no_gpu(monkeypatch):
+    monkeypatch.setattr(conftest, "gpu_devices", lambda: ())
+    with pytest.raises(pytest.skip.Exception, match="no GPU on this host"):
+        conftest.pytest_runtest_setup(Item("gpu"))
+    conftest.pytest_runtest_setup(Item("slow"))  # other tests run on
+    monkeypatch.setattr(conftest, "gpu_devices", lambda: ("a GPU device",))
+    conftest.pytest_runtest_setup(Item("gpu"))  # a host with a GPU runs them
+
+
+def test_cpu_stays_the_default_backend_and_cuda_is_listed_only_where_its_plugin_is(monkeypatch):
+    assert platforms.suite_platforms({"JAX_PLATFORMS": "cuda"}) == "cuda"  # the user's choice is kept
+    monkeypatch.setattr(platforms, "cuda_plugin_installed", lambda: False)
+    assert platforms.suite_platforms({}) == "cpu"
+    monkeypatch.setattr(platforms, "cuda_plugin_installed", lambda: True)
+    assert platforms.suite_platforms({"JAX_PLATFORMS": ""}) == "cpu,cuda"  # jax 0.10: the first listed is the default
+
+
+def test_the_cuda_plugin_is_found_by_name_without_importing_it(tmp_path):
+    for plugin in ("xla_cuda13", "xla_rocm7"):
+        (tmp_path / plugin / "jax_plugins" / plugin).mkdir(parents=True)
+        (tmp_path / plugin / "jax_plugins" / plugin / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    assert platforms.cuda_plugin_installed([tmp_path / "xla_cuda13" / "jax_plugins"])
+    assert not platforms.cuda_plugin_installed([tmp_path / "xla_rocm7" / "jax_plugins"])
+    assert not platforms.cuda_plugin_installed([])
+
+
+def test_a_child_run_is_a_cpu_run(monkeypatch):
+    from tests.support.compile_flags import subprocess_environment
+
+    monkeypatch.setenv("JAX_PLATFORMS", platforms.CPU_THEN_GPU)
+    assert subprocess_environment()["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert subprocess_environment()["JAX_PLATFORMS"] == "cpu"

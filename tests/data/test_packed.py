@@ -130,15 +130,17 @@ def test_packed_batch_gradients_equal_sum_of_documents(name, shared_cache):
     assert err <= 1e-5, f"packed gradients differ from the per-document sum by {err:.2e} (relative)"
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN needs a GPU")
+@pytest.mark.gpu
 def test_cudnn_matches_xla_with_segments():
+    # CPU is the suite's default backend: the arrays are put on the GPU, so both paths run there.
+    gpu = jax.devices("gpu")[0]
     batch, _ = batch_and_documents()
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((ROWS, SEQ, 8, 16)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((ROWS, SEQ, 2, 16)), jnp.bfloat16) for _ in range(2))
+    q = jax.device_put(jnp.asarray(rng.standard_normal((ROWS, SEQ, 8, 16)), jnp.bfloat16), gpu)
+    k, v = (jax.device_put(jnp.asarray(rng.standard_normal((ROWS, SEQ, 2, 16)), jnp.bfloat16), gpu) for _ in range(2))
     from jaxpar.models.layers import causal_attention
 
-    segments = jnp.asarray(batch[:, 1, :-1])
+    segments = jax.device_put(jnp.asarray(batch[:, 1, :-1]), gpu)
     grads = [jax.grad(lambda q, k, v: jnp.sum(causal_attention(q, k, v, impl, segments).astype(jnp.float32) ** 2),  # noqa: B023
                       argnums=(0, 1, 2))(q, k, v) for impl in ("cudnn", "xla")]
     for a, b in zip(*grads):
