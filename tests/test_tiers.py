@@ -1,10 +1,11 @@
 """The tiers: the contributor's loop (`pytest -m "not slow and not multiprocess"`) keeps a test of
-every package, and GPU tests are selected by the platform the host has.
+every tests/ folder and imports every jaxpar package; GPU tests are selected by the platform present.
 
 The fast tier is collected the way a contributor runs it, by pytest in a child process; each
 checker first finds what it looks for in a planted tree.
 """
 
+import ast
 import os
 import subprocess
 import sys
@@ -34,8 +35,20 @@ def folders_with_tests(root: Path) -> set[str]:
     return {p.parent.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py")} - {"tests", "tests/support"}
 
 
-def folders_without_fast_tests(root: Path) -> set[str]:
-    return folders_with_tests(root) - {Path(node.split("::")[0]).parent.as_posix() for node in fast_tests(root)}
+def folders_without_fast_tests(root: Path, fast: list[str]) -> set[str]:
+    return folders_with_tests(root) - {Path(node.split("::")[0]).parent.as_posix() for node in fast}
+
+
+def packages_not_imported(package: Path, sources: list[str]) -> set[str]:
+    """Packages under `package` (itself and every subpackage) that none of `sources` imports from."""
+    names = {".".join(p.parent.relative_to(package.parent).parts) for p in package.rglob("__init__.py")}
+    imported = set()
+    for node in (n for source in sources for n in ast.walk(ast.parse(source))):
+        if isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.update([node.module] + [f"{node.module}.{a.name}" for a in node.names])
+    return {name for name in names if not any(m == name or m.startswith(name + ".") for m in imported)}
 
 
 PLANTED = {
@@ -54,9 +67,18 @@ def test_the_checker_finds_a_folder_whose_tests_are_all_slow_or_multiprocess(tmp
     for name, text in PLANTED.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert fast_tests(tmp_path) == ["tests/alpha/test_alpha.py::test_fast"]
+    fast = fast_tests(tmp_path)
+    assert fast == ["tests/alpha/test_alpha.py::test_fast"]
     assert folders_with_tests(tmp_path) == {"tests/alpha", "tests/beta", "tests/gamma"}
-    assert folders_without_fast_tests(tmp_path) == {"tests/beta", "tests/gamma"}
+    assert folders_without_fast_tests(tmp_path, fast) == {"tests/beta", "tests/gamma"}
+
+
+def test_the_checker_finds_a_package_no_test_imports(tmp_path):
+    for name in ("pkg/__init__.py", "pkg/a/__init__.py", "pkg/a/x.py", "pkg/b/__init__.py", "pkg/b/deep/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert packages_not_imported(tmp_path / "pkg", ["from pkg.a.x import f", "import os"]) == {"pkg.b", "pkg.b.deep"}
+    assert packages_not_imported(tmp_path / "pkg", ["from pkg.a import x", "from pkg.b import deep"]) == set()
 
 
 @pytest.mark.timeout(300)
@@ -65,7 +87,12 @@ def test_every_package_keeps_a_test_in_the_fast_tier():
     folders = folders_with_tests(REPO)
     assert {f"tests/{name}" for name in packages} <= folders, "a jaxpar package without its tests/ folder"
     assert len(folders) >= 12, folders  # the reader found the suite
-    assert folders_without_fast_tests(REPO) == set()
+    fast = fast_tests(REPO)
+    assert folders_without_fast_tests(REPO, fast) == set()
+    # ... and every jaxpar package, subpackages included (pipeline, context, the analysis rooms,
+    # each family), is imported by a test file of the fast tier.
+    files = sorted({REPO / node.split("::")[0] for node in fast})
+    assert packages_not_imported(REPO / "jaxpar", [f.read_text() for f in files]) == set()
 
 
 # ---- GPU tests: selected by the platform present ----
