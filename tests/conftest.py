@@ -6,6 +6,17 @@ unchanged.
 
 `shared_cache` keeps expensive results (one-device reference runs) in a directory all xdist
 workers share, so a reference is computed once per session, not once per worker.
+
+Tiers (markers registered in pyproject.toml): `pytest -n 2 tests` runs everything;
+`pytest -n 2 -m "not slow and not multiprocess" tests` is the contributor's loop, which keeps a
+few cases of every package (tests/test_tiers.py checks that it does).
+
+GPU tests (`@pytest.mark.gpu`) run where the host has a GPU: with a JAX CUDA plugin installed,
+JAX_PLATFORMS is "cpu,cuda", so CPU stays the default backend (every other test is unchanged) and
+a `gpu` test places its arrays on `jax.devices("gpu")` itself (`tests/support/platforms.py` says
+why the order decides). Run them alone with `pytest -m gpu tests`. Where there is no GPU they are
+skipped with the reason "no GPU on this host" (`-ra` lists them); a JAX_PLATFORMS you set is
+kept as it is (JAX_PLATFORMS=cpu runs the CPU tests on a GPU host whose CUDA does not start).
 """
 
 import hashlib
@@ -13,9 +24,13 @@ import os
 import pickle
 
 from tests.support.compile_flags import DEVICE_COUNT, FAST_COMPILE
+from tests.support.platforms import CPU_THEN_GPU, gpu_devices, suite_platforms
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DEVICE_COUNT, *FAST_COMPILE]).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_PLATFORMS"] = suite_platforms(os.environ)
+if os.environ["JAX_PLATFORMS"] == CPU_THEN_GPU:
+    # Both xdist workers (and the runs they start) open the GPU: none may take 75% of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
@@ -46,3 +61,8 @@ def shared_cache(tmp_path_factory, worker_id):
     root = root / "shared_cache"
     root.mkdir(exist_ok=True)
     return SharedCache(root)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") and not gpu_devices():
+        pytest.skip(f"no GPU on this host (JAX_PLATFORMS={os.environ['JAX_PLATFORMS']})")

@@ -166,6 +166,54 @@ def test_analysis_rooms_import_one_way():
     assert find_cycle(edges) is None
 
 
+def is_test_module(name: str) -> bool:
+    parts = name.split(".")
+    return parts[0] == "tests" and parts[-1].startswith("test_")
+
+
+def imported_test_modules(source: str) -> set:
+    """Test modules (`tests....test_*`) a source imports: in its code, anywhere (function-level
+    imports too), relatively, or in a worker's source it holds as a string."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if is_test_module(a.name))
+        elif isinstance(node, ast.ImportFrom):
+            module = "." * node.level + (node.module or "")
+            names = [f"{module}.{a.name}" if node.module else module + a.name for a in node.names]
+            if node.level:  # relative: inside tests/, any module called test_* is a test module
+                found.update(n for n in [module] + names if n.rsplit(".", 1)[-1].startswith("test_"))
+            else:
+                found.update(n for n in [module] + names if is_test_module(n))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "import" in node.value:
+            try:
+                found |= imported_test_modules(node.value)
+            except SyntaxError:
+                pass  # prose, not a program
+    return found
+
+
+def test_test_import_checker_finds_planted_imports():
+    # Each planted import is split in two strings, so this file's own constants hold none of them.
+    planted = [
+        "from tests.train." + "test_workdir import hold_lock",
+        "from tests.interop import " + "test_hf_llama",
+        "def f():\n    import tests.distributed." + "test_multiprocess",
+        "from ." + "test_pipeline import pp",
+        'WORKER = """\nfrom tests.models.' + 'test_init_independence import LAYOUTS\n"""',
+    ]
+    assert [len(imported_test_modules(source)) for source in planted] == [1, 1, 1, 1, 1]
+    assert imported_test_modules("from tests.support.tiny import llama\nfrom tests import conftest") == set()
+
+
+def test_no_test_module_imports_another():
+    """Helpers live in tests/support: a test file imports no other test file (which would run its
+    module-level code, collect its tests twice under another name, and tie the two together)."""
+    found = {str(p.relative_to(ROOT)): imported_test_modules(p.read_text()) for p in sorted((ROOT / "tests").rglob("*.py"))}
+    assert len(found) > 50, "the checker found too few test files to be trusted"
+    assert not {k: v for k, v in found.items() if v}
+
+
 def axis_literals(source: str) -> list:
     return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and n.value in AXIS_NAMES]
 

@@ -52,6 +52,7 @@ from jaxpar.parallel.plan import ParallelPlan
 from jaxpar.train.loss import mean_cross_entropy
 from jaxpar.train.setup import build, bytes_per_device
 from tests.support.analysis_bounds import ABSENT, BOUNDS, FLOOR, MINOR
+from tests.support.tiers import slow_except
 from tests.support.tiny import with_overrides
 
 MODEL = dict(
@@ -303,13 +304,13 @@ def test_axis_check_fails_on_an_axis_one_side_lacks():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith(("pipeline", "context"))])
+@pytest.mark.parametrize("name", slow_except([n for n in CASES if not n.startswith(("pipeline", "context"))], "data8", "zero3_tensor4"))
 def test_model_matches_compiled_step(name):
     _check(name, _fidelity(name))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("pipeline")])
+@pytest.mark.parametrize("name", slow_except([n for n in CASES if n.startswith("pipeline")], "pipeline4_1f1b"))
 def test_pipeline_matches_compiled_step(name):
     fidelity = _fidelity(name)
     # Stage work sits in `lax.switch` branches; the HLO count takes every branch every time
@@ -348,7 +349,7 @@ def test_zero3_without_remat_does_not_keep_gathered_weights():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero_stage, dtype", [(0, "float32"), (1, "bfloat16")])
+@pytest.mark.parametrize("zero_stage, dtype", slow_except([(0, "float32"), (1, "bfloat16")]))
 def test_plain_accumulation_memory(zero_stage, dtype):
     """MoE gradients accumulate plainly (reduced into the optimizer's layout every microbatch):
     AdamW's phase then holds one more gradient-sized buffer, and under ZeRO-1 the backward holds
@@ -425,7 +426,7 @@ def test_70b_adamw_state_does_not_fit_eight_a100s():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("context")])
+@pytest.mark.parametrize("name", slow_except([n for n in CASES if n.startswith("context")], "context2_zero1", "context2_all_to_all"))
 def test_context_matches_compiled_step(name):
     fidelity = _fidelity(name)
     # The kernels skip fully masked chunk pairs by lax.cond; the HLO count takes both branches.

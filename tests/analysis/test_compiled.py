@@ -16,6 +16,7 @@ from jaxpar.model_facts import padded_vocab_size
 from jaxpar.train.setup import build, bytes_per_device
 from tests.support import tiny
 from tests.support.hlo import collectives
+from tests.support.tiers import slow_except
 
 
 def compiled_step(config, devices=8):
@@ -69,6 +70,7 @@ def _gradient_reductions(program, compiled):
     return in_loops, once
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_context_accumulation_reduces_gradients_once_per_step(monkeypatch):
     """Under context parallelism each microbatch's gradient is a sum over context ranks: the plan's
@@ -129,7 +131,7 @@ LOGITS_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(LOGITS_CASES))
+@pytest.mark.parametrize("name", slow_except(LOGITS_CASES, "tensor4", "tensor4_sp", "tied_tensor4", "zero3_tensor4"))
 def test_vocab_parallel_loss_never_gathers_logits(name):
     model, mesh, parallel = LOGITS_CASES[name]
     config = tiny.with_overrides(tiny.llama(vocab_size=VOCAB, **model), mesh, parallel=parallel)

@@ -28,6 +28,7 @@ from jaxpar.axes import EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.train.preflight import ConfigError, check
 from tests.support import tiny
 from tests.support.paths import REPO as ROOT
+from tests.support.tiers import slow_except
 
 
 def _load(name: str):
@@ -96,7 +97,7 @@ def _brute_force_best(config, hardware, n, space):
     return best
 
 
-@pytest.mark.parametrize("hbm_mib", [6, 24, 4096])
+@pytest.mark.parametrize("hbm_mib", slow_except([6, 24, 4096], 24))
 def test_pruned_search_finds_the_brute_force_winner(hbm_mib):
     """Tight HBM (most layouts pruned), medium, and ample: the pruned search's winner takes the
     least time of every admitted layout that fits."""
@@ -127,6 +128,7 @@ def test_best_layout_keeps_command_line_keys():
     assert why.startswith("plan for 8 x a100-80g:")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # the searches at 8, 16 and 32 devices, once: 65 s (147 s before they were shared)
 def test_70b_on_eight_a100s_fits_no_mesh(monkeypatch):
     """The article's case. Full-parameter AdamW keeps fp32 parameters and two fp32 moments
@@ -166,6 +168,7 @@ def _memoized(search):
     return cached
 
 
+@pytest.mark.slow
 def test_memory_does_not_bind_a_small_model_on_big_devices():
     assert "Memory does not bind" in report(small_llama(), "h200", 8)
 

@@ -24,21 +24,10 @@ from jaxpar.train.setup import build
 from tests.support.checkpoint_worker import kill_state, perturbed, source_config, target_abstract, target_program
 from tests.support.compile_flags import subprocess_environment
 from tests.support.paths import ROOT
+from tests.support.restored import assert_identical, assert_on_shardings
 from tests.support.tiny import with_overrides
 
 WORKER = os.path.join(ROOT, "tests", "support", "checkpoint_worker.py")
-
-
-def assert_identical(restored, expected):
-    assert jax.tree.structure(restored) == jax.tree.structure(expected)
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def assert_on_shardings(restored, shardings):
-    for leaf, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
-        assert leaf.sharding.mesh.shape == sharding.mesh.shape, (leaf.sharding, sharding)
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
 
 
 @pytest.mark.timeout(300)
@@ -115,6 +104,7 @@ def test_latest_step_excludes_an_unfinished_async_save(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "2"], "Orbax removed the interrupted save's directory"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_kill_9_during_async_save_keeps_the_previous_checkpoint(tmp_path):
     env = subprocess_environment()

@@ -36,6 +36,10 @@ from jaxpar.train.preflight import ConfigError, check_run
 from jaxpar.train.signals import Interrupted
 from tests.support import tiny
 
+# Slow: every test here resumes the runs of one module fixture (two trainings); fast checkpoint tests
+# are in tests/checkpoint/test_checkpoint.py.
+pytestmark = pytest.mark.slow
+
 MESH = {"data": 2, "tensor": 4}
 
 

@@ -30,8 +30,8 @@ from jaxpar.parallel.plan import ParallelPlan  # noqa: E402
 from jaxpar.parallel.tensor import cross_entropy  # noqa: E402
 from jaxpar.train.setup import build  # noqa: E402
 from tests.support import tiny  # noqa: E402
+from tests.support.hf_oracle import as_jaxpar, hf_model, weights  # noqa: E402
 from tests.support.reference import max_relative_error  # noqa: E402
-from tests.train.test_oracle import as_jaxpar, hf_model, weights  # noqa: E402
 
 SEQ = 32  # a row holds SEQ + 1 tokens (inputs and, shifted by one, targets)
 # Document lengths per row (tokens), each row's sum < SEQ + 1: padding at the end of every row.

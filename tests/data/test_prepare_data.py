@@ -83,6 +83,7 @@ def test_prepare_data_end_to_end(tmp_path):
     assert f"says {len(expected)} uint16 tokens; regenerate it" in problem
 
 
+@pytest.mark.slow
 def test_prepare_data_rejects_bad_input_in_one_line(tmp_path):
     build_tokenizer(tmp_path / "tok")
     (tmp_path / "a.txt").write_text(LINES[0])
@@ -137,6 +138,7 @@ def test_an_existing_token_file_or_sidecar_is_never_overwritten_silently(tmp_pat
     assert json.loads((tmp_path / "out.bin.json").read_text()) == meta
 
 
+@pytest.mark.slow
 def test_undecodable_bytes_are_counted_and_a_binary_file_is_refused(tmp_path):
     build_tokenizer(tmp_path / "tok")
     text = (LINES[0] + "\n") * 40  # 1760 bytes of text with 3 bytes that are not UTF-8

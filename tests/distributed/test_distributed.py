@@ -14,9 +14,9 @@ import pytest
 from jaxpar import distributed
 from jaxpar.checkpoint import Checkpoints
 from jaxpar.checkpoint.integrity import leaf_names
-from tests.checkpoint.test_checkpoint import assert_on_shardings
 from tests.support.checkpoint_worker import target_abstract, target_program
 from tests.support.paths import ROOT
+from tests.support.restored import assert_on_shardings
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 WORKER = os.path.join(ROOT, "tests", "support", "checkpoint_worker.py")
@@ -85,6 +85,7 @@ def test_initialize_is_a_no_op_without_a_multiprocess_setting(monkeypatch):
         distributed.initialize(num_processes=2, process_id=2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_save_one_process_restores(tmp_path):
     directory, reference = str(tmp_path / "checkpoints"), str(tmp_path / "reference.npz")
@@ -117,6 +118,7 @@ def test_two_processes_save_one_process_restores(tmp_path):
     assert_on_shardings(restored.state, target.state_shardings)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_shared_storage_check_fails_when_processes_see_different_dirs(tmp_path):
     done = launch([sys.executable, WORKER, "shared_check", str(tmp_path / "private_")])

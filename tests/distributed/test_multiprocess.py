@@ -6,27 +6,25 @@ many processes there are.
 
 import json
 import os
-import socket
 import subprocess
 import sys
+
+import pytest
 
 from tests.support.compile_flags import subprocess_environment
 from tests.support.multiprocess_worker import multiprocess_config, run
 from tests.support.paths import ROOT
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.multiprocess  # every test here starts several JAX processes of one run
 
 WORKER = os.path.join(ROOT, "tests", "support", "multiprocess_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(num_processes: int, devices_each: int, out: str):
     env = {k: v for k, v in subprocess_environment().items() if k != "JAX_PLATFORMS"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             [sys.executable, WORKER, port, str(num_processes), str(i), str(devices_each), out],

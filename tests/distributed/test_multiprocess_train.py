@@ -17,8 +17,11 @@ import pytest
 from jaxpar.train.loop import train
 from tests.support import tiny
 from tests.support.compile_flags import subprocess_environment
+from tests.support.files import write
 from tests.support.paths import ROOT
-from tests.train.test_bad_inputs import write
+from tests.support.processes import free_port
+
+pytestmark = pytest.mark.multiprocess  # every test here starts several JAX processes of one run
 
 LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
@@ -99,13 +102,12 @@ def test_a_lost_process_ends_the_other_with_one_line(tmp_path):
     from jaxpar.peers import EXIT_PEER_LOST
     from jaxpar.train.cli import load_config
     from jaxpar.train.setup import build
-    from tests.distributed.test_multiprocess import _free_port
 
     config_file = write(tmp_path / "config.py", LOST_CONFIG)
     workdir, checkpoints = tmp_path / "run", str(tmp_path / "run" / "checkpoints")
     env = {k: v for k, v in subprocess_environment().items() if k != "JAX_PLATFORMS"}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4", JAX_NUM_PROCESSES="2",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", PYTHONUNBUFFERED="1")
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", PYTHONUNBUFFERED="1")
     logs = [(open(tmp_path / f"out{i}", "w"), open(tmp_path / f"err{i}", "w")) for i in range(2)]
     procs = [
         subprocess.Popen([sys.executable, SCRIPT, f"--config={config_file}", f"--workdir={workdir}"],

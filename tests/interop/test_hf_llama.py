@@ -17,44 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
+from tests.support.hf_models import LLAMA_CASES, llama_model  # noqa: E402
 from tests.support.hf_testing import assert_same_tree, max_err, tokens_for  # noqa: E402
-
-LLAMA3_ROPE = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
-
-CASES = {
-    # GQA, untied, vocab not a multiple of 128.
-    "gqa_untied": dict(vocab_size=300, num_attention_heads=4, num_key_value_heads=2),
-    # MQA, tied embeddings.
-    "mqa_tied": dict(vocab_size=200, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
-    # llama3 RoPE scaling, head_dim 24 != 64 / 4, vocab exactly 256.
-    "llama3_head_dim": dict(
-        vocab_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, **LLAMA3_ROPE),
-    ),
-}
-
-
-def hf_model(case: str, dtype=torch.float32):
-    overrides = dict(CASES[case])
-    overrides.setdefault("rope_parameters", dict(rope_type="default", rope_theta=10000.0))
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=128,
-        attn_implementation="eager",
-        **overrides,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.2)
-    return model.to(dtype).eval()
 
 
 def hf_logits(model, tokens):
@@ -62,9 +26,9 @@ def hf_logits(model, tokens):
         return model(torch.as_tensor(tokens)).logits.float().numpy()
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(LLAMA_CASES))
 def test_load_matches_hf_and_save_round_trips(case, tmp_path):
-    model = hf_model(case)
+    model = llama_model(case)
     model.save_pretrained(tmp_path / "hf")
     tokens = tokens_for(model)
     expected = hf_logits(model, tokens)
@@ -102,7 +66,7 @@ def test_training_loss_equals_transformers_labels_loss(case, tmp_path):
     mean over tokens): transformers' `labels=` loss on the same weights."""
     from jaxpar.train.loss import model_loss
 
-    model = hf_model(case)
+    model = llama_model(case)
     model.save_pretrained(tmp_path)
     rows = np.random.default_rng(1).integers(0, model.config.vocab_size, (3, 20))
     with torch.no_grad():
@@ -130,7 +94,7 @@ def rewrite_config(directory, edit):
 )
 def test_top_level_rope_layout_loads_identically(case, legacy_key, tmp_path):
     """Real Llama 3.x config.json: top-level rope_theta + rope_scaling (null for default rope)."""
-    hf_model(case).save_pretrained(tmp_path)
+    llama_model(case).save_pretrained(tmp_path)
     cfg, params = hf.load(tmp_path)
 
     def to_legacy(config):
@@ -149,7 +113,7 @@ def test_top_level_rope_layout_loads_identically(case, legacy_key, tmp_path):
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    model = hf_model("gqa_untied")
+    model = llama_model("gqa_untied")
     model.save_pretrained(tmp_path / "single")
     model.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
@@ -161,7 +125,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 def test_bfloat16_checkpoint_loads(tmp_path):
-    model = hf_model("mqa_tied", dtype=torch.bfloat16)
+    model = llama_model("mqa_tied", dtype=torch.bfloat16)
     model.save_pretrained(tmp_path)
     _, params = hf.load(tmp_path)
     embed = model.model.embed_tokens.weight.float().detach().numpy()
@@ -190,7 +154,7 @@ def test_missing_directory(tmp_path):
     ids=["no_config", "no_weights", "model_type", "rope_type", "wrong_heads"],
 )
 def test_clear_errors(edit, error, match, tmp_path):
-    hf_model("gqa_untied").save_pretrained(tmp_path)
+    llama_model("gqa_untied").save_pretrained(tmp_path)
     edit(tmp_path)
     with pytest.raises(error, match=match):
         hf.load(tmp_path)

@@ -18,38 +18,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
+from tests.support.hf_models import MIXTRAL_CASES, mixtral_model  # noqa: E402
 from tests.support.hf_testing import assert_same_tree, max_err, tokens_for  # noqa: E402
-
-CASES = {
-    # 4 experts, top-2, GQA, untied, vocab not a multiple of 128.
-    "e4_top2": dict(vocab_size=300, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=2),
-    # 8 experts, top-3, MQA, tied embeddings, head_dim 24 != 64 / 4.
-    "e8_top3_tied": dict(
-        vocab_size=256, num_local_experts=8, num_experts_per_tok=3, num_key_value_heads=1, head_dim=24,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def hf_model(case: str):
-    config = transformers.MixtralConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=128,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        router_aux_loss_coef=0.02,
-        attn_implementation="eager",
-        **CASES[case],
-    )
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.2)
-    return model.eval()
 
 
 def hf_outputs(model, tokens):
@@ -57,9 +27,9 @@ def hf_outputs(model, tokens):
         return model(torch.as_tensor(tokens), output_router_logits=True)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(MIXTRAL_CASES))
 def test_load_matches_hf_and_save_round_trips(case, tmp_path):
-    model = hf_model(case)
+    model = mixtral_model(case)
     model.save_pretrained(tmp_path / "hf")
     tokens = tokens_for(model)
     expected = hf_outputs(model, tokens)
@@ -105,7 +75,7 @@ def test_load_matches_hf_and_save_round_trips(case, tmp_path):
 def test_fused_in_memory_layout_loads(tmp_path):
     """transformers 5 keeps experts fused in memory (`mlp.experts.gate_up_proj` [E, 2F, D],
     `mlp.experts.down_proj`, `mlp.gate.weight`); a raw state_dict dump in that layout loads the same."""
-    model = hf_model("e4_top2")
+    model = mixtral_model("e4_top2")
     model.save_pretrained(tmp_path / "per_expert")
     state = {name: t.contiguous() for name, t in model.state_dict().items()}
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
@@ -120,7 +90,7 @@ def test_fused_in_memory_layout_loads(tmp_path):
 
 
 def test_sliding_window_rejected(tmp_path):
-    hf_model("e4_top2").save_pretrained(tmp_path)
+    mixtral_model("e4_top2").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["sliding_window"] = 16
     (tmp_path / "config.json").write_text(json.dumps(config))

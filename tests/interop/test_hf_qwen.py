@@ -21,6 +21,7 @@ from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 from jaxpar.models.qwen3_moe.schema import dense_layers  # noqa: E402
 from tests.support.hf_testing import assert_same_tree, max_err, tokens_for  # noqa: E402
+from tests.support.tiers import slow_except  # noqa: E402
 
 ARCH = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -87,7 +88,8 @@ def hf_outputs(model, tokens):
         return model(torch.as_tensor(tokens), output_router_logits=True) if moe else model(torch.as_tensor(tokens))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# Fast tier: one case per family.
+@pytest.mark.parametrize("case", slow_except(sorted(CASES), "qwen3_gqa_head_dim", "qwen3_moe_e16_top4_norm", "qwen2_moe_shared_qkv_bias"))
 def test_load_matches_hf_and_save_round_trips(case, tmp_path):
     family = CASES[case][0]
     model = hf_model(case)

@@ -25,8 +25,9 @@ from jaxpar.models import hf_adapter
 from jaxpar.train.loop import train
 from jaxpar.train.setup import build
 from tests.support import tiny
+from tests.support.files import write
 from tests.support.paths import ROOT
-from tests.train.test_bad_inputs import write
+from tests.support.tiers import slow_except
 
 FAMILIES = {
     # vocab 250: padded to 256 inside the params, so the embedding / head blocks cross the padding.
@@ -126,7 +127,7 @@ def get_config():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", slow_except(sorted(FAMILIES), "llama"))
 def test_convert_hf_to_checkpoint_and_back_is_exact(family, tmp_path, capsys):
     saved_checkpoint(tmp_path / "hf", family, vocab_size=256)
     config = write(tmp_path / "config.py", CONVERT_CONFIG.format(family=family, mesh=FAMILIES[family][1]))
@@ -146,6 +147,7 @@ def test_convert_hf_to_checkpoint_and_back_is_exact(family, tmp_path, capsys):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_from_a_transformers_checkpoint_starts_from_its_weights(tmp_path):
     """HF weights other than the run's own init (seed 7; the run's seed is 0): the first step's loss
@@ -205,6 +207,7 @@ def train_script():
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_converted_checkpoint_trains_exactly_as_convert_prints(family, tmp_path, capsys):

@@ -16,6 +16,7 @@ import pytest
 from jaxpar import models
 from tests.support import tiny
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
+from tests.support.tiers import slow_except
 
 STEPS = 3
 
@@ -48,7 +49,8 @@ def run_on(config, mesh, reference, parallel=None, **model):
     return run(config, synthetic_batches(config, STEPS), math.prod(mesh.values()), reference["init_params"])
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Fast tier: expert 2 over data 4.
+@pytest.mark.parametrize("name", slow_except(CASES, "expert2_data4"))
 def test_matches_single_device(name, shared_cache):
     mesh, parallel, model = CASES[name]
     reference = single_device(shared_cache, tiny.mixtral(), STEPS)
@@ -68,6 +70,7 @@ def router_metrics(config, batch):
     return jax.device_get(models.aux_losses(config.model, aux)[1])
 
 
+@pytest.mark.slow
 def test_small_capacity_drops_tokens_the_same_on_any_mesh(shared_cache):
     config = tiny.mixtral(capacity_factor=0.5)
     metrics = router_metrics(config, synthetic_batches(config, 1)[0])
@@ -80,6 +83,7 @@ def test_small_capacity_drops_tokens_the_same_on_any_mesh(shared_cache):
     assert_matches_reference(run_on(config, {"data": 2, "expert": 4}, single), single)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_keeps_router_losses_mesh_invariant(shared_cache):
     # Load-balancing statistics are per microbatch under accumulation; the microbatches are the same
     # rows on every mesh, so expert × data with grad_accum 2 must still equal one device.

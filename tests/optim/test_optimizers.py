@@ -209,6 +209,7 @@ def test_newton_schulz_flops_are_what_xla_counts():
     assert priced <= counted <= 1.03 * priced, (priced, counted)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_muon_gathers_what_its_record_prices():
     """The compiled step's all-gathers, in bytes each device receives, minus AdamW's on the same

@@ -23,6 +23,7 @@ from jaxpar.train.setup import build
 from tests.support import tiny
 from tests.support.hlo import collectives
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
+from tests.support.tiers import slow_except
 
 STEPS = 3
 
@@ -70,7 +71,9 @@ CASES = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CASES))
+# Fast tier: one case (context 2 with tensor + SP, data, ZeRO-1 and accumulation); the attention
+# kernels of every implementation are in the fast tier of tests/parallel/test_context_attention.py.
+@pytest.mark.parametrize("name", slow_except(CASES, "c2_all_gather_balanced_tensor2_sp_data2_zero1_accum2"))
 def test_matches_single_device(name, shared_cache):
     family, model, train, mesh, parallel = CASES[name]
     base = getattr(tiny, family)(train, **model)
@@ -147,6 +150,7 @@ def compiled_step(impl):
     return program.step.lower(state, batch).compile()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ring_step_moves_kv_by_collective_permute_only():
     kv_block, kv_whole = (ROWS // 2, SEQ // 4, 2, 16), (ROWS // 2, SEQ, 2, 16)
@@ -178,6 +182,7 @@ def step_temp_bytes(c: int) -> int:
     return program.step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ring_step_temp_memory_falls_with_context():
     """Compiled per-device temp bytes of the whole train step at S = 2048, ring. No rank may hold

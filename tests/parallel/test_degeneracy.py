@@ -30,6 +30,7 @@ from tests.support.reference import (
     single_device,
     synthetic_batches,
 )
+from tests.support.tiers import slow_except
 
 STEPS = 3
 
@@ -64,7 +65,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Fast tier: one case each for data, tensor + SP + ZeRO-3, expert-as-data and ZeRO over data x context.
+@pytest.mark.parametrize("name", slow_except(CASES, "data8", "zero3_tensor2_sp_remat_dots", "expert_data_tensor_zero1",
+                                              "zero1_data_x_context"))
 def test_matches_single_device(name, shared_cache):
     model, train, mesh, parallel = CASES[name]
     config = tiny.with_overrides(tiny.llama(train, **model), mesh, parallel=parallel)
@@ -95,6 +98,7 @@ def test_packed_batches_pack_documents():
         assert ((left == right) & (left > 0)).any(), "a document straddles chunks"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PACKED_CASES))
 def test_packed_documents_match_single_device(name, shared_cache):
     train, mesh, parallel = PACKED_CASES[name]
@@ -156,6 +160,7 @@ BF16_CASES = {
 BF16_LOSS_RTOL, BF16_GRAD_NORM_RTOL = 5e-3, 3e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(BF16_CASES))
 def test_bfloat16_matches_single_device_bfloat16(name, shared_cache):
     mesh, parallel, *train = BF16_CASES[name]

@@ -46,6 +46,7 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
+@pytest.mark.slow
 def test_workdir_and_checkpoint_sample_on_other_meshes(run_dir, capsys, tmp_path):
     workdir, model, params = run_dir
     expected = jaxpar.generate(model, params, [[104, 105], [5, 6, 7]], max_new_tokens=10)
@@ -67,9 +68,9 @@ def test_workdir_and_checkpoint_sample_on_other_meshes(run_dir, capsys, tmp_path
 
 def test_from_hf_with_samples_and_seed(capsys, tmp_path):
     from jaxpar.interop import hf
-    from tests.interop.test_hf_llama import hf_model
+    from tests.support.hf_models import llama_model
 
-    hf_model("gqa_untied").save_pretrained(tmp_path / "hf")
+    llama_model("gqa_untied").save_pretrained(tmp_path / "hf")
     cfg, params = hf.load(tmp_path / "hf")
     expected = jaxpar.generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=6)
     out_file = tmp_path / "greedy.jsonl"

@@ -16,16 +16,16 @@ transformers = pytest.importorskip("transformers")
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 from jaxpar.sampling import Sampler  # noqa: E402
-from tests.interop import test_hf_llama, test_hf_mixtral  # noqa: E402
+from tests.support.hf_models import llama_model, mixtral_model  # noqa: E402
 
 NEW_TOKENS = 64
 PROMPT_LENGTHS = (5, 11, 3)
 
 CASES = {
-    "llama_gqa_untied": (test_hf_llama, "gqa_untied"),
-    "llama_mqa_tied": (test_hf_llama, "mqa_tied"),
-    "llama3_rope": (test_hf_llama, "llama3_head_dim"),
-    "mixtral_e4_top2": (test_hf_mixtral, "e4_top2"),
+    "llama_gqa_untied": (llama_model, "gqa_untied"),
+    "llama_mqa_tied": (llama_model, "mqa_tied"),
+    "llama3_rope": (llama_model, "llama3_head_dim"),
+    "mixtral_e4_top2": (mixtral_model, "e4_top2"),
 }
 
 
@@ -46,8 +46,8 @@ def hf_greedy(model, prompt) -> list[int]:
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    module, name = CASES[request.param]
-    model = module.hf_model(name)
+    make, name = CASES[request.param]
+    model = make(name)
     path = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(path)
     cfg, params = hf.load(path)

@@ -38,6 +38,7 @@ def test_plan_script_ranks_the_layouts_of_a_tiny_config():
     assert bad.returncode != 0 and "--hardware: unknown hardware 'b200x'" in bad.stderr, bad.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sweep_script_compiles_one_layout(tmp_path):
     out = tmp_path / "sweep"
@@ -67,6 +68,7 @@ app.run(bench.main)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_one_step_and_profile_report_read_its_trace(tmp_path):
     profile = tmp_path / "profile"
@@ -85,6 +87,7 @@ def test_bench_one_step_and_profile_report_read_its_trace(tmp_path):
 BENCH_PACKING = BENCH.replace("bench.py", "bench_packing.py").replace('"bench"', '"bench_packing"')
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_packing_one_step_each():
     done = script("bench_packing.py", "--steps=1", "--repeats=1", "--attention=jaxpar_xla", code=BENCH_PACKING)
@@ -94,6 +97,7 @@ def test_bench_packing_one_step_each():
     assert "segments a row" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_context_report_small(tmp_path):
     done = script(
@@ -104,6 +108,7 @@ def test_context_report_small(tmp_path):
     assert "ring" in done.stdout and (tmp_path / "context.png").stat().st_size > 0, done.stdout[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_pipeline_report_one_schedule():
     """1F1B alone at p = 2, m = 3 on a two-layer model without the no-pipeline baseline: the table's

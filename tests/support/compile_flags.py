@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from tests.support.platforms import CPU, CPU_THEN_GPU
+
 DEVICE_COUNT = "--xla_force_host_platform_device_count=8"
 # Every flag here exists in jaxlib 0.10 to 0.12 (an unknown flag aborts XLA at start-up).
 LLVM_O0 = "--xla_backend_optimization_level=0"
@@ -35,5 +37,9 @@ FAST_COMPILE = (
 
 def subprocess_environment(**extra) -> dict:
     """os.environ for a child process: the fast-compile flags and no forced device count (the child
-    chooses its own devices), then `extra`."""
-    return os.environ | {"XLA_FLAGS": " ".join(FAST_COMPILE)} | extra
+    chooses its own devices), CPU alone where the suite also lists the GPU (a child is a CPU run: it
+    need not start CUDA), then `extra`."""
+    environment = os.environ | {"XLA_FLAGS": " ".join(FAST_COMPILE)}
+    if environment.get("JAX_PLATFORMS") == CPU_THEN_GPU:
+        environment["JAX_PLATFORMS"] = CPU
+    return environment | extra

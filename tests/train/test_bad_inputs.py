@@ -19,8 +19,9 @@ from safetensors.numpy import load_file, save_file
 from tests.support import tiny
 from tests.support.compile_flags import subprocess_environment
 from tests.support.documents import make_tokenizer, texts, write_jsonl
+from tests.support.files import tokens, write
 from tests.support.paths import ROOT
-from tests.train.test_workdir import hold_lock
+from tests.support.processes import hold_lock
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 
@@ -39,20 +40,6 @@ def load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def write(path, text) -> str:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
-    return str(path)
-
-
-def tokens(path, ids, dtype="uint16", sidecar=None) -> str:
-    np.asarray(ids, dtype).tofile(path)
-    if sidecar is not None:
-        write(str(path) + ".json", json.dumps({"dtype": dtype, "num_tokens": len(ids), **sidecar}))
-    return str(path)
 
 
 ENOUGH = 16 * 17 * 2  # tokens for two global batches of 16 x (16 + 1)
@@ -335,7 +322,8 @@ def test_bad_input_exits_2_with_one_line_and_touches_nothing(case, tmp_path, mon
 @pytest.mark.parametrize(
     "extra, expected",
     [
-        (["--config.train.setps=3"], "error: --config.train.setps: unknown config key; did you mean --config.train.steps?"),
+        pytest.param(["--config.train.setps=3"], "error: --config.train.setps: unknown config key; did you mean --config.train.steps?",
+                     marks=pytest.mark.slow),
         (["--config.train.learning_rate=-1.0", "--cpu_devices=2"], "error: train.learning_rate=-1.0 must be > 0"),
     ],
     ids=["key_typo", "negative_rate"],

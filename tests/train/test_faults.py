@@ -24,8 +24,8 @@ from jaxpar.checkpoint.listing import finished_steps, incomplete_saves
 from jaxpar.train.observe import TIMING_FIELDS
 from jaxpar.train.signals import StopSignals
 from tests.support.compile_flags import subprocess_environment
+from tests.support.files import write
 from tests.support.paths import ROOT
-from tests.train.test_bad_inputs import write
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 WORKER = os.path.join(ROOT, "tests", "support", "train_worker.py")
@@ -51,6 +51,7 @@ def lines(workdir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     config = write(tmp_path / "config.py", CONFIG_FILE.format(vocab=8192, steps=3, every=1))
@@ -79,6 +80,7 @@ def test_kill_9_during_an_async_save_resumes_from_the_last_complete_checkpoint(t
     assert finished_steps(checkpoints) == [1, 2, 3] and incomplete_saves(checkpoints) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_saves_a_final_checkpoint_and_exits_cleanly(tmp_path, signum):
@@ -108,6 +110,7 @@ def test_signal_saves_a_final_checkpoint_and_exits_cleanly(tmp_path, signum):
     assert (workdir / ".lock").read_text() == "", "the lock was not released"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_checkpoint_write_that_fails_is_one_line(tmp_path):
     """No file may grow past 64 KiB (RLIMIT_FSIZE), so the first checkpoint's array files fail to
@@ -144,6 +147,7 @@ PHASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_signal_at_every_start_up_phase_stops_with_one_line(tmp_path):
     config = write(tmp_path / "config.py", CONFIG_FILE.format(vocab=256, steps=3, every=0))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxpar.train.loss_scale import LossScale
 from jaxpar.train.setup import build
@@ -42,6 +43,7 @@ def fp16_run(mesh, devices, steps=6):
     return initial, jax.device_get(state.params), history, int(state.step)
 
 
+@pytest.mark.slow
 def test_overflow_skips_step_identically_on_one_and_eight_devices():
     init1, final1, hist1, updates1 = fp16_run({}, 1)
     init8, final8, hist8, updates8 = fp16_run({"data": 4, "tensor": 2}, 8)

@@ -94,6 +94,7 @@ def test_nonfinite_run_stops_and_the_last_good_checkpoint_stays_latest(tmp_path)
     assert not (tmp_path / ".lock").read_text(), "the lock was not released"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_skip_policy_leaves_the_state_untouched_and_stops_past_the_cap(tmp_path):
     config = nan_config(on_nonfinite="skip", max_skipped_steps=2)

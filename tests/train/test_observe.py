@@ -140,6 +140,7 @@ def _tensorboard_scalars(folder) -> dict:
     return scalars
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_training_run_writes_timing_tensorboard_and_profile(tmp_path, monkeypatch):
     from jaxpar.models.families import facts

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.compile_flags import subprocess_environment
 from tests.support.paths import ROOT
 
@@ -58,6 +60,7 @@ def test_train_script_rejects_bad_config_before_compiling(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_train_script_takes_the_planners_layout(tmp_path):
     """--plan fills the layout keys the planner picks for the visible devices (printed with the
     reason and the predicted step time, which metrics.jsonl then carries beside the measured one)
@@ -113,6 +116,7 @@ def get_config():
 """
 
 
+@pytest.mark.slow
 def test_train_script_exit_codes_for_nonfinite_values_and_unreadable_checkpoints(tmp_path, capsys):
     """Exit 3 (stopped for non-finite values, one line), then exit 1 (no readable checkpoint to
     resume from, one line), in process through `main` as the command line runs it."""

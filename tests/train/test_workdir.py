@@ -6,8 +6,6 @@ import fcntl
 import json
 import os
 import socket
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
@@ -15,26 +13,11 @@ import pytest
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.preflight import ConfigError, check_run
 from tests.support import tiny
-
-HOLD = """
-import fcntl, json, os, sys, time
-f = open(sys.argv[1], "a+")
-fcntl.flock(f, fcntl.LOCK_EX)
-f.seek(0); f.truncate(); f.write(json.dumps({"host": "elsewhere", "pid": os.getpid(), "since": "then"})); f.flush()
-print("locked", flush=True)
-time.sleep(120)
-"""
+from tests.support.processes import hold_lock
 
 
 def config():
     return tiny.with_overrides(tiny.llama(vocab_size=256), {"data": 8}, data={"max_corpus_bytes": 100_000})
-
-
-def hold_lock(workdir):
-    os.makedirs(workdir, exist_ok=True)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(workdir / workdirs.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
-    return holder
 
 
 def test_a_live_run_keeps_others_out_and_a_killed_runs_lock_is_taken_over(tmp_path):

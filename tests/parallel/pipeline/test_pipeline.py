@@ -23,18 +23,9 @@ from jaxpar.train.setup import build, bytes_per_device
 from jaxpar.train.step import loss_and_grads
 from tests.support import tiny
 from tests.support.hlo import collectives
+from tests.support.pipeline_cases import STEPS, pipeline_config, pp
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
-
-STEPS = 3
-
-
-def pipeline_config(**model):
-    return tiny.llama(**{"num_hidden_layers": 8, **model})
-
-
-def pp(schedule, m, v=1, **parallel):
-    return dict(pipeline_schedule=schedule, num_microbatches=m, virtual_stages=v, **parallel)
-
+from tests.support.tiers import slow_except
 
 # name: (model overrides, mesh, parallel). 8 layers unless named; splits are `auto` unless given.
 # 7 layers on pipeline 2 or 3 leave the [L, ...] stacks replicated over `pipeline`; 8 layers split
@@ -68,7 +59,8 @@ CASES = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CASES))
+# Fast tier: 1F1B with tensor + SP, and interleaved (virtual stages).
+@pytest.mark.parametrize("name", slow_except(CASES, "1f1b_p2_tensor4_sp", "interleaved_p4_v2"))
 def test_matches_single_device(name, shared_cache):
     model, mesh, parallel = CASES[name]
     config = tiny.with_overrides(pipeline_config(**model), mesh, parallel=parallel)
@@ -142,6 +134,7 @@ def table_sized(ops, shapes) -> list:
     return [c for c in ops for s in c.shapes if s in shapes]
 
 
+@pytest.mark.slow
 def test_no_collective_moves_a_vocab_table(compiled):
     """No step traffic grows with the vocab: no collective result has a table's shape (whole, or
     split over tensor or pipeline × tensor). Positive control: the "ends" layout sums the tables'

@@ -26,8 +26,8 @@ from jaxpar.parallel.pipeline.layout import stage_layout, storage_order, to_stag
 from jaxpar.parallel.pipeline.table import modular_stages
 from jaxpar.parallel.pipeline.vshape import v_stages
 from jaxpar.train.setup import build
-from tests.parallel.pipeline.test_pipeline import pipeline_config, pp
 from tests.support import tiny
+from tests.support.pipeline_cases import pipeline_config, pp
 from tests.support.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error, synthetic_batches
 
 
@@ -71,6 +71,7 @@ def build_program(schedule, m, v, monkeypatch, stored: bool):
     return config, program
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("schedule, m, v", [("interleaved_1f1b", 4, 2), ("zb_v", 2, 2)])
 def test_schedule_order_moves_no_layers_and_trains_the_same(schedule, m, v, monkeypatch):

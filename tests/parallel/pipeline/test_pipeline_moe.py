@@ -47,6 +47,7 @@ def reference(shared_cache, config):
     return single_device(shared_cache, tiny.with_overrides(config, {}, train={"grad_accum": M}), STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_device(name, shared_cache):

@@ -21,8 +21,8 @@ from jaxpar.parallel import plan as plan_module
 from jaxpar.parallel.pipeline.layout import stage_layout, to_stages
 from jaxpar.parallel.pipeline.options import PipelineOptions
 from jaxpar.parallel.pipeline.table import modular_stages
-from tests.parallel.pipeline.test_pipeline import STEPS, pipeline_config, pp
 from tests.support import tiny
+from tests.support.pipeline_cases import STEPS, pipeline_config, pp
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
 from tests.support.v_shape import v_kind, v_stages
 
@@ -74,6 +74,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):

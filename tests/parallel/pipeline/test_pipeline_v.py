@@ -18,9 +18,10 @@ from jaxpar import models
 from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.parallel.pipeline.options import checks as pipeline_checks
 from jaxpar.parallel.pipeline.options import pipeline_options
-from tests.parallel.pipeline.test_pipeline import STEPS, pipeline_config, pp
 from tests.support import tiny
+from tests.support.pipeline_cases import STEPS, pipeline_config, pp
 from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
+from tests.support.tiers import slow_except
 
 # name: (family, model overrides, mesh, parallel); splits `auto` unless given.
 CASES = {
@@ -44,7 +45,8 @@ CASES = {
 
 
 @pytest.mark.timeout(900)  # measured 150-270 s per case with 6 workers on 2 cores
-@pytest.mark.parametrize("name", list(CASES))
+# Fast tier: one V schedule case.
+@pytest.mark.parametrize("name", slow_except(CASES, "zb_v_p4_ends"))
 def test_matches_single_device(name, shared_cache):
     family, model, mesh, parallel = CASES[name]
     moe = family == "mixtral"

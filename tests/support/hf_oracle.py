@@ -1,0 +1,51 @@
+"""The training oracle's transformers models (tests/train/test_oracle.py, tests/data/test_packed_oracle.py),
+and the bridge from their HF-named tensors into jaxpar's layout.
+
+Weights are drawn with a large std and norm weights away from 1, as in tests/support/hf_models.py.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors.numpy import save_file  # noqa: E402
+
+from jaxpar.interop import hf  # noqa: E402
+
+BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, rms_norm_eps=1e-5,
+            max_position_embeddings=64, attn_implementation="eager")
+MODELS = {
+    "llama_gqa_untied": lambda: transformers.LlamaConfig(vocab_size=300, num_key_value_heads=2, **BASE),
+    "llama_gqa_tied": lambda: transformers.LlamaConfig(vocab_size=200, num_key_value_heads=2, tie_word_embeddings=True, **BASE),
+    # A large aux coefficient, so the load-balancing loss moves the router's gradient visibly.
+    "mixtral_aux": lambda: transformers.MixtralConfig(
+        vocab_size=300, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **BASE
+    ),
+}
+
+
+def hf_model(name):
+    config = MODELS[name]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in n else torch.randn_like(p) * 0.2)
+    return model.float().train()
+
+
+def as_jaxpar(model, tensors: dict, directory):
+    """HF-named numpy tensors (weights or their gradients) in jaxpar's layout, by jaxpar's own reader
+    (checked against transformers' logits in tests/interop/test_hf_*.py)."""
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**model.config.to_dict(), "architectures": [type(model).__name__]}))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    return hf.load(directory)
+
+
+def weights(model) -> dict:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
