@@ -175,6 +175,10 @@ def test_shrinking_rules():
     assert launch.endswith("--workdir=runs/b --config.train.steps=2 --config.checkpoint.every_steps=0")
     assert grep == "grep eval_loss runs/a/metrics.jsonl | head -n 1"
     assert rules.prepared_runs(block) == ["runs/llama_tiny"]
+    makes_it = _block("python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/llama_tiny\n")
+    assert rules.prepared_runs(makes_it) == []
+    profiled = _block("python scripts/train.py --config=configs/llama_tiny.py --workdir=p --config.train.profile_steps=2\n")
+    assert "--config.train.steps=4 " in rules.shrink(profiled)  # through the traced steps 3 and 4
     assert rules.copied_paths(_block("ls docs/figures jaxpar\n")) == ["configs", "docs", "jaxpar", "scripts"]
 
 
