@@ -15,34 +15,26 @@ Multi-process: see `--help` and README ("Multi-process runs").
 
 from __future__ import annotations
 
-import os
 import sys
+
+from jaxpar import command
+from jaxpar.command import Command, Flag, error
 
 EXIT_USAGE, EXIT_CHECKPOINT, EXIT_NONFINITE = 2, 1, 3
 
-
-def _error(message: str) -> None:
-    for line in str(message).splitlines():
-        print(f"error: {line}", file=sys.stderr)
-    sys.stderr.flush()
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        from jaxpar.train import cli
-
-        args, config = cli.read(argv)
-        if args.help:
-            print(cli.USAGE)
-            return 0
-    except KeyboardInterrupt:
-        print("interrupted before the run started; nothing was written", file=sys.stderr)
-        return 130
-    except cli.UsageError as e:
-        _error(e)
-        return EXIT_USAGE
-    return run(args, config)
+FLAGS = (
+    Flag("workdir", str, "", "where config.json, metrics.jsonl, checkpoints/ and the run's lock live; a workdir holding a run "
+         "with a fitting checkpoint is resumed, any other earlier run refused", required=True),
+    Flag("overwrite", bool, False, "replace an earlier run in --workdir: moved aside once the new run is known to start, deleted "
+         "at the new run's first checkpoint, put back if it fails before"),
+    Flag("plan", str, "", "a hardware profile (a100-80g, h100-80g, h200, tpu-v5p, ...): set the mesh, ZeRO stage, remat and "
+         "microbatch keys to the planner's best layout for the visible device count, printing the choice and why; "
+         "--config.KEY=VALUE still wins"),
+    Flag("coordinator", str, None, "HOST:PORT of process 0, to join a multi-process run (else JAX_COORDINATOR_ADDRESS / "
+         "JAX_NUM_PROCESSES / JAX_PROCESS_ID, else a SLURM job step with several tasks, else one process)"),
+    Flag("num_processes", int, None, "processes of the multi-process run", at_least=1),
+    Flag("process_id", int, None, "this process's index in the multi-process run", at_least=0),
+)
 
 
 def run(args, config) -> int:
@@ -65,24 +57,20 @@ def run(args, config) -> int:
         plan_errors = (PlanError, HardwareError)
     try:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        if args.cpu_devices and not os.environ.get("JAX_NUM_CPU_DEVICES"):
-            # Must happen before the first jax call creates the backends.
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_num_cpu_devices", args.cpu_devices)
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
         history = train(config, args.workdir, overwrite=args.overwrite)
     except DoesNotFit as e:  # before ConfigError, which it is: one line with the planner's way out
-        _error(f"{e}; {fit_advice(config, e)}")
+        error(f"{e}; {fit_advice(config, e)}")
         return EXIT_USAGE
     except (ConfigError, WorkdirError, distributed.DistributedError, *plan_errors) as e:
-        _error(e)
+        error(e)
         return EXIT_USAGE
     except CheckpointError as e:
-        _error(e)
+        error(e)
         return EXIT_CHECKPOINT
     except NonFiniteStop as e:
-        _error(e)
+        error(e)
         return EXIT_NONFINITE
     except Interrupted as e:
         print(e, file=sys.stderr, flush=True)
@@ -126,6 +114,14 @@ def apply_plan(config, hardware: str, num_devices: int, explicit: set[str]) -> N
         platform = jax.devices()[0].platform
         print(prediction_line(plan) + ("" if platform == "gpu" or platform == "tpu" else f"; this run is on {platform} devices"),
               flush=True)
+
+
+COMMANDS = (Command(None, "train a model from a config file; resume a workdir's run", run, flags=FLAGS, config="required"),)
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
 
 
 if __name__ == "__main__":
