@@ -1,4 +1,4 @@
-"""jaxpar.interop.hf against transformers' Qwen3, Qwen3-MoE and Qwen2-MoE: random tiny models built here.
+"""jaxpar.interop.hf against transformers' Qwen3, Qwen3-MoE and Qwen2-MoE: random tiny models (tests/support/hf_models.py).
 
 Weights are drawn with a large std (routers included, so routing is decisive) and norm weights away
 from 1, so a swapped or mis-laid-out tensor moves the logits by far more than the tolerance. Each
@@ -20,66 +20,12 @@ from safetensors.torch import save_file  # noqa: E402
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 from jaxpar.models.qwen3_moe.schema import dense_layers  # noqa: E402
+from tests.support.hf_models import QWEN_ARCH, QWEN_CASES, qwen_model  # noqa: E402
 from tests.support.hf_testing import assert_same_tree, max_err, tokens_for  # noqa: E402
 from tests.support.tiers import slow_except  # noqa: E402
 
-ARCH = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-}
-CASES = {
-    # GQA, untied, vocab not a multiple of 128, head_dim 24 != 64 / 4.
-    "qwen3_gqa_head_dim": ("qwen3", dict(vocab_size=300, num_key_value_heads=2, head_dim=24)),
-    # MQA, tied embeddings.
-    "qwen3_mqa_tied": ("qwen3", dict(vocab_size=256, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)),
-    # 16 fine-grained experts, top-4 renormalised, GQA, head_dim 24.
-    "qwen3_moe_e16_top4_norm": (
-        "qwen3_moe",
-        dict(vocab_size=300, num_key_value_heads=2, head_dim=24, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True),
-    ),
-    # A dense layer between two MoE layers (mlp_only_layers), top-k weights not renormalised, tied.
-    "qwen3_moe_dense_layer_tied": (
-        "qwen3_moe",
-        dict(
-            vocab_size=256, num_key_value_heads=2, num_hidden_layers=3, mlp_only_layers=[1], num_experts=8,
-            num_experts_per_tok=2, tie_word_embeddings=True,
-        ),
-    ),
-    # Shared expert with its sigmoid gate, q/k/v biases, GQA.
-    "qwen2_moe_shared_qkv_bias": (
-        "qwen2_moe", dict(vocab_size=300, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
-    ),
-    # decoder_sparse_step 2: layers 0 and 2 dense, 1 and 3 MoE; no biases, top-k renormalised, tied.
-    "qwen2_moe_sparse_step2_tied": (
-        "qwen2_moe",
-        dict(
-            vocab_size=256, num_key_value_heads=4, num_hidden_layers=4, decoder_sparse_step=2, qkv_bias=False,
-            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True,
-        ),
-    ),
-}
-MOE_SIZES = dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, router_aux_loss_coef=0.02)
-
-
-def hf_model(case: str):
-    family, overrides = CASES[case]
-    config_class, _ = ARCH[family]
-    kwargs = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, rms_norm_eps=1e-5,
-        max_position_embeddings=128, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        attn_implementation="eager",
-    )
-    kwargs.update(overrides)
-    if family != "qwen3":
-        kwargs.update({k: v for k, v in MOE_SIZES.items() if family == "qwen2_moe" or not k.startswith("shared")})
-    config = getattr(transformers, config_class)(**kwargs)
-    torch.manual_seed(0)
-    model = getattr(transformers, ARCH[family][1])(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.2)
-    return model.eval()
+ARCH, CASES = QWEN_ARCH, QWEN_CASES
+hf_model = qwen_model
 
 
 def hf_outputs(model, tokens):

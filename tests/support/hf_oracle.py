@@ -1,7 +1,10 @@
 """The training oracle's transformers models (tests/train/test_oracle.py, tests/data/test_packed_oracle.py),
-and the bridge from their HF-named tensors into jaxpar's layout.
+one or more per jaxpar family, and the bridge from their HF-named tensors into jaxpar's layout.
 
 Weights are drawn with a large std and norm weights away from 1, as in tests/support/hf_models.py.
+The Qwen models are the interop parity cases (tests/support/hf_models.py `QWEN_CASES`: QK-norm,
+dense layers among MoE layers, the shared expert and its gate, tied embeddings), with a large aux
+coefficient as for Mixtral.
 """
 
 import json
@@ -15,6 +18,13 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxpar.interop import hf  # noqa: E402
+from tests.support.hf_models import QWEN_CASES, qwen_config, randomized  # noqa: E402
+
+
+def qwen_oracle_config(case: str):
+    """A Qwen interop case; its MoE families with a large aux coefficient, as `mixtral_aux`."""
+    return qwen_config(case, **({} if QWEN_CASES[case][0] == "qwen3" else {"router_aux_loss_coef": 0.5}))
+
 
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, rms_norm_eps=1e-5,
             max_position_embeddings=64, attn_implementation="eager")
@@ -25,6 +35,7 @@ MODELS = {
     "mixtral_aux": lambda: transformers.MixtralConfig(
         vocab_size=300, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **BASE
     ),
+    **{case: (lambda case=case: qwen_oracle_config(case)) for case in QWEN_CASES},
 }
 
 
@@ -32,10 +43,12 @@ def hf_model(name):
     config = MODELS[name]()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.rand_like(p) + 0.5 if "norm" in n else torch.randn_like(p) * 0.2)
-    return model.float().train()
+    return randomized(model).float().train()
+
+
+def routes(model) -> bool:
+    """Whether a transformers model has routed experts (and so an aux loss with `output_router_logits`)."""
+    return getattr(model.config, "num_experts_per_tok", None) is not None
 
 
 def as_jaxpar(model, tensors: dict, directory):

@@ -1,11 +1,13 @@
 """Training math against an oracle jaxpar did not write: transformers + PyTorch, and optax by hand.
 
 - Step-1 gradients of every parameter from jaxpar's production train step (one device, fp32)
-  against transformers' `loss.backward()` from the same weights and batch: Llama with GQA, untied
-  and tied, and Mixtral with its load-balancing loss. jaxpar's Mixtral loss is transformers'
-  `labels=` loss with `output_router_logits=True`: cross-entropy + `router_aux_loss_coef` ×
-  `load_balancing_loss_func` over all layers (jaxpar's z-loss coefficient is 0 after `hf.load`;
-  transformers has none).
+  against transformers' `loss.backward()` from the same weights and batch, for every family
+  (`tests/support/hf_oracle.py` MODELS; a family without a model there fails): Llama with GQA,
+  untied and tied; Mixtral; Qwen3 with QK-norm, untied and tied; Qwen3-MoE with a dense layer among
+  its MoE layers (`mlp_only_layers`); Qwen2-MoE with its gated shared expert, q/k/v biases and
+  `decoder_sparse_step`. The MoE families' loss is transformers' `labels=` loss with
+  `output_router_logits=True`: cross-entropy + `router_aux_loss_coef` × `load_balancing_loss_func`
+  over the MoE layers (jaxpar's z-loss coefficient is 0 after `hf.load`; transformers has none).
 - Five AdamW steps with clipping active at every step, warmup + cosine and the decay mask (none on
   norm scales) against `torch.optim.AdamW` with the same schedule (`LambdaLR` over a closed form
   written here), and the same for `torch.optim.SGD` with momentum, plain and Nesterov: every
@@ -32,9 +34,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402
 
 from jaxpar.interop import hf  # noqa: E402
+from jaxpar.models.families import FAMILIES  # noqa: E402
 from jaxpar.train.setup import build  # noqa: E402
 from tests.support import tiny  # noqa: E402
-from tests.support.hf_oracle import MODELS, as_jaxpar, hf_model, weights  # noqa: E402
+from tests.support.hf_oracle import MODELS, as_jaxpar, hf_model, routes, weights  # noqa: E402
 from tests.support.reference import max_relative_error  # noqa: E402
 from tests.support.tiers import slow_except  # noqa: E402
 
@@ -53,7 +56,7 @@ def batches(model, count: int):
 
 def torch_loss(model, rows):
     rows = torch.as_tensor(rows, dtype=torch.long)
-    extra = {"output_router_logits": True} if "mixtral" in model.config.model_type else {}
+    extra = {"output_router_logits": True} if routes(model) else {}
     return model(input_ids=rows[:, :-1], labels=rows[:, :-1], shift_labels=rows[:, 1:].contiguous(), **extra).loss
 
 
@@ -75,7 +78,15 @@ def cosine(step: int) -> float:
     return lr * (end + (1 - end) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-@pytest.mark.parametrize("name", slow_except(sorted(MODELS), "llama_gqa_untied", "mixtral_aux"))
+def test_every_family_has_an_oracle_model():
+    covered = {MODELS[name]().model_type for name in MODELS}
+    assert covered == set(FAMILIES), f"no transformers oracle model for {sorted(set(FAMILIES) - covered)}"
+
+
+FAST_ORACLE = ("llama_gqa_untied", "mixtral_aux", "qwen3_gqa_head_dim", "qwen3_moe_dense_layer_tied", "qwen2_moe_shared_qkv_bias")
+
+
+@pytest.mark.parametrize("name", slow_except(sorted(MODELS), *FAST_ORACLE))
 def test_step1_gradients_match_transformers(name, tmp_path):
     model = hf_model(name)
     (rows,) = batches(model, 1)
@@ -85,19 +96,21 @@ def test_step1_gradients_match_transformers(name, tmp_path):
     program, state = jaxpar_program(model, tmp_path)
     _, metrics, grads = program.step_with_grads(state, rows)
     grads = jax.device_get(grads)
-    errors = jax.tree.map(lambda x, r: float(np.max(np.abs(x - r)) / np.max(np.abs(r))), grads, expected)
-    print(f"{name}: loss {float(metrics['loss']):.6f} vs transformers {float(loss.detach()):.6f}; "
-          f"worst gradient {max(jax.tree.leaves(errors)):.1e}")
-    assert abs(float(metrics["loss"]) - float(loss)) <= 1e-6 * float(loss)
-    assert max(jax.tree.leaves(errors)) <= GRAD_RTOL, errors
-    if "mixtral" in name:
-        # Not vacuous: without the aux loss the router's gradient is another one.
+    assert jax.tree.structure(grads) == jax.tree.structure(expected)  # every parameter, nothing left out
+    errors = jax.tree.map(lambda x, r: float(np.max(np.abs(x - r)) / max(np.max(np.abs(r)), 1e-30)), grads, expected)
+    worst = max(jax.tree.leaves(errors))
+    print(f"{name}: loss {float(metrics['loss']):.6f} vs transformers {float(loss.detach()):.6f}; worst gradient {worst:.1e}")
+    assert abs(float(metrics["loss"]) - float(loss.detach())) <= 1e-6 * float(loss.detach())
+    assert worst <= GRAD_RTOL, {k: v for k, v in flat(errors).items() if v > GRAD_RTOL}
+    # Not vacuous: every leaf's gradient is nonzero (a stopped gradient would compare 0 with 0).
+    assert all(np.max(np.abs(r)) > 0 for r in jax.tree.leaves(expected))
+    if routes(model):
+        # Nor is the aux loss: without it the router's gradient is another one.
         model.zero_grad()
         model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.0
         torch_loss(model, rows).backward()
-        router = model.model.layers[0].mlp.gate.weight
-        no_aux = router.grad.numpy().T
-        assert max_relative_error(no_aux, expected["layers"]["mlp"]["router"][0]) > 1e-2
+        no_aux = as_jaxpar(model, {n: p.grad.numpy() for n, p in model.named_parameters()}, tmp_path / "no_aux")[1]
+        assert max_relative_error(no_aux["layers"]["mlp"]["router"], expected["layers"]["mlp"]["router"]) > 1e-2
 
 
 def torch_parameter_groups(model):
