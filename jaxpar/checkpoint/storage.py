@@ -22,7 +22,7 @@ process is left waiting in a collective the others never enter.
 from __future__ import annotations
 
 import errno
-import importlib.util
+import importlib
 import os
 import re
 import shutil
@@ -34,10 +34,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxpar.checkpoint.errors import CheckpointError
+from jaxpar.extras import install_hint, installed
 
 TOKEN_PREFIX = ".shared-storage-check-"
-# URL scheme -> (the fsspec package etils needs for it, the pyproject extra that installs it).
-REMOTE_BACKENDS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+# URL scheme -> the fsspec package etils needs for it (`jaxpar.extras` names the pip extra that installs it).
+REMOTE_BACKENDS = {"gs": "gcsfs", "s3": "s3fs"}
 
 
 def is_remote(directory: str) -> bool:
@@ -128,11 +129,11 @@ def remote_problem(directory: str, key: str = "checkpoint.dir") -> str | None:
     scheme = directory.split("://", 1)[0] if "://" in directory else ""
     if scheme not in REMOTE_BACKENDS:
         return None
-    package, extra = REMOTE_BACKENDS[scheme]
+    package = REMOTE_BACKENDS[scheme]
     # etils prefers TensorFlow's gfile when TensorFlow is installed; found without importing it.
-    if _importable(package) or importlib.util.find_spec("tensorflow") is not None:
+    if _importable(package) or installed("tensorflow"):
         return None
-    return f'{key}={directory} needs the {package} package: pip install -e ".[{extra}]" (or pip install {package})'
+    return f"{key}={directory} needs the {package} package: {install_hint(package)}"
 
 
 def _try_write(directory: str) -> str | None:

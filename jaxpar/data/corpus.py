@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import os
 from collections.abc import Mapping
 
@@ -57,7 +56,8 @@ from jaxpar.data.sources import (
 )
 from jaxpar.data.sources import corpus_fingerprint as source_fingerprint
 from jaxpar.data.sources import corpus_warnings as source_warnings
-from jaxpar.data.tokenizer import ByteTokenizer, TokenizerError, document_encoder
+from jaxpar.data.tokenizer import ByteTokenizer, TokenizerError, document_encoder, vocab_size_fix
+from jaxpar.extras import installed, missing_line
 from jaxpar.ranges import at_least, one_of, within
 
 TEXT_DOCUMENTS = ("file", "line")
@@ -288,8 +288,8 @@ def validate_data_config(config) -> list[str]:
 def _record_field_problems(src: Source) -> list[str]:
     """The first record of every file of a record source must hold `data.text_field`."""
     if src.source == "datasets":
-        if importlib.util.find_spec("datasets") is None:
-            return [f"{src.key.replace('path', 'source')}=\"datasets\" needs the datasets package: pip install -e \".[data]\""]
+        if not installed("datasets"):
+            return [missing_line("datasets", f"{src.key.replace('path', 'source')}='datasets'")]
         files = hf_stream.dataset_files(src.path, src.key)
     elif src.source == "text":
         files = [f for f in text_files(src.path) if f.endswith(".jsonl")]
@@ -347,7 +347,7 @@ def _source_problems(src: Source, config) -> list[str]:
             return [str(e)]
         if encoder.vocab_size > vocab:
             return [f"data.tokenizer={src.tokenizer!r} has {encoder.vocab_size} tokens, more than "
-                    f"model.vocab_size={vocab}; set model.vocab_size >= {encoder.vocab_size}"]
+                    f"model.vocab_size={vocab}; {vocab_size_fix(encoder.vocab_size)}"]
         errors += _record_field_problems(src)
         if errors:
             return errors

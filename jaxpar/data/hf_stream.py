@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from jaxpar.data.documents import DataError
+from jaxpar.extras import MissingExtra, require
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -54,11 +55,14 @@ def builder_of(files: list[str]) -> str:
     return FORMATS[os.path.splitext(files[0])[1]]
 
 
-def open_stream(files: list[str], *, order: list[str] | None = None):
-    """A `datasets` IterableDataset over `files` (in `order`, default sorted)."""
+def open_stream(files: list[str], *, order: list[str] | None = None, needed_by: str = "data.source='datasets'"):
+    """A `datasets` IterableDataset over `files` (in `order`, default sorted); DataError (one line
+    naming `needed_by` and the extra to install) without `datasets`."""
     # Imported here: `datasets` takes seconds to import and only this source needs it.
-    import datasets
-
+    try:
+        datasets = require("datasets", needed_by)
+    except MissingExtra as e:
+        raise DataError(str(e)) from None
     datasets.disable_progress_bars()
     return datasets.load_dataset(builder_of(files), data_files=list(order or files), split="train", streaming=True)
 

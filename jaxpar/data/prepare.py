@@ -31,8 +31,9 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxpar.data.documents import offsets_path
-from jaxpar.data.tokenizer import special_tokens
+from jaxpar.data.documents import DataError, offsets_path
+from jaxpar.data.tokenizer import TokenizerError, special_tokens, vocab_size_fix
+from jaxpar.data.tokenizer import load_tokenizer as load_text_tokenizer
 
 DTYPES = ("uint16", "uint32")
 CHUNK_BYTES = 4 << 20  # text per tokenizer call; bounds memory for multi-GB files
@@ -61,18 +62,10 @@ def choose_dtype(vocab_size: int, requested: str | None = None) -> str:
 
 def load_tokenizer(path: str):
     """A transformers tokenizer from a local directory (never the hub)."""
-    if not os.path.isdir(path):
-        raise PrepareError(
-            f"--tokenizer={path} is not a directory; point it at a saved tokenizer (tokenizer.json etc.)"
-        )
-    # Imported here: transformers takes seconds to import and only this entry point needs it.
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise PrepareError(f"--tokenizer={path} holds no loadable tokenizer ({type(e).__name__}: {first})") from None
+        return load_text_tokenizer(path, key="--tokenizer")
+    except TokenizerError as e:
+        raise PrepareError(str(e)) from None
 
 
 def input_files(inputs: list[str]) -> list[str]:
@@ -162,8 +155,12 @@ def _pieces(path: str, undecodable: _Undecodable, text_field: str = "text") -> I
     if path.endswith(RECORD_FORMATS):
         from jaxpar.data.hf_stream import open_stream
 
+        try:
+            records = open_stream([path], needed_by=f"--input file {path}")
+        except DataError as e:
+            raise PrepareError(str(e)) from None
         count = 0
-        for count, record in enumerate(open_stream([path]), 1):
+        for count, record in enumerate(records, 1):
             text = record.get(text_field)
             if not isinstance(text, str):
                 raise PrepareError(f"--input file {path} record {count} has no {text_field!r} text field")
@@ -342,7 +339,7 @@ def token_file_problems(path: str, token_dtype: str, vocab_size: int) -> list[st
     if saved_vocab > vocab_size:
         problems.append(
             f"model.vocab_size={vocab_size} is smaller than the {saved_vocab} tokens of the tokenizer that wrote "
-            f"data.path={path!r}; set model.vocab_size >= {saved_vocab}"
+            f"data.path={path!r}; {vocab_size_fix(saved_vocab)}"
         )
     if os.path.isfile(path) and os.path.getsize(path) != count * np.dtype(saved_dtype).itemsize:
         problems.append(

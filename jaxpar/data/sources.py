@@ -33,7 +33,7 @@ import sysconfig
 import numpy as np
 
 from jaxpar.data.prepare import sidecar_path
-from jaxpar.data.tokenizer import ByteTokenizer
+from jaxpar.data.tokenizer import ByteTokenizer, vocab_size_fix
 
 SOURCES = ("stdlib", "text", "tokens", "datasets")
 TEXT_SOURCES = ("stdlib", "text", "datasets")  # tokenized by data.tokenizer (bytes when unset)
@@ -253,7 +253,7 @@ def token_range_problems(path: str, token_dtype: str, vocab_size: int, key: str 
             if bad >= 0:
                 return [
                     f"{key}={path!r} holds token id {bad} at position {where}, not below model.vocab_size={vocab_size} "
-                    f"(checked {scope}); set model.vocab_size > {bad} or check data.token_dtype"
+                    f"(checked {scope}); check data.token_dtype, or {vocab_size_fix(bad + 1)}"
                 ]
             return [f"{key}={path!r} holds negative token id {bad} at position {where} (checked {scope}); check data.token_dtype"]
     return []

@@ -4,9 +4,13 @@ special tokens that mark where a document starts and ends."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
+
+from jaxpar.extras import MissingExtra, require
+from jaxpar.model_facts import VOCAB_PAD_MULTIPLE, padded_vocab_size
 
 
 class ByteTokenizer:
@@ -41,6 +45,39 @@ class TokenizerError(ValueError):
     """A tokenizer that cannot be used; the message is one line naming `data.tokenizer`."""
 
 
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' import-time advice that PyTorch was not found: PyTorch serves its models,
+    never a tokenizer, and `pip install -e ".[data]"` rightly leaves it out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "PyTorch was not found" not in record.getMessage()
+
+
+def _transformers(needed_by: str):
+    """transformers, imported here: it takes seconds and only tokenized sources need it."""
+    logger = logging.getLogger("transformers")  # the logger transformers' own advice goes to
+    if not any(isinstance(f, _NoTorchAdvice) for f in logger.filters):
+        logger.addFilter(_NoTorchAdvice())
+    try:
+        return require("transformers", needed_by)
+    except MissingExtra as e:
+        raise TokenizerError(str(e)) from None
+
+
+def load_tokenizer(path: str, key: str = "data.tokenizer"):
+    """The transformers tokenizer saved in the local folder `path` (never the hub); TokenizerError,
+    one line naming `key`, if there is none or transformers is missing."""
+    named = f"{key}={path}" if key.startswith("--") else f"{key}={path!r}"  # a flag as typed, a config key as repr
+    if not os.path.isdir(path):
+        raise TokenizerError(f"{named} is not a directory; point it at a saved tokenizer (tokenizer.json etc.)")
+    transformers = _transformers(named)
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise TokenizerError(f"{named} holds no loadable tokenizer ({type(e).__name__}: {first})") from None
+
+
 class TextTokenizer:
     """A local transformers tokenizer as a document encoder. A document is wrapped the way the
     tokenizer wraps a text itself (`add_special_tokens`: e.g. Llama's BOS in front), and ends with
@@ -48,16 +85,7 @@ class TextTokenizer:
     packer (and `prepare_data.py`'s token files) see where each document starts and ends."""
 
     def __init__(self, path: str, key: str = "data.tokenizer"):
-        if not os.path.isdir(path):
-            raise TokenizerError(f"{key}={path!r} is not a directory; point it at a saved tokenizer (tokenizer.json etc.)")
-        # Imported here: transformers takes seconds to import and only tokenized sources need it.
-        from transformers import AutoTokenizer
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, TypeError) as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise TokenizerError(f"{key}={path!r} holds no loadable tokenizer ({type(e).__name__}: {first})") from None
+        self.tokenizer = load_tokenizer(path, key)
         self.name = os.path.abspath(path)
         self.vocab_size = len(self.tokenizer)  # includes added special tokens
         self.prefix, self.suffix = special_tokens(self.tokenizer)
@@ -89,3 +117,11 @@ def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
 def document_encoder(path: str, key: str = "data.tokenizer"):
     """`ByteDocuments` for "", else the `TextTokenizer` in folder `path`."""
     return ByteDocuments() if not path else TextTokenizer(path, key)
+
+
+def vocab_size_fix(needed: int) -> str:
+    """The override that gives the model room for `needed` token ids, rounded up to the multiple the
+    embedding is padded to anyway (the larger vocabulary costs nothing more)."""
+    size = padded_vocab_size(needed)
+    rounded = f" ({needed} rounded up to a multiple of {VOCAB_PAD_MULTIPLE}, as the embedding is padded anyway)" if size != needed else ""
+    return f"train with --config.model.vocab_size={size}{rounded}"
