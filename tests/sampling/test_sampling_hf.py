@@ -1,6 +1,9 @@
-"""Greedy sampling (`jaxpar.sampling`) against transformers' `generate(do_sample=False)`.
+"""Greedy sampling (`jaxpar.sampling`) against transformers' `generate(do_sample=False)`, every family.
 
-The same random tiny models as the interop parity tests (large weights: decisive argmaxes), saved
+The same random tiny models as the interop parity tests (large weights: decisive argmaxes): Llama,
+Mixtral, Qwen3 with QK-norm (untied and tied), Qwen3-MoE with a dense layer between two MoE layers
+(the decode cache is split into runs of one kind and joined back in layer order), Qwen2-MoE with
+its gated shared expert and q/k/v biases, and with `decoder_sparse_step` 2. Saved
 with `save_pretrained` and read with `jaxpar.interop.hf.load`. Three prompts of different lengths
 go through one left-padded batch; transformers generates each on its own (no padding), 64 new
 tokens, fp32. Every cached step's logits are also compared with a full forward (no cache) over
@@ -15,8 +18,10 @@ transformers = pytest.importorskip("transformers")
 
 from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
+from jaxpar.models.families import FAMILIES  # noqa: E402
 from jaxpar.sampling import Sampler  # noqa: E402
-from tests.support.hf_models import llama_model, mixtral_model  # noqa: E402
+from tests.support.hf_models import QWEN_CASES, llama_model, mixtral_model, qwen_model  # noqa: E402
+from tests.support.tiers import slow_except  # noqa: E402
 
 NEW_TOKENS = 64
 PROMPT_LENGTHS = (5, 11, 3)
@@ -26,7 +31,10 @@ CASES = {
     "llama_mqa_tied": (llama_model, "mqa_tied"),
     "llama3_rope": (llama_model, "llama3_head_dim"),
     "mixtral_e4_top2": (mixtral_model, "e4_top2"),
+    **{case: (qwen_model, case) for case in QWEN_CASES if case != "qwen3_moe_e16_top4_norm"},
 }
+# The fast tier: one case per family, with the features a planted bug in decoding would break.
+FAST = ("llama_gqa_untied", "mixtral_e4_top2", "qwen3_gqa_head_dim", "qwen3_moe_dense_layer_tied", "qwen2_moe_shared_qkv_bias")
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
@@ -44,7 +52,15 @@ def hf_greedy(model, prompt) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+def test_every_family_is_decoded_against_transformers(tmp_path):
+    covered = set()
+    for name, (make, case) in CASES.items():
+        make(case).config.save_pretrained(tmp_path / name)
+        covered.add(hf.model_config(tmp_path / name).model_type)
+    assert covered == set(FAMILIES), f"no greedy-decoding case for {sorted(set(FAMILIES) - covered)}"
+
+
+@pytest.fixture(scope="module", params=slow_except(sorted(CASES), *FAST))
 def case(request, tmp_path_factory):
     make, name = CASES[request.param]
     model = make(name)
