@@ -158,6 +158,14 @@ def test_checks_find_planted_mistakes():
     assert rules.problems(_block("print(\n", "python")), "a python syntax error is found"
 
 
+def test_subcommands_are_the_named_command_records():
+    """A script with one `Command(None, ...)` takes no subcommand word (scripts/train.py); one with
+    named records takes one of their names first."""
+    assert rules.subcommands('COMMANDS = (Command(None, "train a model", run, flags=FLAGS),)') == ()
+    several = 'COMMANDS = (\n    Command("report", "time them", report),\n    Command(\n        "balance", "split", balance),\n)'
+    assert rules.subcommands(several) == ("report", "balance")
+
+
 def test_shrinking_rules():
     block = _block(
         "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && \\\n"

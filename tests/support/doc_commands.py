@@ -188,12 +188,21 @@ def kind(command: Command) -> str:
     return "script" if command.script else "other"
 
 
+_NAMED_COMMAND = re.compile(r"\bCommand\(\s*[\"']([\w.-]+)[\"']")
+
+
+def subcommands(source: str) -> tuple[str, ...]:
+    """The subcommand words a script defines: its `Command("word", ...)` records (a script whose only
+    record is `Command(None, ...)` takes none)."""
+    return tuple(_NAMED_COMMAND.findall(source))
+
+
 def subcommand(command: Command) -> str | None:
-    """The first word after the script when the script defines subcommands (`Command(` in its source)."""
+    """The first word after the script when the script defines subcommands."""
     rest = command.argv[2:]
     if not rest or rest[0].startswith("-") or not (REPO / command.script).is_file():
         return None
-    return rest[0] if "Command(" in (REPO / command.script).read_text() else None
+    return rest[0] if subcommands((REPO / command.script).read_text()) else None
 
 
 def _flag(arg: str) -> tuple[str, str | None]:
@@ -312,11 +321,11 @@ def _script_problems(argv: list[str], root: Path) -> list[str]:
     problems = []
     source = (root / script).read_text()
     rest = argv[2:]
-    if "Command(" in source:
+    if words := subcommands(source):
         if not rest or rest[0].startswith("-"):
-            problems.append(f"{script} takes a subcommand first")
-        elif f'"{rest[0]}"' not in source and f"'{rest[0]}'" not in source:
-            problems.append(f"{script} has no subcommand {rest[0]!r}")
+            problems.append(f"{script} takes a subcommand first ({', '.join(words)})")
+        elif rest[0] not in words:
+            problems.append(f"{script} has no subcommand {rest[0]!r} ({', '.join(words)})")
     if script == "scripts/launch_local.py" and "--" in argv:
         problems += _script_problems(argv[argv.index("--") + 1 :], root)
         argv = argv[: argv.index("--")]
