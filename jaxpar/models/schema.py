@@ -42,3 +42,44 @@ def decoder_config(**overrides) -> ConfigDict:
     )
     model.update(overrides)
     return model
+
+
+# What every `config.model` key of any family means, one line each (docs/config.md is generated from
+# this table and the families' schemas; a family that adds a key adds its meaning here). The names
+# are the transformers configs' except jaxpar's own MoE options (`jaxpar.models.moe.option_keys`).
+MEANINGS = {
+    "model_type": "the family, as transformers names it",
+    "vocab_size": "tokens in the vocabulary (padded up for sharding; the padding is masked out of the loss)",
+    "hidden_size": "the width of the residual stream",
+    "intermediate_size": "the hidden size of the SwiGLU MLP (MoE families: of the dense layers, Mixtral's: of each "
+    "expert)",
+    "num_hidden_layers": "decoder layers",
+    "num_attention_heads": "query heads",
+    "num_key_value_heads": "key / value heads (grouped-query attention when fewer than the query heads)",
+    "head_dim": "the size of one head; None: hidden_size // num_attention_heads",
+    "rms_norm_eps": "epsilon of the RMS norms",
+    "rope_theta": "the base of the rotary position embedding",
+    "rope_scaling.rope_type": "default (plain RoPE) or llama3 (Llama 3.1's frequency scaling, the fields below)",
+    "rope_scaling.factor": "llama3: the context extension factor",
+    "rope_scaling.low_freq_factor": "llama3: wavelengths above original / low_freq_factor are scaled by factor",
+    "rope_scaling.high_freq_factor": "llama3: wavelengths below original / high_freq_factor are kept",
+    "rope_scaling.original_max_position_embeddings": "llama3: the context length before extension",
+    "max_position_embeddings": "the longest sequence the model is meant for (train.seq_len may not exceed it)",
+    "tie_word_embeddings": "the LM head is the embedding's transpose",
+    "initializer_range": "standard deviation of the normal initialisation",
+    "num_local_experts": "routed experts per MoE layer",
+    "num_experts": "routed experts per MoE layer",
+    "num_experts_per_tok": "experts each token is routed to (top-k)",
+    "moe_intermediate_size": "the hidden size of each routed expert",
+    "shared_expert_intermediate_size": "the hidden size of the shared expert every token runs (gated by a sigmoid)",
+    "norm_topk_prob": "renormalise the k routing weights to sum to 1",
+    "decoder_sparse_step": "layer i is MoE when (i + 1) is a multiple of this (and i is not in mlp_only_layers)",
+    "mlp_only_layers": "layers with a dense MLP instead of experts",
+    "qkv_bias": "biases on the q, k and v projections",
+    "router_aux_loss_coef": "weight of the load-balancing loss (transformers' load_balancing_loss_func)",
+    "router_z_loss_coef": "weight of the router z-loss (0: none)",
+    "capacity_factor": "0: dropless; > 0: each expert takes at most ceil(seq_len * k / E * factor) tokens of each "
+    "sequence and drops the rest",
+    "scoring_func": "router scores: softmax (transformers' MoE families) or sigmoid (DeepSeek-V3)",
+    "router_bias_update_rate": "> 0: loss-free load balancing, a per-expert router bias moved by this much per step",
+}
