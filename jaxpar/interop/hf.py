@@ -162,6 +162,12 @@ def _clear(directory: str) -> None:
             os.remove(file)
 
 
+def hf_config(model_config) -> dict:
+    """The transformers config.json of a jaxpar model config (what `save` writes beside the weights)."""
+    adapter = _adapter(model_config.model_type)
+    return dict(architectures=[adapter.hf_class], model_type=model_config.model_type, **adapter.to_hf_config(model_config))
+
+
 def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Writes config.json + float32 safetensors for `from_pretrained`: one model.safetensors, or
     shards of at most `max_shard_bytes` with an index. `params`: numpy, or jax.Arrays on any mesh
@@ -169,7 +175,6 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
     directory, cfg = os.fspath(path), model_config
     adapter = _adapter(cfg.model_type)
     _check_shapes(params, cfg)
-    hf_config = dict(architectures=[adapter.hf_class], model_type=cfg.model_type, **adapter.to_hf_config(cfg))
     if os.path.isfile(directory):
         raise FileExistsError(f"{directory} is a file; save into a directory")
     if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
@@ -203,4 +208,4 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
         with open(os.path.join(directory, hf_core.INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2)
     with open(os.path.join(directory, hf_core.CONFIG_FILE), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
+        json.dump(hf_config(cfg), f, indent=2, sort_keys=True)

@@ -1,19 +1,22 @@
 """The train step as the measuring scripts run it: checked, built, on one random batch, compiled, timed.
 
-`scripts/bench.py`, `bench_mesh.py`, `pipeline_balance.py` and `pipeline_report.py` time jaxpar's
-real train step outside the training loop (no data, no checkpoints, no workdir); this module is the
-sequence they share:
+`scripts/bench.py` and `scripts/pipeline.py` (their bodies in `jaxpar.bench`) time jaxpar's real train
+step outside the training loop (no data, no checkpoints, no workdir); this module is the sequence they
+share:
 
     run = harness.prepare(config, devices)  # preflight.check, build, init (waited for), the batch
     seconds = run.compile()                 # ahead of time, as the training loop compiles
     metrics, seconds = run.step()           # one step, waited for; run.state advances
     metrics, times = run.steps(5)           # several, each waited for and timed alone
+    out, wall, cpu = harness.timed(fn)      # anything else (a decode, a block of steps), waited for
 
 `prepare` checks the config first (`jaxpar.train.preflight.check`: bad input raises `ConfigError`, one line
 per problem naming the key, before anything compiles). The batch is one fixed array of uniform
 random token ids from numpy seed `seed`, the same for every layout of a config, so losses compare
 across runs. `step` compiles on first use if `compile` was not called; callers that measure the
 compile itself (its wall time, or jax.monitoring's compile events) call `compile` explicitly.
+`timed` also reports this process's CPU seconds (all its threads): on a machine shared with other
+jobs they swing less than wall time, which their load stretches.
 
 Compiling on abstract inputs instead (nothing allocated, e.g. for memory and collectives of a
 config too large to run) is `jaxpar.analysis.program.compiled.compile_step(config, devices, checked=True)`,
@@ -37,6 +40,13 @@ def checked_build(config, devices=None) -> TrainProgram:
     """`build(config, devices)` after `preflight.check` for that many devices (default: all)."""
     preflight.check(config, len(jax.devices() if devices is None else devices))
     return build(config, devices)
+
+
+def timed(fn, *args):
+    """(fn(*args) waited for, its wall seconds, this process's CPU seconds over the same span)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn(*args))
+    return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
 def random_batch(config, program: TrainProgram, seed: int = 0) -> jax.Array:
