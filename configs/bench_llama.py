@@ -1,4 +1,5 @@
-"""The shared bench config: the same model and batch as ../shared/peers/hf_torch_bench.py."""
+"""The bench config of `scripts/bench.py step` and `packing`. With `step --peer`, the transformers +
+PyTorch peer (benchmarks/peers/hf_torch/) builds its model from this config's model section."""
 
 from jaxpar.config import base_config
 from jaxpar.models import llama

@@ -1,5 +1,6 @@
-"""The shared bench config for Mixtral: the same model and batch as
-../shared/peers/hf_torch_bench.py --model mixtral (bench Llama shape, 8 experts, top-2)."""
+"""The bench config for Mixtral (`scripts/bench.py step --model=mixtral`): the bench Llama's shape with
+8 experts, top-2. With `--peer`, the transformers + PyTorch peer (benchmarks/peers/hf_torch/) builds
+its model from this config's model section."""
 
 from jaxpar.config import base_config
 from jaxpar.models import mixtral

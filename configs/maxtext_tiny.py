@@ -1,8 +1,10 @@
-"""MaxText's tiny CPU peer model (../shared/peers/maxtext/tiny_llama.overrides) as a jaxpar config.
+"""The tiny Llama jaxpar and MaxText both train in `scripts/bench.py mesh` (benchmarks/peers/maxtext/).
 
 Llama-2 style: embedding 256, 4 layers, 4 query / 2 KV heads of dim 64, MLP 688, vocab 256, untied
 LM head, sequence 256, global batch 8 (MaxText's per_device_batch_size=1 on 8 devices), fp32.
-`scripts/bench_mesh.py` sets the mesh to match MaxText's (fsdp8, dp8, tp2dp4, pp2dp4).
+`scripts/bench.py mesh` sets the mesh to match MaxText's (fsdp8, dp8, tp2dp4, pp2dp4, ...) and derives
+MaxText's keys from this config (`jaxpar.bench.mesh.maxtext_overrides`); the runner's own defaults
+(`TINY_LLAMA` in benchmarks/peers/maxtext/run_tiny.py) are held equal to them by tests/scripts/test_peers.py.
 """
 
 from jaxpar.config import base_config

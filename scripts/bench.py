@@ -1,131 +1,194 @@
-"""Time training steps on the shared bench config, optionally beside the HF + PyTorch peer.
+"""Time jaxpar's real train step (and its decoding) beside what it is compared with.
 
-  python scripts/bench.py [--model=llama|mixtral] [--steps=6] [--peer] [--repeats=3]
-      [--remat=full] [--profile=DIR]
+  python scripts/bench.py step [--model=llama|mixtral] [--steps=6] [--repeats=1] [--peer] [--remat=full] [--profile=DIR]
+  python scripts/bench.py generate [--new_tokens=256] [--batch=4] [--prompt_len=32] [--repeats=1]
+  python scripts/bench.py mesh [--mesh=fsdp8,dp8,tp2dp4,pp2dp4] [--remat=full,none] [--repeats=3] [--maxtext]
+  python scripts/bench.py moe [--experts=64] [--top_k=8] [--expert_ffn=128] [--steps=4] [--repeats=3]
+  python scripts/bench.py packing [--model=llama|mixtral] [--steps=10] [--repeats=3] [--attention=jaxpar_xla,xla]
 
-Warm-up (compile + one step) is excluded. With --peer, blocks of `steps` jaxpar steps and runs of
-../shared/peers/hf_torch_bench.py alternate `repeats` times in this one invocation (the two
-compete for the same cores, so they never run at once), and the medians are compared.
---profile traces two more steps into DIR and prints the per-scope breakdown
-(`scripts/profile_report.py DIR` prints it again). The last line is
-`step_s=<median> tokens_per_sec=<x> gflops_per_sec=<y>`.
+Each times the step through `jaxpar.train.harness` (warm-up excluded); what each prints is in the
+docstring of its module in `jaxpar.bench`. Contenders alternate within one invocation, because on a
+shared machine the load moves between invocations more than the differences being measured. The peers
+(`step --peer`: transformers + PyTorch, `mesh --maxtext`: MaxText) live in benchmarks/peers/, each with
+its README, install step and environment.
 """
 
+from __future__ import annotations
+
 import os
-import statistics
-import subprocess
 import sys
+import tempfile
 
-from absl import app, flags
-
-_MODEL = flags.DEFINE_enum("model", "llama", ["llama", "mixtral"], "Which bench config.")
-_STEPS = flags.DEFINE_integer("steps", 6, "Timed steps after warm-up.")
-_PEER = flags.DEFINE_bool("peer", False, "Also run ../shared/peers/hf_torch_bench.py on the same config.")
-_THREADS = flags.DEFINE_integer("threads", 2, "CPU threads for the peer (torch.set_num_threads).")
-_REPEATS = flags.DEFINE_integer("repeats", 1, "Timed blocks (each followed by a peer run with --peer).")
-_REMAT = flags.DEFINE_string("remat", "", "Override parallel.remat (default: the config's).")
-_PROFILE = flags.DEFINE_string("profile", "", "Trace two steps into this folder and print the breakdown.")
+from jaxpar import command
+from jaxpar.bench import refusing_bad_configs
+from jaxpar.command import Command, Flag, UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEER = os.path.join(os.path.dirname(ROOT), "shared", "peers", "hf_torch_bench.py")
+HF_PEER = os.path.join(ROOT, "benchmarks", "peers", "hf_torch", "train_step.py")
+MAXTEXT_RUNNER = os.path.join(ROOT, "benchmarks", "peers", "maxtext", "run_tiny.py")
+MAXTEXT_PYTHON = os.environ.get("MAXTEXT_PYTHON", os.path.expanduser("~/.cache/jaxpar/maxtext-venv/bin/python"))
+MESH_NAMES = ("fsdp8", "dp8", "tp2dp4", "tp2fsdp4", "pp2dp4", "cp2dp4", "one")
 
 
-def load_config(model: str):
-    import importlib.util
+def bench_config(model: str):
+    from jaxpar.command.config_file import load_config
 
-    path = os.path.join(ROOT, "configs", f"bench_{model}.py")
-    spec = importlib.util.spec_from_file_location(f"bench_{model}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config(os.path.join(ROOT, "configs", f"bench_{model}.py"))
 
 
-def run_peer(model: str, steps: int, threads: int) -> tuple[str, float]:
-    """(the peer's summary line, its tokens/s or nan)."""
-    if not os.path.exists(PEER):
-        return f"peer: {PEER} not found", float("nan")
-    cmd = [sys.executable, PEER, "--model", model, "--steps", str(steps), "--threads", str(threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    lines = (done.stdout or done.stderr).strip().splitlines()
-    line = lines[-1] if lines else f"exit {done.returncode}"
-    fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-    return line, float(fields.get("tokens_per_s", "nan"))
+@refusing_bad_configs
+def run_step(args, _):
+    from jaxpar.bench import step
+
+    config = bench_config(args.model)
+    if args.remat:
+        config.parallel.remat = args.remat
+    peer = None
+    if args.peer:
+        if not os.path.exists(args.peer_python):
+            raise UsageError(f"--peer_python={args.peer_python} does not exist")
+        folder = step.write_peer_config(config, tempfile.mkdtemp(prefix="jaxpar_peer_"))
+        train = config.train
+        peer_command = [args.peer_python, HF_PEER, f"--config_dir={folder}", f"--batch={train.global_batch_size}",
+                        f"--seq_len={train.seq_len}", f"--steps={args.steps}", f"--threads={args.threads}"]
+        print(f"peer: {' '.join(peer_command)}", flush=True)
+
+        def peer():
+            return step.peer_line(peer_command)
+
+    step.bench(config, args.model, args.steps, args.repeats, peer, args.profile)
 
 
-def roofline(flops: float, tokens: int, ours: float, peer: float | None, target: float = 1.5) -> str:
-    """How far the step is from a lone matmul's speed on this host, and what `target`× the peer needs:
-    the ceiling any fp32 step can reach here, whoever wrote it (model FLOPs, recompute not counted)."""
-    from jaxpar.train.observe import measured_host_flops
+def run_generate(args, _):
+    from jaxpar.bench import generate
 
-    peak = measured_host_flops("float32")
-    line = (f"roofline: one fp32 2048^3 matmul runs {peak / 1e9:.0f} GFLOP/s here; jaxpar's step does "
-            f"{flops * ours / tokens / 1e9:.0f} GFLOP/s of model FLOPs ({flops * ours / tokens / peak:.0%} of it)")
-    if peer:
-        need = flops * peer * target / tokens
-        line += f"; {target}x the peer would need {need / 1e9:.0f} GFLOP/s ({need / peak:.0%} of that matmul)"
-    return line
+    shape = generate.Shape(args.new_tokens, args.batch, args.prompt_len, args.hidden, args.layers, args.heads, args.kv_heads, args.vocab)
+    return generate.bench(shape, args.threads, args.repeats)
 
 
-def profile_steps(run, folder: str):
-    """Two annotated steps under jax.profiler plus the step's HLO text, then the breakdown."""
-    import jax
+@refusing_bad_configs
+def run_mesh(args, _):
+    import json
 
-    from jaxpar.analysis.program import profile
-    from jaxpar.train.observe import STEP_ANNOTATION, save_step_hlo
+    from jaxpar.bench import mesh
 
-    jax.profiler.start_trace(folder)
-    for number in (1, 2):
-        with jax.profiler.StepTraceAnnotation(STEP_ANNOTATION, step_num=number):
-            run.step()
-    jax.profiler.stop_trace()
-    save_step_hlo(folder, run.executable)
-    print(profile.format_report(profile.load(folder)))
+    base = mesh_base_config()
+    if args.worker:
+        print("RESULT " + json.dumps(mesh.worker(base, json.loads(args.worker))), flush=True)
+        return 0
+    trees = args.trees or [ROOT]
+    sides = {}
+    for tree in trees:
+        label = f"jaxpar[{os.path.basename(tree.rstrip('/'))}]" if len(trees) > 1 else "jaxpar"
+        sides[label] = lambda m, r, tree=tree: mesh.run_jaxpar(
+            tree, {"mesh": m, "remat": r, "steps": args.steps, "overrides": args.override})
+    if args.maxtext:
+        model = mesh.maxtext_overrides(base)
+        sides["maxtext"] = lambda m, r: mesh.run_maxtext(args.maxtext_python, MAXTEXT_RUNNER, m, r, args.steps, model)
+    runs = mesh.matrix(args.mesh, args.remat, args.repeats, sides)
+    print(f"\nload average at the end: {os.getloadavg()}\n")
+    print("\n".join(mesh.table(runs, args.mesh, args.remat, list(sides))))
 
 
-def main(argv):
-    del argv
-    import jax
+def mesh_base_config():
+    from jaxpar.command.config_file import load_config
 
-    from jaxpar.models import facts
-    from jaxpar.train import harness
+    return load_config(os.path.join(ROOT, "configs", "maxtext_tiny.py"))
 
-    config = load_config(_MODEL.value)
-    if _REMAT.value:
-        config.parallel.remat = _REMAT.value
-    devices = jax.devices()[:1]
-    run = harness.prepare(config, devices)
-    batch_size, seq = config.train.global_batch_size, config.train.seq_len
-    compile_s = run.compile()
-    metrics, first_s = run.step()
-    print(
-        f"model={_MODEL.value} remat={config.parallel.remat} device={devices[0].device_kind} "
-        f"compile+first step {compile_s + first_s:.1f}s"
-    )
-    ours, peers = [], []
-    for repeat in range(_REPEATS.value):
-        metrics, times = run.steps(_STEPS.value)
-        ours.append(statistics.median(times))
-        line = f"[{repeat + 1}] jaxpar tokens/s {batch_size * seq / ours[-1]:.0f}"
-        if _PEER.value:
-            peer_line, peer_tokens = run_peer(_MODEL.value, _STEPS.value, _THREADS.value)
-            peers.append(peer_tokens)
-            line += f" | peer (HF transformers + PyTorch): {peer_line}"
-        print(line, flush=True)
-    if _PROFILE.value:
-        profile_steps(run, _PROFILE.value)
-    step_s = statistics.median(ours)
-    tokens = [batch_size * seq / t for t in ours]
-    print(f"jaxpar: loss_last={float(metrics['loss']):.3f} tokens/s median {statistics.median(tokens):.0f} "
-          f"(min {min(tokens):.0f}, max {max(tokens):.0f}, {len(tokens)} blocks of {_STEPS.value} steps)")
-    if peers:
-        print(f"peer: tokens/s median {statistics.median(peers):.0f} (min {min(peers):.0f}, max {max(peers):.0f}); "
-              f"jaxpar / peer = {statistics.median(tokens) / statistics.median(peers):.2f}x "
-              f"(per repeat: {', '.join(f'{a / b:.2f}' for a, b in zip(tokens, peers))})")
-    flops = facts(config.model).model_flops_per_step(batch_size, seq)
-    if devices[0].platform == "cpu":
-        print(roofline(flops, batch_size * seq, statistics.median(tokens), statistics.median(peers) if peers else None))
-    print(f"step_s={step_s:.4f} tokens_per_sec={batch_size * seq / step_s:.0f} gflops_per_sec={flops / step_s / 1e9:.1f}")
+
+def mesh_checks(args) -> list[str]:
+    from jaxpar.bench.mesh import override_problems
+
+    problems = override_problems(args.override)
+    problems += [f"--trees={tree}: no scripts/bench.py there" for tree in args.trees
+                 if not os.path.isfile(os.path.join(tree, "scripts", "bench.py"))]
+    return problems
+
+
+@refusing_bad_configs
+def run_moe(args, _):
+    if args.a2a_experts:  # before JAX starts its backends: the a2a layouts need 8 devices
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    from jaxpar.bench import moe
+
+    moe.bench(args.experts, args.top_k, args.expert_ffn, args.steps, args.repeats, [int(e) for e in args.a2a_experts], args.a2a_dir)
+
+
+@refusing_bad_configs
+def run_packing(args, _):
+    from jaxpar.bench import packing
+
+    def config_for(impl):
+        config = bench_config(args.model)
+        config.parallel.attention_impl = impl
+        return config
+
+    packing.bench(config_for, args.model, args.attention, args.steps, args.repeats)
+
+
+def _positive_ints(name: str, words: list[str]) -> list[str]:
+    return [f"--{name}={w}: not a positive integer" for w in words if not (w.isdigit() and int(w) > 0)]
+
+
+STEPS = Flag("steps", int, 6, "timed steps per block, after warm-up (compile and one step)", at_least=1)
+MODEL = Flag("model", str, "llama", "the bench config: configs/bench_llama.py or configs/bench_mixtral.py", choices=("llama", "mixtral"))
+THREADS = Flag("threads", int, 2, "CPU threads for torch (the peer, transformers' generate)", at_least=1)
+
+COMMANDS = (
+    Command("step", "the bench config's train step on one device, optionally beside transformers + PyTorch", run_step, flags=(
+        MODEL, STEPS,
+        Flag("repeats", int, 1, "timed blocks (each followed by a peer run with --peer)", at_least=1),
+        Flag("peer", bool, False, "also run benchmarks/peers/hf_torch/train_step.py on the same model and batch, interleaved"),
+        Flag("peer_python", str, sys.executable, "the Python of the peer's environment (it needs torch and transformers)"),
+        THREADS,
+        Flag("remat", str, "", "override parallel.remat (default: the config's)"),
+        Flag("profile", str, "", "trace two more steps into this folder and print the per-scope breakdown"),
+    )),
+    Command("generate", "decode tokens/s: KV cache, recomputing, transformers' generate, on the same weights", run_generate, flags=(
+        Flag("new_tokens", int, 256, "new tokens per prompt", at_least=1),
+        Flag("batch", int, 4, "prompts", at_least=1),
+        Flag("prompt_len", int, 32, "tokens per prompt", at_least=1),
+        Flag("hidden", int, 256, "hidden_size", at_least=1),
+        Flag("layers", int, 4, "num_hidden_layers", at_least=1),
+        Flag("heads", int, 8, "num_attention_heads", at_least=1),
+        Flag("kv_heads", int, 2, "num_key_value_heads", at_least=1),
+        Flag("vocab", int, 2048, "vocab_size", at_least=2),
+        THREADS,
+        Flag("repeats", int, 1, "timed runs of each contender (the fastest counts)", at_least=1),
+    )),
+    Command("mesh", "jaxpar beside MaxText on MaxText's tiny Llama, 8 emulated devices, the same meshes", run_mesh, flags=(
+        Flag("mesh", list, "fsdp8,dp8,tp2dp4,pp2dp4", "meshes by MaxText's runner names (one: the whole batch on one device)",
+             choices=MESH_NAMES),
+        Flag("remat", list, "full", "remat policies (each side's own names; none on both)"),
+        Flag("repeats", int, 3, "interleaved repetitions of the whole matrix", at_least=1),
+        Flag("steps", int, 10, "steps per run; the median is taken after the first 3", at_least=1),
+        Flag("maxtext", bool, False, "also run benchmarks/peers/maxtext/run_tiny.py, interleaved"),
+        Flag("maxtext_python", str, MAXTEXT_PYTHON, "the Python of the MaxText environment (benchmarks/peers/maxtext/README.md; "
+             "env MAXTEXT_PYTHON)"),
+        Flag("trees", list, "", "jaxpar source trees to compare, interleaved (default: this one)"),
+        Flag("override", str, repeat=True, help="SECTION.KEY=VALUE for jaxpar's config (Python literals)"),
+        Flag("worker", str, "", "internal: run one jaxpar measurement (a JSON spec) in this process"),
+    ), devices=False, checks=mesh_checks),
+    Command("moe", "fine-grained experts against a dense model of the same active FLOPs, on one device", run_moe, flags=(
+        Flag("experts", int, 64, "routed experts", at_least=1),
+        Flag("top_k", int, 8, "experts per token", at_least=1),
+        Flag("expert_ffn", int, 128, "hidden size of one expert", at_least=1),
+        Flag("steps", int, 4, "timed steps per block", at_least=1),
+        Flag("repeats", int, 3, "alternating blocks per model", at_least=1),
+        Flag("a2a_experts", list, "", "expert counts to profile on data 2 x expert 4 (8 devices)"),
+        Flag("a2a_dir", str, os.path.join(tempfile.gettempdir(), "bench_moe_profiles"), "where the a2a profiles go"),
+    ), devices=False, checks=lambda args: _positive_ints("a2a_experts", args.a2a_experts)),
+    Command("packing", "the bench config's step on packed documents beside one sequence per row", run_packing, flags=(
+        MODEL, Flag("steps", int, 10, "timed steps per block, after warm-up", at_least=1),
+        Flag("repeats", int, 3, "blocks per batch, rotating over the batches", at_least=1),
+        Flag("attention", list, "jaxpar_xla,xla", "parallel.attention_impl values to time"),
+    )),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """The family records own their facts: each family's counts and FLOPs agree with the module it
 builds, its record is consistent with itself, and no code outside a family's folder asks for a
 family by name. Independent references: the parameter tree the module actually creates, and the
-6·N·T + 6·L·T·S·D model-FLOP convention of the peer benchmark (../shared/peers/hf_torch_bench.py)."""
+6·N·T + 6·L·T·S·D model-FLOP convention (6 FLOPs per parameter per token, plus causal attention)."""
 
 from __future__ import annotations
 

@@ -398,9 +398,9 @@ def test_rejects_bad_shapes_and_indices():
 
 
 def test_script_prints_table_bubble_and_peaks():
-    script = Path(__file__).resolve().parents[3] / "scripts" / "pipeline_schedule.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "pipeline.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--schedule=interleaved_1f1b", "--stages=4", "--microbatches=8"]
+        [sys.executable, str(script), "schedule", "--schedule=interleaved_1f1b", "--stages=4", "--microbatches=8"]
         + ["--virtual_stages=2"],
         capture_output=True,
         text=True,

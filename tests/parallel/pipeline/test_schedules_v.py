@@ -111,9 +111,9 @@ def test_parse_inverts_render(name, p, m):
 
 
 def test_script_draws_the_v_schedules():
-    script = Path(__file__).resolve().parents[3] / "scripts" / "pipeline_schedule.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "pipeline.py"
     for name in ("zb_v", "dualpipev"):
-        out = subprocess.run([sys.executable, str(script), f"--schedule={name}", "--stages=4", "--microbatches=8"],
+        out = subprocess.run([sys.executable, str(script), "schedule", f"--schedule={name}", "--stages=4", "--microbatches=8"],
                              capture_output=True, text=True, check=True, timeout=120).stdout
         assert out.startswith(f"{name}: p=4 m=8 v=2 stages=0.0,1.0,2.0,3.0,3.1,2.1,1.1,0.1")
         assert f"bubble (theory):                {theoretical_bubble(name, 4, 8, 2):.4f}" in out

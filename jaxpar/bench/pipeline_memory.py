@@ -1,26 +1,21 @@
-"""Per-device parameter + optimizer-state bytes by part of the model, with the vocab tables on
-every pipeline rank ("ends", the layout before vocab parallelism) and split over them ("spread").
+"""`scripts/pipeline.py memory`: per-device parameter + optimizer-state bytes by part of the model, with
+the vocab tables on every pipeline rank ("ends", the layout before vocab parallelism) and split over
+them ("spread").
 
-    python scripts/pipeline_memory.py [--config=configs/llama3_70b.py --pipeline=4 --devices=32]
-
-Read from the train state's shardings (`jax.eval_shape` of the jitted init: nothing is allocated),
-on emulated CPU devices: mesh = the config's, with `mesh.pipeline` set and `-1` taking the rest.
+Read from the train state's shardings (`jax.eval_shape` of the jitted init: nothing is allocated), on
+the devices given: mesh = the config's, with `mesh.pipeline` set and `-1` taking the rest.
 """
 
-from absl import app, flags
-from ml_collections import config_flags
+from __future__ import annotations
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/llama3_70b.py", "A configs/*.py file.")
-_PIPELINE = flags.DEFINE_integer("pipeline", 4, "mesh.pipeline.")
-_DEVICES = flags.DEFINE_integer("devices", 32, "Emulated CPU devices.")
+import jax
 
 PARTS = ("embed", "lm_head", "final_norm", "layers")
+PLACEMENTS = ("ends", "spread")
 
 
 def part_bytes(config, devices) -> dict:
     """{part: (param bytes, optimizer-state bytes)} per device."""
-    import jax
-
     from jaxpar.train.setup import build, bytes_per_device
 
     program = build(config, devices)
@@ -36,22 +31,24 @@ def part_bytes(config, devices) -> dict:
     return out
 
 
-def main(argv):
-    del argv
-    import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
+def by_placement(base, pipeline: int, devices) -> tuple[dict, dict]:
+    """({placement: part_bytes}, the mesh preflight resolved) for both vocab placements."""
     from jaxpar.train import preflight
 
-    base = _CONFIG.value
-    base.mesh.pipeline = _PIPELINE.value
-    results = {}
-    for vocab in ("ends", "spread"):
+    base = base.copy_and_resolve_references()
+    base.mesh.pipeline = pipeline
+    results, mesh = {}, None
+    for vocab in PLACEMENTS:
         config = base.copy_and_resolve_references()
         config.parallel.pipeline_vocab = vocab
-        mesh = preflight.check(config, _DEVICES.value)
-        results[vocab] = part_bytes(config, jax.devices())
+        mesh = preflight.check(config, len(devices))
+        results[vocab] = part_bytes(config, devices)
+    return results, mesh
+
+
+def report(base, pipeline: int, devices) -> dict:
+    """Prints the table; returns {placement: {part: (params, moments)}}."""
+    results, mesh = by_placement(base, pipeline, devices)
     gib = 2**30
     print(f"per-device bytes, mesh {mesh}, zero_stage {base.parallel.zero_stage}, params {base.train.param_dtype}")
     print(f"{'part':<12}{'ends: params':>14}{'+ Adam':>10}{'spread: params':>16}{'+ Adam':>10}{'ratio':>8}  (GiB)")
@@ -60,17 +57,14 @@ def main(argv):
         if part not in results["ends"]:
             continue
         row = f"{part:<12}"
-        for vocab in ("ends", "spread"):
+        for vocab in PLACEMENTS:
             params, moments = results[vocab][part]
             totals[vocab] += params + moments
             row += f"{params / gib:>{14 if vocab == 'ends' else 16}.3f}{moments / gib:>10.3f}"
-        ends, spread = (sum(results[v][part]) for v in ("ends", "spread"))
+        ends, spread = (sum(results[v][part]) for v in PLACEMENTS)
         print(row + f"{spread / ends:>8.3f}")
     vocab_parts = [p for p in ("embed", "lm_head", "final_norm") if p in results["ends"]]
-    ends, spread = (sum(sum(results[v][p]) for p in vocab_parts) for v in ("ends", "spread"))
+    ends, spread = (sum(sum(results[v][p]) for p in vocab_parts) for v in PLACEMENTS)
     print(f"vocab tables + Adam: {ends / gib:.3f} → {spread / gib:.3f} GiB ({spread / ends:.3f}×); "
           f"all params + Adam: {totals['ends'] / gib:.3f} → {totals['spread'] / gib:.3f} GiB")
-
-
-if __name__ == "__main__":
-    app.run(main)
+    return results

@@ -1,0 +1,134 @@
+"""scripts/bench.py, each subcommand at its smallest, its printed numbers held to what they must be
+whatever the machine's speed: tokens/s against tokens over step time, ratios against their parts,
+the MoE and dense models' FLOPs against each other (equal by construction: k·F + E/3 dense units),
+first losses against ln(vocab) (a fresh model predicts nearly uniformly), decoded tokens against
+transformers'. `step` and `packing` swap in the tiny model (the bench config takes a minute a step).
+"""
+
+import importlib.util
+import json
+import math
+import re
+
+import pytest
+
+from tests.support import tiny
+from tests.support.paths import REPO
+from tests.support.scripts import fields, numbers, run_script
+
+TINY = "import sys; from tests.support import tiny\n"  # the child's preamble: bench.py with the tiny model
+SWAP = """
+import importlib.util
+spec = importlib.util.spec_from_file_location("bench", "scripts/bench.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+bench.bench_config = lambda model: tiny.with_overrides(tiny.llama(vocab_size=256), {})
+sys.exit(bench.main(sys.argv[1:]))
+"""
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_peer_config_is_the_jaxpar_model_as_transformers_reads_it(tmp_path):
+    import transformers
+
+    from jaxpar.bench.step import write_peer_config
+
+    bench = load_bench()
+    for model in ("llama", "mixtral"):
+        config = bench.bench_config(model)
+        hf = transformers.AutoConfig.from_pretrained(write_peer_config(config, str(tmp_path / model)))
+        m = config.model
+        assert (hf.model_type, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size) == (
+            m.model_type, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.vocab_size)
+        assert (hf.num_attention_heads, hf.num_key_value_heads, hf.tie_word_embeddings) == (
+            m.num_attention_heads, m.num_key_value_heads, m.tie_word_embeddings)
+    assert (hf.num_local_experts, hf.num_experts_per_tok) == (8, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_step_beside_the_peer_and_profile_report_reads_its_trace(tmp_path):
+    profile = tmp_path / "profile"
+    done = run_script("bench.py", "step", "--steps=1", "--repeats=1", "--peer", f"--profile={profile}", code=TINY + SWAP, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    last = fields(lines[-1])
+    config = tiny.llama()
+    tokens = config.train.global_batch_size * config.train.seq_len
+    assert float(last["tokens_per_sec"]) == pytest.approx(tokens / float(last["step_s"]), rel=0.01), lines[-1]
+    peer = fields(next(line for line in lines if "peer (HF transformers + PyTorch):" in line).split(":", 1)[1])
+    assert "failed" not in peer and float(peer["loss_first"]) == pytest.approx(math.log(256), abs=0.1), peer
+    ours = numbers(next(line for line in lines if line.startswith("jaxpar: loss_last=")).split("median")[1])[0]
+    theirs, _, _, ratio = numbers(next(line for line in lines if line.startswith("peer: tokens/s median")))[:4]
+    assert ratio == pytest.approx(ours / theirs, rel=0.02, abs=0.01), lines
+    report = run_script("profile_report.py", str(profile), "--top=1")
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "layer_scan" in report.stdout and "collectives (all)" in report.stdout, report.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_packing_one_step_each():
+    done = run_script("bench.py", "packing", "--steps=1", "--repeats=1", "--attention=jaxpar_xla", code=TINY + SWAP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    # Documents of 2..4 tokens in rows of 17: at least 17 / 4 to a row, less any padding at a row's end.
+    short = next(line for line in lines if line.startswith("attention=jaxpar_xla short ("))
+    assert numbers(short.split("(", 1)[1])[0] >= 3, short
+    for kind in ("wall", "cpu"):
+        line = next(line for line in lines if line.startswith(f"attention=jaxpar_xla {kind} unpacked_ms="))
+        ms = {k: float(v) for k, v in fields(line).items() if k.endswith("_ms")}
+        printed = dict(re.findall(r"(\w+) / unpacked = ([\d.]+)", line))
+        assert {k: float(v) for k, v in printed.items()} == pytest.approx(
+            {k: ms[f"{k}_ms"] / ms["unpacked_ms"] for k in ("stdlib", "short")}, rel=0.01, abs=0.002), line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_generate_cached_recomputed_and_transformers_agree():
+    done = run_script("bench.py", "generate", "--new_tokens=4", "--batch=2", "--prompt_len=4", "--hidden=32", "--layers=1",
+                      "--heads=2", "--kv_heads=1", "--vocab=64", "--repeats=1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "greedy tokens equal to transformers: {'cached': True, 'recompute': True}" in done.stdout
+    last = fields(done.stdout.strip().splitlines()[-1])
+    rate = {name: float(last[f"{name}_tok_s"]) for name in ("cached", "recompute", "hf")}
+    assert float(last["cached_vs_hf"].rstrip("x")) == pytest.approx(rate["cached"] / rate["hf"], rel=0.05), last
+    assert last["batch"] == "2" and last["new"] == "4", last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_mesh_one_cold_run_without_maxtext():
+    """maxtext_tiny on data 8, sequences cut to 32 tokens, 4 steps (the median is of the last): one fresh
+    worker process, its tokens/s the batch's tokens over its step time, its first loss a uniform guess's."""
+    done = run_script("bench.py", "mesh", "--mesh=dp8", "--steps=4", "--repeats=1", "--override=train.seq_len=32", timeout=360)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("[1] dp8 remat=full jaxpar: "))
+    result = json.loads(line.split(": ", 1)[1])
+    assert "error" not in result, result
+    assert result["tokens_per_s"] == pytest.approx(8 * 32 / result["median_step_s"], rel=0.01), result
+    assert result["first_loss"] == pytest.approx(math.log(256), abs=0.1) and result["compile_train_step_s"] > 0, result
+    (row,) = [r for r in done.stdout.splitlines() if r.startswith("| dp8 | full | jaxpar |")]
+    assert "| 1.00× |" in row and f"{result['tokens_per_s']:.0f} (" in row, row
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_moe_and_dense_do_the_same_model_flops():
+    """6 experts of 16, top-2, against a dense MLP of 2·16 + 6/3 = 34 units: the router's H·E and the
+    experts' 3·H·k·F multiply-adds per token equal the dense MLP's 3·H·34, so both print the same model
+    GFLOP per step; the last line's ratio is its GFLOP/s over each other."""
+    done = run_script("bench.py", "moe", "--experts=6", "--top_k=2", "--expert_ffn=16", "--steps=1", "--repeats=1", timeout=540)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    flops = {name: numbers(next(line for line in lines if line.startswith(f"{name}: ") and "model GFLOP" in line))[0]
+             for name in ("moe", "dense")}
+    assert flops["moe"] == flops["dense"], flops
+    last = fields(lines[-1])
+    assert float(last["ratio"]) == pytest.approx(float(last["moe_gflops"]) / float(last["dense_gflops"]), abs=0.011), last
