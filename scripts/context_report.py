@@ -20,32 +20,43 @@ twice the forward, per layer; per device divided by c. c = 1 runs XLA's one-devi
 """
 
 import collections
+import sys
 
-from absl import app, flags
+from jaxpar import command
+from jaxpar.command import Command, Flag
 
-_SEQ_LENS = flags.DEFINE_list("seq_lens", ["4096", "16384"], "Sequence lengths.")
-_CONTEXTS = flags.DEFINE_list("contexts", ["1", "2", "4", "8"], "mesh.context sizes (c = 1: one device).")
-_IMPLS = flags.DEFINE_list("impls", ["all_gather", "ring", "all_to_all"], "parallel.context_impl values.")
-_BLOCK = flags.DEFINE_integer("block", 512, "parallel.context_block_size.")
-_LAYERS = flags.DEFINE_integer("layers", 2, "Decoder layers.")
-_HIDDEN = flags.DEFINE_integer("hidden", 128, "Hidden size.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Query heads.")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", 2, "Key/value heads (GQA).")
-_OUT = flags.DEFINE_string("out", "context_report.png", "PNG path ('' for none).")
+IMPLS = ("all_gather", "ring", "all_to_all")
+FLAGS = (
+    Flag("seq_lens", list, "4096,16384", "sequence lengths"),
+    Flag("contexts", list, "1,2,4,8", "mesh.context sizes (c = 1: one device)"),
+    Flag("impls", list, ",".join(IMPLS), "parallel.context_impl values", choices=IMPLS),
+    Flag("block", int, 512, "parallel.context_block_size", at_least=1),
+    Flag("layers", int, 2, "decoder layers", at_least=1),
+    Flag("hidden", int, 128, "hidden size", at_least=1),
+    Flag("heads", int, 8, "query heads", at_least=1),
+    Flag("kv_heads", int, 2, "key/value heads (GQA)", at_least=1),
+    Flag("out", str, "context_report.png", "PNG path ('' for none)"),
+)
 
-def make_config(seq_len: int, c: int, impl: str):
+
+def checks(args) -> list[str]:
+    return [f"--{name}={word}: not a positive integer" for name in ("seq_lens", "contexts")
+            for word in getattr(args, name) if not (word.isdigit() and int(word) > 0)]
+
+
+def make_config(args, seq_len: int, c: int, impl: str):
     from jaxpar.config import base_config
     from jaxpar.models.llama import model_config as llama_model_config
 
     config = base_config()
     config.model = llama_model_config(
-        vocab_size=256, hidden_size=_HIDDEN.value, intermediate_size=2 * _HIDDEN.value,
-        num_hidden_layers=_LAYERS.value, num_attention_heads=_HEADS.value, num_key_value_heads=_KV_HEADS.value,
+        vocab_size=256, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         head_dim=16, max_position_embeddings=seq_len,
     )
     config.train.update(global_batch_size=1, seq_len=seq_len, warmup_steps=0)
     config.mesh.update(data=1, pipeline=1, context=c, expert=1, tensor=1)
-    config.parallel.update(context_impl=impl, context_block_size=_BLOCK.value)
+    config.parallel.update(context_impl=impl, context_block_size=args.block)
     return config
 
 
@@ -68,12 +79,12 @@ def attention_flops_per_device(config, c: int) -> float:
     return 3 * forward * m.num_hidden_layers / c
 
 
-def measure(seq_len: int, c: int, impl: str):
+def measure(args, seq_len: int, c: int, impl: str):
     import jax
 
     from jaxpar.analysis.program.compiled import compile_step
 
-    config = make_config(seq_len, c, impl)
+    config = make_config(args, seq_len, c, impl)
     step = compile_step(config, jax.devices()[:c], checked=True)
     comm = collective_bytes(step)
     flops = attention_flops_per_device(config, c)
@@ -91,7 +102,7 @@ def row_text(r) -> str:
             f"{r['other_bytes'] / 2**20:>15.2f}{r['flops'] / 1e9:>15.2f}{r['ratio']:>12.5f}{r['compile_s']:>10.1f}")
 
 
-def plot(rows, path):
+def plot(rows, impls, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,7 +116,7 @@ def plot(rows, path):
         one = [r for r in rows if r["seq"] == seq and r["c"] == 1]
         if one:
             mem.axhline(one[0]["temp"] / 2**20, color="gray", linestyle="--", label="c=1 (XLA attention)")
-        for impl in _IMPLS.value:
+        for impl in impls:
             sel = sorted((r for r in rows if r["seq"] == seq and r["impl"] == impl), key=lambda r: r["c"])
             cs = [r["c"] for r in sel]
             mem.plot(cs, [r["temp"] / 2**20 for r in sel], marker="o", label=impl)
@@ -121,25 +132,32 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
-def main(argv):
-    del argv
+def run(args, _) -> None:
     import jax
 
-    contexts = [int(c) for c in _CONTEXTS.value]
+    contexts = [int(c) for c in args.contexts]
     jax.config.update("jax_num_cpu_devices", max(contexts))
-    print(f"Llama {_LAYERS.value} layers, hidden {_HIDDEN.value}, {_HEADS.value} query / {_KV_HEADS.value} KV heads "
-          f"of 16, batch 1, fp32, block {_BLOCK.value}; per-device numbers from compiled train steps")
+    print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads "
+          f"of 16, batch 1, fp32, block {args.block}; per-device numbers from compiled train steps")
     print(HEADER + "\n" + "-" * len(HEADER))
     rows = []
-    for seq in (int(s) for s in _SEQ_LENS.value):
+    for seq in (int(s) for s in args.seq_lens):
         for c in contexts:
-            for impl in _IMPLS.value if c > 1 else _IMPLS.value[:1]:
-                rows.append(measure(seq, c, impl))
+            for impl in args.impls if c > 1 else args.impls[:1]:
+                rows.append(measure(args, seq, c, impl))
                 print(row_text(rows[-1]), flush=True)
-    if _OUT.value:
-        plot(rows, _OUT.value)
-        print(f"wrote {_OUT.value}")
+    if args.out:
+        plot(rows, args.impls, args.out)
+        print(f"wrote {args.out}")
+
+
+COMMANDS = (Command(None, "context parallelism's compiled memory and traffic per context size and implementation", run,
+                    flags=FLAGS, devices=False, checks=checks),)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

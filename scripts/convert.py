@@ -20,31 +20,30 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 
-FLAGS = {
-    "from_hf": str, "to_checkpoint": str, "from_checkpoint": str, "to_hf": str, "config": str,
-    "overwrite": bool, "max_shard_bytes": int, "cpu_devices": int, "help": bool,
-}
+from jaxpar import command
+from jaxpar.command import Command, Flag
+
+FLAGS = (
+    Flag("from_hf", str, "", "a transformers checkpoint directory to convert (with --to_checkpoint and --config)"),
+    Flag("to_checkpoint", str, "", "a new or empty directory: step 0 of a training run of --config"),
+    Flag("from_checkpoint", str, "", "a checkpoint directory or a workdir holding checkpoints/ (with --to_hf)"),
+    Flag("to_hf", str, "", "where config.json and the safetensors go"),
+    Flag("overwrite", bool, False, "replace the checkpoint in a non-empty --to_hf"),
+    Flag("max_shard_bytes", int, None, "largest safetensors file --to_hf writes (default 5 GiB, as transformers)", at_least=1),
+)
 
 
-def _error(message) -> int:
-    for line in str(message).splitlines():
-        print(f"error: {line}", file=sys.stderr)
-    return 2
-
-
-def _config(args, problems: list[str]):
-    from jaxpar.config import base_config
-    from jaxpar.train import cli
-
-    try:
-        config = cli.load_config(args.config) if args.config else base_config()
-        cli.apply_overrides(config, args.overrides)
-        return config
-    except cli.UsageError as e:
-        problems.append(str(e))
-        return None
+def checks(args) -> list[str]:
+    problems = []
+    directions = [bool(args.from_hf and args.to_checkpoint), bool(args.from_checkpoint and args.to_hf)]
+    if sum(directions) != 1:
+        problems.append("give either --from_hf=DIR --to_checkpoint=OUT or --from_checkpoint=DIR --to_hf=OUT")
+    elif directions[0] and not args.config:
+        problems.append("--from_hf needs --config=CONFIG.py: the config of the run that will train from the checkpoint")
+    if args.overrides and not args.config:
+        problems.append(f"--config.{args.overrides[0][0]}: overrides need --config=FILE")
+    return problems
 
 
 def _destination_problems(out: str) -> list[str]:
@@ -97,7 +96,7 @@ def train_command(args, given_model, saved_model) -> str:
     return " ".join(shlex.quote(word) for word in words)
 
 
-def to_checkpoint(args) -> int:
+def to_checkpoint(args, config) -> int:
     import jax
 
     from jaxpar.checkpoint import Checkpoints
@@ -107,18 +106,13 @@ def to_checkpoint(args) -> int:
     from jaxpar.train.setup import build
 
     problems = []
-    if not args.config:
-        problems.append("--from_hf needs --config=CONFIG.py: the config of the run that will train from the checkpoint")
-    config = _config(args, problems) if args.config else None
     try:
         model = hf.model_config(args.from_hf)
     except (OSError, ValueError) as e:
-        return _error("\n".join(problems + [f"--from_hf={args.from_hf}: {e}"]))
-    if config is None:
-        return _error("\n".join(problems))
+        return command.error(f"--from_hf={args.from_hf}: {e}")
     given_model = config.model
     if given_model.get("model_type") != model.model_type:
-        return _error(
+        return command.error(
             f"--config={args.config} has model.model_type={given_model.get('model_type')!r} but --from_hf={args.from_hf} "
             f"holds a {model.model_type!r} model; give a {model.model_type} config"
         )
@@ -131,7 +125,7 @@ def to_checkpoint(args) -> int:
     problems += sharded.problems(args.from_hf, config.model, key="--from_hf")
     problems += _destination_problems(args.to_checkpoint)
     if problems:
-        return _error("\n".join(problems))
+        return command.error("\n".join(problems))
     program = build(config, devices)
     params = sharded.load_params_onto(args.from_hf, config.model, program.state_shardings.params, config.train.param_dtype)
     state = program.to_natural(program.init_from_params(params))  # checkpoints hold the natural layer order
@@ -178,13 +172,13 @@ def to_hf(args) -> int:
     from jaxpar.train.setup import build
 
     if problem := remote_problem(args.from_checkpoint, key="--from_checkpoint"):
-        return _error(problem)
+        return command.error(problem)
     directory = _checkpoint_dir(args.from_checkpoint)
     steps = finished_steps(directory)
     if not steps:
-        return _error(f"--from_checkpoint={args.from_checkpoint} holds no complete checkpoint")
+        return command.error(f"--from_checkpoint={args.from_checkpoint} holds no complete checkpoint")
     if os.path.isdir(args.to_hf) and os.listdir(args.to_hf) and not args.overwrite:
-        return _error(f"--to_hf={args.to_hf} is not empty; pass --overwrite to replace the checkpoint in it")
+        return command.error(f"--to_hf={args.to_hf} is not empty; pass --overwrite to replace the checkpoint in it")
     devices = jax.devices()
     try:
         config = export_config(saved_config(directory, steps[-1]), len(devices))
@@ -193,42 +187,31 @@ def to_hf(args) -> int:
             restored = checkpoints.restore(None, abstract_state(jax.eval_shape(program.init), program.state_shardings))
         hf.save(args.to_hf, config.model, restored.state.params, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes)
     except (CheckpointError, OSError, ValueError) as e:
-        return _error(e)
+        return command.error(e)
     if jax.process_index() == 0:
         print(f"wrote {args.to_hf} from checkpoint {restored.path} (step {restored.step})")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from jaxpar.interop.hf import DEFAULT_MAX_SHARD_BYTES
-    from jaxpar.train import cli
-
-    args = SimpleNamespace(**dict.fromkeys(FLAGS, ""), overrides=[])
-    args.overwrite = args.help = False
-    args.cpu_devices, args.max_shard_bytes = 0, DEFAULT_MAX_SHARD_BYTES
-    args.overrides, problems = cli.parse_flags(sys.argv[1:] if argv is None else argv, FLAGS, args)
-    if args.help:
-        print(__doc__)
-        return 0
-    directions = [bool(args.from_hf and args.to_checkpoint), bool(args.from_checkpoint and args.to_hf)]
-    if sum(directions) != 1:
-        problems.append("give either --from_hf=DIR --to_checkpoint=OUT or --from_checkpoint=DIR --to_hf=OUT")
-    if args.max_shard_bytes < 1:
-        problems.append(f"--max_shard_bytes={args.max_shard_bytes} must be >= 1")
-    if args.cpu_devices < 0:
-        problems.append(f"--cpu_devices={args.cpu_devices} must be >= 0")
-    if problems:
-        return _error("\n".join(problems))
-
-    import jax
-
+def run(args, config) -> int:
     from jaxpar import distributed
 
     distributed.initialize()
-    if args.cpu_devices and not os.environ.get("JAX_NUM_CPU_DEVICES"):
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    return to_checkpoint(args) if directions[0] else to_hf(args)
+    if args.from_hf:
+        return to_checkpoint(args, config)
+    if args.max_shard_bytes is None:
+        from jaxpar.interop.hf import DEFAULT_MAX_SHARD_BYTES
+
+        args.max_shard_bytes = DEFAULT_MAX_SHARD_BYTES
+    return to_hf(args)
+
+
+COMMANDS = (Command(None, "convert between transformers checkpoints and jaxpar checkpoints", run, flags=FLAGS,
+                    config="optional", checks=checks),)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -15,53 +15,62 @@ Sections (each measured here, on emulated CPU devices, or priced by `jaxpar.anal
   published published bf16 GPU training runs beside the model's prediction (`jaxpar.analysis.reports.published`;
             --fit prints the constants its FITTED runs imply, for `jaxpar.analysis.cost.hardware`).
   zero_context  ZeRO over data x context, Llama-3-70B, long sequences (`jaxpar.analysis.reports.zero_memory`).
-The article: ../shared/docs/000_8ef74b506aaf51aa.txt (Chinese), sections 2, 4, 5, 6.
+The article: "这不是“背概念”，而是搞懂大模型训练时GPU到底在忙什么" (Chinese), sections 2, 4, 5, 6.
 """
 
 import os
 import sys
 import time
 
-from absl import app, flags
-
+from jaxpar import command
 from jaxpar.analysis.reports.markdown import table as _table
+from jaxpar.command import Command, Flag
 
-_OUT = flags.DEFINE_string("out", "docs/experiments.md", "Markdown file to write.")
-_SECTIONS = flags.DEFINE_list(
-    "sections", ["tp", "pipeline", "context", "expert", "plan", "fidelity", "published", "zero_context"], "Sections."
+ARTICLE = "这不是“背概念”，而是搞懂大模型训练时GPU到底在忙什么"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("tp", "pipeline", "context", "expert", "plan", "fidelity", "published", "zero_context")
+FLAGS = (
+    Flag("out", str, "docs/experiments.md", "markdown file to write"),
+    Flag("sections", list, ",".join(SECTIONS), "sections to measure, in this order", choices=SECTIONS),
+    Flag("fit", bool, False, "print the matmul efficiency each FITTED published run implies, and exit"),
+    Flag("sweeps", list, "", "directories written by scripts/sweep.py to summarise"),
+    Flag("keep_others", bool, False, "recompute only --sections; keep every other section as it stands in --out (sections are "
+         "numbered in the default order)"),
+    Flag("published_planner", bool, True, "section published: also the planner's best layout per run (a whole search per run: slow)"),
+    Flag("expert_steps", int, 120, "training steps per Mixtral run", at_least=1),
 )
-_FIT = flags.DEFINE_bool("fit", False, "Print the matmul efficiency each FITTED published run implies, and exit.")
-_SWEEPS = flags.DEFINE_list("sweeps", [], "Directories written by scripts/sweep.py to summarise.")
-_KEEP = flags.DEFINE_bool(
-    "keep_others", False, "Recompute only --sections; keep every other section as it stands in --out (sections are "
-    "numbered in the default order).",
-)
-_PLANNER = flags.DEFINE_bool("published_planner", True, "Section published: also the planner's best layout per run "
-                             "(a whole search per run: slow).")
-_EXPERT_STEPS = flags.DEFINE_integer("expert_steps", 120, "Training steps per Mixtral run.")
-
 GIB = 2**30
 
 
 # ---- TP on Llama-2-7B --------------------------------------------------------------------------------
 
 
-def llama2_7b():
-    from jaxpar.train.cli import load_config
+def config_file(name: str):
+    """configs/NAME.py's config."""
+    from jaxpar.command.config_file import load_config
 
-    return load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "llama2_7b.py"))
+    return load_config(os.path.join(ROOT, "configs", f"{name}.py"))
+
+
+def with_mesh(config, mesh: dict, **sections):
+    """A copy of `config` on the mesh (unnamed axes: 1) with `section={key: value}` overrides."""
+    from jaxpar.axes import MESH_AXES
+
+    config = config.copy_and_resolve_references()
+    config.mesh.update({axis: mesh.get(axis, 1) for axis in MESH_AXES})
+    for section, values in sections.items():
+        config[section].update(values)
+    return config
 
 
 def section_tp() -> list[str]:
     from jaxpar.analysis.cost.cost_model import estimate
     from jaxpar.analysis.reports.fidelity import compare
     from jaxpar.axes import DATA, TENSOR
-    from tests.support.tiny import with_overrides
-
     rows, out = [], {}
     for zero in (0, 1):
         for t in (1, 2, 4, 8):
-            config = with_overrides(llama2_7b(), {DATA: 8 // t, TENSOR: t}, parallel={"zero_stage": zero})
+            config = with_mesh(config_file("llama2_7b"), {DATA: 8 // t, TENSOR: t}, parallel={"zero_stage": zero})
             fid = compare(config)
             gpu = estimate(config, "a100-80g", num_devices=8)
             by_axes = fid.compiled_bytes_by_axes()
@@ -172,21 +181,7 @@ def section_pipeline() -> list[str]:
 # ---- context parallelism ---------------------------------------------------------------------------
 
 
-def _context_available() -> tuple[bool, str]:
-    from jaxpar.axes import CONTEXT, DATA
-    from jaxpar.train.preflight import ConfigError, check
-    from tests.support.tiny import llama, with_overrides
-
-    config = with_overrides(llama({"seq_len": 64}, vocab_size=256), {DATA: 4, CONTEXT: 2})
-    try:
-        check(config, 8)
-        return True, ""
-    except ConfigError as e:
-        return False, str(e).splitlines()[0]
-
-
 def section_context() -> list[str]:
-    available, why = _context_available()
     lines = ["## 3. Context parallelism: communication against sequence length (article section 5.1)", ""]
     # Analytic, independent of jaxpar's implementation: the article's KV arithmetic.
     S, L, kv, hd = 131072, 32, 8, 128  # Llama-3-8B at 128k
@@ -202,30 +197,24 @@ def section_context() -> list[str]:
         f"  {gathered / 1e6:.0f} MB per device per layer, x 32 layers forward (and again backward): gigabytes, not 16 MB.",
         "",
     ]
-    if not available:
-        return lines + [
-            "> **Placeholder (filled by this script once context parallelism is wired in).** Preflight refuses",
-            f"> mesh.context > 1 today: `{why}`. When it accepts it, this section compiles a Llama on 8 devices",
-            "> (context 2 and 4) at sequence lengths 1k-8k and tabulates the compiled bytes on the context axis.",
-            "",
-        ]
     return lines + _context_measured()
 
 
 def _context_measured() -> list[str]:
     from jaxpar.analysis.reports.fidelity import compare
     from jaxpar.axes import CONTEXT, DATA
-    from tests.support.tiny import llama, with_overrides
+    from jaxpar.config import base_config
+    from jaxpar.models.llama import model_config
 
     rows = []
     for impl in ("all_gather", "ring", "all_to_all"):
         for c in (2, 4, 8):
             for seq in (2048, 8192):
-                config = with_overrides(
-                    llama({"seq_len": seq, "global_batch_size": 8 // c}, vocab_size=256, max_position_embeddings=seq,
-                          hidden_size=256, num_attention_heads=8, num_key_value_heads=8, head_dim=32),
-                    {DATA: 8 // c, CONTEXT: c}, parallel={"context_impl": impl},
-                )
+                tiny = base_config()
+                tiny.model = model_config(vocab_size=256, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=8, num_key_value_heads=8, head_dim=32, max_position_embeddings=seq)
+                tiny.train.update(global_batch_size=8 // c, seq_len=seq, steps=3, learning_rate=1e-2, warmup_steps=0)
+                config = with_mesh(tiny, {DATA: 8 // c, CONTEXT: c}, parallel={"context_impl": impl})
                 fidelity = compare(config)
                 compiled = fidelity.compiled_bytes_by_axes()
                 predicted = fidelity.estimate.wire_bytes_by_axes()
@@ -258,15 +247,13 @@ def _context_measured() -> list[str]:
 _BIAS_RATE = 0.01
 
 
-def section_expert() -> list[str]:
+def section_expert(steps: int) -> list[str]:
     import tempfile
 
     import numpy as np
 
-    from configs.mixtral_tiny import get_config
     from jaxpar.axes import DATA, EXPERT
     from jaxpar.train.loop import train
-    from tests.support.tiny import with_overrides
 
     # (label, router options): softmax scores unless named; z-loss off throughout.
     settings = {
@@ -279,11 +266,8 @@ def section_expert() -> list[str]:
     }
     runs = {}
     for label, options in settings.items():
-        config = with_overrides(
-            get_config(), {DATA: 4, EXPERT: 2},
-            model={**options, "router_z_loss_coef": 0.0},
-            train={"steps": _EXPERT_STEPS.value},
-        )
+        config = with_mesh(config_file("mixtral_tiny"), {DATA: 4, EXPERT: 2}, model={**options, "router_z_loss_coef": 0.0},
+                           train={"steps": steps})
         with tempfile.TemporaryDirectory() as workdir:
             start = time.perf_counter()
             history = train(config, workdir, progress=False)
@@ -303,7 +287,7 @@ def section_expert() -> list[str]:
     return [
         "## 4. Expert load balance: auxiliary loss, loss-free bias, neither (article section 5.2)",
         "",
-        f"`configs/mixtral_tiny.py` (4 experts, top-2, 3 layers) trained {_EXPERT_STEPS.value} steps on the built-in",
+        f"`configs/mixtral_tiny.py` (4 experts, top-2, 3 layers) trained {steps} steps on the built-in",
         "corpus on 8 emulated devices, mesh data 4 x expert 2 (experts 0-1 on expert rank 0, 2-3 on rank 1), z-loss",
         "off: with the load-balancing coefficient 0.01; with neither balancing; with DeepSeek-V3's loss-free",
         f"balancing (sigmoid scores, a per-expert bias for the top-k choice moved {_BIAS_RATE} per step toward the",
@@ -325,11 +309,13 @@ def section_expert() -> list[str]:
 
 
 def section_plan() -> list[str]:
-    from configs.llama3_70b import get_config
     from jaxpar.analysis.cost.cost_model import estimate
     from jaxpar.analysis.planner import report
     from jaxpar.analysis.planner.search import plan_layouts
     from jaxpar.axes import PIPELINE, TENSOR
+
+    def get_config():
+        return config_file("llama3_70b")
 
     start = time.perf_counter()
     text = report(get_config(), "a100-80g", 8, compare={TENSOR: 4, PIPELINE: 2})
@@ -430,17 +416,16 @@ def section_fidelity(dirs: list[str]) -> list[str]:
     return lines
 
 
-def section_published() -> list[str]:
+def section_published(with_planner: bool) -> list[str]:
     from jaxpar.analysis.reports.published import section
 
-    return section(with_planner=_PLANNER.value)
+    return section(with_planner=with_planner)
 
 
 def section_zero_context() -> list[str]:
-    from configs.llama3_70b import get_config
     from jaxpar.analysis.reports.zero_memory import section
 
-    return section(get_config(), seq=131072, batch=64, hardware="h100-80g", n=128, compiled_seq=32768)
+    return section(config_file("llama3_70b"), seq=131072, batch=64, hardware="h100-80g", n=128, compiled_seq=32768)
 
 
 def _existing_sections(path: str) -> dict[int, list[str]]:
@@ -454,29 +439,30 @@ def _existing_sections(path: str) -> dict[int, list[str]]:
     return out
 
 
-def main(argv):
-    del argv
+def run(args, _) -> None:
+    # Before JAX starts its backends: 8 emulated devices, LLVM at -O0 (compile time halves; the XLA graph,
+    # its buffers and collectives, stay as they are).
     os.environ["XLA_FLAGS"] = " ".join([
         os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
     ]).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/, tests/
-    if _FIT.value:
+    if args.fit:
         from jaxpar.analysis.reports.published import FITTED, RUNS, fit_matmul_efficiency
 
         for profile, name in FITTED.items():
             print(f"{profile}: matmul_efficiency {fit_matmul_efficiency(next(r for r in RUNS if r.name == name)):.3f} ({name})")
         return
     sections = {
-        "tp": section_tp, "pipeline": section_pipeline, "context": section_context, "expert": section_expert,
-        "plan": section_plan, "fidelity": lambda: section_fidelity(_SWEEPS.value),
-        "published": section_published, "zero_context": section_zero_context,
+        "tp": section_tp, "pipeline": section_pipeline, "context": section_context,
+        "expert": lambda: section_expert(args.expert_steps), "plan": section_plan,
+        "fidelity": lambda: section_fidelity(args.sweeps), "published": lambda: section_published(args.published_planner),
+        "zero_context": section_zero_context,
     }
     start = time.perf_counter()
-    kept = _existing_sections(_OUT.value) if _KEEP.value else {}
+    kept = _existing_sections(args.out) if args.keep_others else {}
     body = []
-    for number, name in enumerate(_SECTIONS.default if _KEEP.value else _SECTIONS.value, 1):
-        if name not in _SECTIONS.value:
+    for number, name in enumerate(SECTIONS if args.keep_others else args.sections, 1):
+        if name not in args.sections:
             body += kept.get(number, [])
             continue
         t = time.perf_counter()
@@ -486,15 +472,29 @@ def main(argv):
         "# The article's experiments, measured with jaxpar",
         "",
         "Generated by `python scripts/experiments.py --out=docs/experiments.md"
-        + (f" --sweeps={','.join(_SWEEPS.value)}" if _SWEEPS.value else "") + "` (do not edit by hand) on a 2-core",
-        f"machine shared with other jobs ({time.perf_counter() - start:.0f} s). Source: ../shared/docs/000_8ef74b506aaf51aa.txt.",
+        + (f" --sweeps={','.join(args.sweeps)}" if args.sweeps else "") + "` (do not edit by hand) on a 2-core",
+        f"machine shared with other jobs ({time.perf_counter() - start:.0f} s). Source: the article \"{ARTICLE}\".",
         "Compiled figures are XLA:CPU on emulated devices; step times are the analytic model's for the named GPU.",
         "",
     ]
-    with open(_OUT.value, "w") as f:
+    with open(args.out, "w") as f:
         f.write("\n".join(header + body) + "\n")
-    print(f"wrote {_OUT.value}")
+    print(f"wrote {args.out}")
+
+
+def checks(args) -> list[str]:
+    if args.keep_others and not os.path.isfile(args.out):
+        return [f"--keep_others: {args.out} does not exist (nothing to keep)"]
+    return [f"--sweeps={d}: no sweep.csv there" for d in args.sweeps if not os.path.isfile(os.path.join(d, "sweep.csv"))]
+
+
+COMMANDS = (Command(None, "measure the source article's experiments and write docs/experiments.md", run, flags=FLAGS,
+                    devices=False, checks=checks),)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -5,14 +5,19 @@
 
 Each process gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES, JAX_PROCESS_ID
 (read by `jaxpar.distributed.initialize`), JAX_PLATFORMS=cpu and JAX_NUM_CPU_DEVICES (read by JAX).
-Output lines are prefixed with `[i]`. If a process fails, one line names it and why (killed by which
-signal, or what its exit code means), the others are terminated (SIGTERM, then SIGKILL after
-GRACE_S); the exit status is the first failure's (or 0; a signal N as the shell's 128 + N).
+Output lines are prefixed with `[i]`; Gloo's lines announcing that a process connected to all its
+peers are left out (a connection short of its peers is kept). If a process fails, one line names it
+and why (killed by which signal, or what its exit code means), the others are terminated (SIGTERM,
+then SIGKILL after GRACE_S); the exit status is the first failure's (or 0; a signal N as the shell's
+128 + N).
+
+This is for trying multi-process runs, not for speed: the processes' collectives go through Gloo over
+TCP on one machine instead of within one process, so a step takes longer than in one process with all
+the devices (1.5-2x for configs/llama_tiny.py, 2 x 4 against 1 x 8 devices, on a shared 2-core host).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -22,10 +27,13 @@ import sys
 import threading
 import time
 
-# Kept equal to jaxpar.distributed's names; this script does not import jaxpar (it may run from anywhere).
+from jaxpar import command
+from jaxpar.command import Command, Flag
+
+# Kept equal to jaxpar.distributed's names, which would import JAX into this launcher.
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for the survivors of a failed run
-# scripts/train.py's exit codes (its docstring); kept here because this script does not import jaxpar.
+# scripts/train.py's exit codes (its docstring).
 EXIT_MEANINGS = {
     1: "a checkpoint could not be written or read",
     2: "bad input",
@@ -75,10 +83,34 @@ def process_env(base: dict, port: int, processes: int, index: int, devices: int)
     return env
 
 
+# Gloo (the CPU collectives' transport) prints to stdout, from C++ and from several threads, a line per
+# process and communicator as it connects:
+#   "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+# Threads cut into each other's lines and into the program's own, so its pieces are taken out wherever
+# they are in a line; a whole message whose counts differ (a connection short of its peers) is kept.
+CONNECTED, EXPECTED = r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. ?", r"Expected number of connected peer ranks is : (\d+)"
+GLOO = re.compile(f"(?P<whole>{CONNECTED}{EXPECTED})|{CONNECTED}|{EXPECTED}")
+SLOWER = ("[launch_local] {processes} processes on one machine: their collectives go through Gloo over TCP instead of "
+          "within one process, so a step takes longer than in one process with all {devices} devices (1.5-2x on the tiny model)")
+
+
+def without_chatter(line: str) -> str | None:
+    """`line` without Gloo's connection messages; None when nothing else was on it."""
+
+    def keep_short(match: re.Match) -> str:
+        return match.group(0) if match.group("whole") and match.group(2) != match.group(3) else ""
+
+    text = GLOO.sub(keep_short, line.rstrip("\n"))
+    return None if not text.strip() and text != line.rstrip("\n") else text + "\n"
+
+
 def _pump(index: int, stream, lock: threading.Lock) -> None:
     for line in iter(stream.readline, ""):
+        line = without_chatter(line)
+        if line is None:
+            continue
         with lock:
-            sys.stdout.write(f"[{index}] {line}" if line.endswith("\n") else f"[{index}] {line}\n")
+            sys.stdout.write(f"[{index}] {line}")
             sys.stdout.flush()
     stream.close()
 
@@ -138,23 +170,24 @@ def launch(command: list[str], processes: int, devices_per_process: int, env: di
     return status
 
 
-def main(argv: list[str]) -> int:
-    if "--" not in argv:
-        print("usage: launch_local.py --processes=N --devices_per_process=D -- COMMAND [ARGS...]", file=sys.stderr)
-        return 2
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--devices_per_process", type=int, default=4)
-    args = parser.parse_args(argv[:split])
-    command = argv[split + 1 :]
-    if not command:
-        parser.error("no command after --")
-    if args.processes < 1 or args.devices_per_process < 1:
-        parser.error(f"--processes={args.processes} and --devices_per_process={args.devices_per_process} must be >= 1")
-    status = launch(command, args.processes, args.devices_per_process)
+def run(args, _) -> int:
+    print(SLOWER.format(processes=args.processes, devices=args.processes * args.devices_per_process), file=sys.stderr, flush=True)
+    status = launch(args.rest, args.processes, args.devices_per_process)
     return status if status >= 0 else 128 - status  # killed by signal N: the shell's 128 + N
 
 
+COMMANDS = (
+    Command(None, "run one command as N cooperating JAX processes on this machine", run, flags=(
+        Flag("processes", int, 2, "processes to start", at_least=1),
+        Flag("devices_per_process", int, 4, "CPU devices of each process", at_least=1),
+    ), devices=False, rest=True,
+        checks=lambda args: [] if args.rest else ["give the command to run after --: launch_local.py --processes=N -- COMMAND ..."]),
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -16,22 +16,20 @@ as `--config.X=...` stay fixed. See `jaxpar.analysis.planner`.
 
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from jaxpar import command
+from jaxpar.command import Command, Flag, UsageError
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
-_HARDWARE = flags.DEFINE_string("hardware", "a100-80g", "Hardware profile (jaxpar.analysis.cost.hardware.PROFILES).")
-_DEVICES = flags.DEFINE_integer("devices", 8, "Number of devices.")
-_BATCH = flags.DEFINE_integer("global_batch_size", None, "Override train.global_batch_size.")
-_SEQ = flags.DEFINE_integer("seq_len", None, "Override train.seq_len.")
-_TOP = flags.DEFINE_integer("top", 5, "Meshes to show.")
-_COMPARE = flags.DEFINE_string("compare", "", "A mesh to discuss, e.g. tensor=4,pipeline=2.")
-_EFFICIENCY = flags.DEFINE_string(
-    "efficiency", "achieved", "achieved: each matmul at its shape's efficiency, attention at its kernel's, ZeRO-3 "
-    "gathers hidden behind compute (jaxpar.analysis.cost.efficiency); or a number: every matmul at that fraction of peak, "
-    "nothing overlapped (1: the peak bound)."
+FLAGS = (
+    Flag("hardware", str, "a100-80g", "hardware profile (jaxpar.analysis.cost.hardware.PROFILES)"),
+    Flag("devices", int, 8, "number of devices", at_least=1),
+    Flag("global_batch_size", int, None, "override train.global_batch_size", at_least=1),
+    Flag("seq_len", int, None, "override train.seq_len", at_least=1),
+    Flag("top", int, 5, "meshes to show", at_least=1),
+    Flag("compare", str, "", "a mesh to discuss, e.g. tensor=4,pipeline=2"),
+    Flag("efficiency", str, "achieved", "achieved: each matmul at its shape's efficiency, attention at its kernel's, ZeRO-3 "
+         "gathers hidden behind compute (jaxpar.analysis.cost.efficiency); or a number: every matmul at that fraction of peak, "
+         "nothing overlapped (1: the peak bound)"),
 )
-flags.mark_flags_as_required(["config"])
 
 
 def parse_mesh(text: str) -> dict:
@@ -41,35 +39,55 @@ def parse_mesh(text: str) -> dict:
     for part in filter(None, text.split(",")):
         name, _, size = part.partition("=")
         if name not in MESH_AXES or not size.isdigit():
-            raise app.UsageError(f"--compare: {part!r} is not AXIS=SIZE with AXIS one of {MESH_AXES}")
+            raise UsageError(f"--compare: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
         mesh[name] = int(size)
     return mesh
 
 
-def main(argv):
-    del argv
-    from jaxpar.analysis.cost.hardware import HardwareError
-    from jaxpar.analysis.planner import command_line_keys, report
-
-    config = _CONFIG.value
-    if _BATCH.value:
-        config.train.global_batch_size = _BATCH.value
-    if _SEQ.value:
-        config.train.seq_len = _SEQ.value
-    fixed = command_line_keys(sys.argv)
+def efficiency_of(text: str) -> float | None:
+    if text == "achieved":
+        return None
     try:
-        efficiency = None if _EFFICIENCY.value == "achieved" else float(_EFFICIENCY.value)
+        return float(text)
     except ValueError:
-        raise app.UsageError(f"--efficiency={_EFFICIENCY.value!r} is neither 'achieved' nor a number") from None
+        raise UsageError(f"--efficiency={text!r} is neither 'achieved' nor a number") from None
+
+
+def checks(args) -> list[str]:
+    problems = []
+    for check, value in ((parse_mesh, args.compare), (efficiency_of, args.efficiency)):
+        try:
+            check(value)
+        except UsageError as e:
+            problems.append(str(e))
+    return problems
+
+
+def run(args, config) -> None:
+    from jaxpar.analysis.cost.hardware import HardwareError
+    from jaxpar.analysis.planner import report
+
+    if args.global_batch_size:
+        config.train.global_batch_size = args.global_batch_size
+    if args.seq_len:
+        config.train.seq_len = args.seq_len
     try:
         text = report(
-            config, _HARDWARE.value, _DEVICES.value, top=_TOP.value, compare=parse_mesh(_COMPARE.value),
-            fixed=fixed, efficiency=efficiency,
+            config, args.hardware, args.devices, top=args.top, compare=parse_mesh(args.compare),
+            fixed={key for key, _ in args.overrides}, efficiency=efficiency_of(args.efficiency),
         )
     except HardwareError as e:
-        raise app.UsageError(f"--hardware: {e}") from None
+        raise UsageError(f"--hardware: {e}") from None
     print(text)
 
 
+COMMANDS = (Command(None, "rank the layouts of a config on N devices of given hardware", run, flags=FLAGS, config="required",
+                    devices=False, checks=checks),)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -15,44 +15,48 @@ Train on it with --config.data.source=tokens
 
 import sys
 
-from absl import app, flags
-
+from jaxpar import command
+from jaxpar.command import Command, Flag, UsageError
 from jaxpar.data.prepare import DTYPES, MAX_UNDECODABLE, PrepareError, prepare, sidecar_path, undecodable_note
 
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "Local directory of a transformers tokenizer.")
-_INPUT = flags.DEFINE_multi_string(
-    "input", None, "Text, .jsonl, .json, .parquet or .arrow file, or a folder (repeatable; commas also split)."
+FLAGS = (
+    Flag("tokenizer", str, "", "local directory of a transformers tokenizer", required=True),
+    Flag("input", str, repeat=True, required=True,
+         help="text, .jsonl, .json, .parquet or .arrow file, or a folder (repeatable; commas also split)"),
+    Flag("text_field", str, "text", "the field of a record that holds its text"),
+    Flag("output", str, "", "token file to write (its sidecar goes to OUTPUT.json)", required=True),
+    Flag("dtype", str, None, "token dtype; default: the smallest that holds the vocabulary", choices=tuple(DTYPES)),
+    Flag("progress", bool, True, "show a progress bar"),
+    Flag("overwrite", bool, False, "replace an existing OUTPUT and its sidecar"),
+    Flag("max_undecodable", float, MAX_UNDECODABLE, "largest fraction of a file's bytes that may be non-UTF-8 (replaced by U+FFFD)",
+         at_least=0.0),
 )
-_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "The field of a record that holds its text.")
-_OUTPUT = flags.DEFINE_string("output", None, "Token file to write (its sidecar goes to OUTPUT.json).")
-_DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Token dtype; default: the smallest that holds the vocabulary.")
-_PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
-_OVERWRITE = flags.DEFINE_boolean("overwrite", False, "Replace an existing OUTPUT and its sidecar.")
-_MAX_UNDECODABLE = flags.DEFINE_float(
-    "max_undecodable", MAX_UNDECODABLE, "Largest fraction of a file's bytes that may be non-UTF-8 (replaced by U+FFFD)."
-)
-flags.mark_flags_as_required(["tokenizer", "input", "output"])
 
 
-def main(argv):
-    del argv
-    inputs = [part for entry in _INPUT.value for part in entry.split(",") if part]
+def run(args, _) -> None:
+    inputs = [part for entry in args.input for part in entry.split(",") if part]
     try:
         meta = prepare(
-            _TOKENIZER.value, inputs, _OUTPUT.value, _DTYPE.value, progress=_PROGRESS.value,
-            overwrite=_OVERWRITE.value, max_undecodable=_MAX_UNDECODABLE.value,
-            text_field=_TEXT_FIELD.value,
+            args.tokenizer, inputs, args.output, args.dtype, progress=args.progress, overwrite=args.overwrite,
+            max_undecodable=args.max_undecodable, text_field=args.text_field,
         )
     except PrepareError as e:
-        sys.exit(f"prepare_data: {e}")
+        raise UsageError(str(e)) from None
     if (note := undecodable_note(meta)) is not None:
         print(f"prepare_data: warning: {note}", file=sys.stderr)
     print(
         f"wrote {meta['num_tokens']} tokens ({meta['num_documents']} documents, vocab {meta['vocab_size']}) as "
-        f"{meta['dtype']} to {_OUTPUT.value} and {sidecar_path(_OUTPUT.value)}; train with --config.data.source=tokens "
-        f"--config.data.path={_OUTPUT.value} --config.data.token_dtype={meta['dtype']}"
+        f"{meta['dtype']} to {args.output} and {sidecar_path(args.output)}; train with --config.data.source=tokens "
+        f"--config.data.path={args.output} --config.data.token_dtype={meta['dtype']}"
     )
 
 
+COMMANDS = (Command(None, "tokenize text into the flat binary tokens format", run, flags=FLAGS, devices=False),)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

@@ -22,78 +22,55 @@ Bad input: one line per problem on stderr, exit code 2.
 from __future__ import annotations
 
 import json
-import os
 import sys
-from types import SimpleNamespace
 
-FLAGS = {
-    "workdir": str, "checkpoint": str, "step": int, "from_hf": str, "prompt_file": str, "prompt_ids": str,
-    "max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int, "num_samples": int,
-    "eos_id": int, "output": str, "cpu_devices": int, "data": int, "tensor": int, "expert": int,
-    "pipeline": int, "context": int, "help": bool,
-}
-DEFAULTS = dict(
-    workdir="", checkpoint="", step=-1, from_hf="", prompt_file="", prompt_ids="", max_new_tokens=64,
-    temperature=0.0, top_k=0, top_p=1.0, seed=0, num_samples=1, eos_id=-1, output="", cpu_devices=0,
-    data=0, tensor=0, expert=0, pipeline=0, context=0, help=False,
-)
+from jaxpar import command
+from jaxpar.command import Command, Flag
+
 MESH_FLAGS = ("data", "pipeline", "context", "expert", "tensor")
+FLAGS = (
+    Flag("workdir", str, "", "a training workdir: its newest complete checkpoint (or --step)"),
+    Flag("checkpoint", str, "", "a checkpoint directory (e.g. from scripts/convert.py --to_checkpoint)"),
+    Flag("step", int, -1, "the checkpoint step to load (-1: the newest complete one)", at_least=-1),
+    Flag("from_hf", str, "", "a transformers checkpoint directory"),
+    Flag("prompt", str, repeat=True, help="a text prompt (repeatable)"),
+    Flag("prompt_file", str, "", "a file of prompts, one per line"),
+    Flag("prompt_ids", str, "", "token-id prompts: comma-separated ids, prompts separated by ';'"),
+    Flag("max_new_tokens", int, 64, "new tokens per sample", at_least=1),
+    Flag("temperature", float, 0.0, "0: greedy"),
+    Flag("top_k", int, 0, "keep the k most likely tokens (0: off)", at_least=0),
+    Flag("top_p", float, 1.0, "keep the most likely tokens holding this much probability (1: off)"),
+    Flag("seed", int, 0, "sampling seed (each of a prompt's samples draws differently)"),
+    Flag("num_samples", int, 1, "samples per prompt", at_least=1),
+    Flag("eos_id", int, -1, "stop token (-1: the tokenizer's / config.json's)"),
+    Flag("output", str, "", "write one JSON object per sample to this file"),
+    *(Flag(axis, int, 0, f"mesh.{axis} of the sampling mesh (0: the default)", at_least=0) for axis in MESH_FLAGS),
+)
 
 
-def _error(message) -> int:
-    for line in str(message).splitlines():
-        print(f"error: {line}", file=sys.stderr)
-    return 2
+def checks(args) -> list[str]:
+    """Problems among flags that only make sense together (each flag alone was checked while parsing)."""
+    from jaxpar.sampling.filters import SamplingParams
+    from jaxpar.sampling.filters import problems as sampling_problems
 
-
-def parse(argv: list[str]):
-    """(args, problems): --prompt may repeat, so it is taken out before the flag table."""
-    from jaxpar.train import cli
-
-    texts, rest = [], []
-    for i, arg in enumerate(argv):
-        if arg.startswith("--prompt="):
-            texts.append(arg[len("--prompt="):])
-        elif arg == "--prompt" and i + 1 < len(argv):
-            texts.append(None)  # the value follows
-        elif texts and texts[-1] is None:
-            texts[-1] = arg
-        else:
-            rest.append(arg)
-    args = SimpleNamespace(**DEFAULTS, prompts_text=texts)
-    overrides, problems = cli.parse_flags(rest, FLAGS, args)
-    problems += [f"unknown flag --config.{key}; sample.py takes no config overrides" for key, _ in overrides]
-    if args.help:
-        return args, []
+    problems = []
     sources = [name for name in ("workdir", "checkpoint", "from_hf") if getattr(args, name)]
     if len(sources) != 1:
         problems.append("give exactly one of --workdir, --checkpoint, --from_hf"
                         + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
     if args.step != -1 and args.from_hf:
         problems.append("--step applies to --workdir / --checkpoint, not --from_hf")
-    if not (texts or args.prompt_file or args.prompt_ids):
+    if not (args.prompt or args.prompt_file or args.prompt_ids):
         problems.append("give a prompt: --prompt=TEXT, --prompt_file=FILE or --prompt_ids=1,2,3")
-    for name in ("num_samples", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name}={getattr(args, name)} must be >= 1")
-    for name in ("cpu_devices", *MESH_FLAGS):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name}={getattr(args, name)} must be >= 0 (0: the default)")
-    from jaxpar.sampling.filters import SamplingParams
-    from jaxpar.sampling.filters import problems as sampling_problems
-
-    args.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    problems += [p for p in sampling_problems(args.sampling, vocab_size=1 << 31) if "top_k" not in p]
-    if args.top_k < 0:
-        problems.append(f"--top_k={args.top_k} must be >= 0 (0: off)")
-    return args, problems
+    params = SamplingParams(args.temperature, args.top_k, args.top_p)
+    return problems + [p for p in sampling_problems(params, vocab_size=1 << 31) if "top_k" not in p]
 
 
 def prompt_ids(args, tokenizer) -> list[list[int]]:
     """Token ids of every prompt, in flag order: --prompt, --prompt_file, --prompt_ids."""
     from jaxpar.sampling import SampleError
 
-    texts = list(args.prompts_text)
+    texts = list(args.prompt)
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
@@ -115,14 +92,16 @@ def _decode(tokenizer, ids):
     return None if tokenizer is None else tokenizer.decode(ids)
 
 
-def run(args) -> int:
+def run(args, _) -> int:
     import jax
 
     from jaxpar.checkpoint import CheckpointError
     from jaxpar.mesh import MeshError
     from jaxpar.sampling import SampleError
     from jaxpar.sampling import load as loading
+    from jaxpar.sampling.filters import SamplingParams
 
+    args.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     requested = {axis: getattr(args, axis) for axis in MESH_FLAGS}
     devices = jax.devices()
     try:
@@ -139,7 +118,7 @@ def run(args) -> int:
         if errors := sampler.input_problems(rows, args.max_new_tokens, eos, names) + _vocab_problems(args, loaded):
             raise SampleError("\n".join(errors))
     except (SampleError, CheckpointError, MeshError) as e:
-        return _error(e)
+        return command.error(e)
     n_rows, _, slots = sampler.buckets(rows, args.max_new_tokens)
     mesh = " ".join(f"{k}={v}" for k, v in sampler.mesh.shape.items())
     print(f"sampling from {loaded.source} on mesh {mesh}")
@@ -169,19 +148,11 @@ def _vocab_problems(args, loaded) -> list[str]:
     return []
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, problems = parse(sys.argv[1:] if argv is None else argv)
-    if args.help:
-        print(__doc__)
-        return 0
-    if problems:
-        return _error("\n".join(problems))
-    import jax
+COMMANDS = (Command(None, "sample from a trained model", run, flags=FLAGS, checks=checks),)
 
-    if args.cpu_devices and not os.environ.get("JAX_NUM_CPU_DEVICES"):
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    return run(args)
+
+def main(argv: list[str] | None = None) -> int:
+    return command.main(__doc__, COMMANDS, argv)
 
 
 if __name__ == "__main__":

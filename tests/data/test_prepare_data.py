@@ -95,7 +95,7 @@ def test_prepare_data_rejects_bad_input_in_one_line(tmp_path):
         done = run_script(*args, f"--output={tmp_path / 'out.bin'}")
         assert done.returncode != 0
         last = done.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"prepare_data: {flag}") and (
+        assert done.returncode == 2 and last.startswith(f"error: {flag}") and (
             "does not exist" in last or "is not a directory" in last
         ), last
     assert not os.path.exists(tmp_path / "out.bin")

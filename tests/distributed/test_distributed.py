@@ -40,6 +40,29 @@ def test_launch_local_sets_the_environment_and_prefixes_output():
     assert len(addresses) == 1 and addresses.pop().startswith("127.0.0.1:")
 
 
+# What Gloo prints as each process joins a communicator (seen in a 2 x 4 run of scripts/train.py).
+GLOO = "[Gloo] Rank {rank} is connected to {peers} peer ranks. Expected number of connected peer ranks is : {expected}"
+
+
+def test_launch_local_leaves_out_gloos_connection_lines_and_says_once_why_it_is_slower():
+    """A connection that reached all its peers is chatter, taken out wherever Gloo's threads cut it into
+    a line (as seen in that run); one short of its peers is kept (a real problem)."""
+    whole = GLOO.format(rank="{r}", peers=7, expected=7)
+    code = (
+        "import os; r = os.environ['JAX_PROCESS_ID']\n"
+        f"print({whole!r}.format(r=r)); print({GLOO!r}.format(rank=r, peers=1, expected=2))\n"
+        f"print('checking ...', end='', flush=True); print({whole!r}.format(r=r))\n"  # the program's line, cut
+        f"print({whole.split('Expected')[0]!r}.format(r=r) + {whole!r}.format(r=r))\n"  # two threads' pieces
+        "print('Expected number of connected peer ranks is : 7'); print('step', r)\n"
+    )
+    done = launch([sys.executable, "-c", code], timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(done.stdout.splitlines()) == [
+        f"[{i}] {text}" for i in range(2) for text in (GLOO.format(rank=i, peers=1, expected=2), "checking ...", f"step {i}")
+    ]
+    assert done.stderr.count("collectives go through Gloo over TCP") == 1, done.stderr
+
+
 def test_launch_local_stops_the_others_when_one_fails(tmp_path):
     # Process 0 prints its pid, marks that it did, then sleeps far past the launch's timeout (a hang
     # guard, not a measurement); process 1 fails once the mark exists. Stopped means gone when

@@ -211,7 +211,7 @@ def train_script():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_converted_checkpoint_trains_exactly_as_convert_prints(family, tmp_path, capsys):
-    from jaxpar.train.cli import load_config
+    from jaxpar.command.config_file import load_config
 
     config_file = write(tmp_path / "config.py", CONVERT_THEN_TRAIN_CONFIG.format(family=family, mesh=FAMILIES[family][1]))
     model = load_config(config_file).model

@@ -66,7 +66,7 @@ def test_train_script_takes_the_planners_layout(tmp_path):
     reason and the predicted step time, which metrics.jsonl then carries beside the measured one)
     before preflight; a key given on the command line wins over the plan."""
     from jaxpar.analysis.planner import best_layout
-    from jaxpar.train.cli import load_config
+    from jaxpar.command.config_file import load_config
 
     workdir = tmp_path / "run"
     cmd = [
