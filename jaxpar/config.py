@@ -3,13 +3,47 @@
 Config files (`configs/*.py`) start from `base_config()` and override fields; `config.model` comes
 from the family's schema (`jaxpar.models.<family>.model_config`, e.g. `jaxpar.models.llama`), with
 the field names of the family's transformers config. Preflight (`jaxpar.train.preflight`) rejects
-any key that is not in this schema, so a typo never passes silently.
+any key that is not in this schema, so a typo never passes silently. What each key means: `MEANINGS`
+at the end, from which (with the records) docs/config.md is generated. Each optimizer's and
+learning-rate schedule's own keys are a section `train.<record>` built from the record
+(`jaxpar.optim.SECTIONS`); `upgrade` reads configs saved before those sections existed.
 """
+
+import copy
 
 from ml_collections import ConfigDict, FieldReference
 
-from jaxpar.axes import DATA, MESH_AXES
+from jaxpar import optim
+from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.llama.schema import model_config as llama_model_config
+
+# Keys that moved, old dotted name -> new: each record's flat `train.` keys (`train.adam_b1`) to
+# its section (`train.adamw.b1`). `upgrade` moves them in saved configs; a user typing an old one
+# is told where it went (preflight, `--config.KEY=VALUE`).
+MOVED_KEYS = {
+    f"train.{h.was}": f"train.{section}.{h.name}" for section, keys in optim.SECTIONS.items() for h in keys if h.was
+}
+
+
+def upgrade(config: dict) -> dict:
+    """A saved config (a plain nested dict: a checkpoint's, or WORKDIR/config.json) with every key
+    of `MOVED_KEYS` moved to its new place; a copy, the input is left as it is. Configs written
+    before a key moved still resume, sample and convert."""
+    config = copy.deepcopy(config)
+    for old, new in MOVED_KEYS.items():
+        *old_path, old_key = old.split(".")
+        node = config
+        for part in old_path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or old_key not in node:
+            continue
+        value = node.pop(old_key)
+        *new_path, new_key = new.split(".")
+        node = config
+        for part in new_path:
+            node = node.setdefault(part, {})
+        node.setdefault(new_key, value)
+    return config
 
 
 def resolve_derived(config: dict) -> dict:
@@ -51,29 +85,18 @@ def base_config() -> ConfigDict:
 
     c.parallel = ConfigDict(
         dict(
-            zero_stage=0,  # 0 replicated; 1 optimizer state over data; 3 params + optimizer state over data
-            # The mesh axes ZeRO shards over: "data", "data+context", or "auto" (data x context whenever
-            # mesh.context > 1, except ZeRO-3 with a pipeline: `jaxpar.parallel.zero` says why it is the default).
+            zero_stage=0,
             zero_axes="auto",
-            sequence_parallel=False,  # shard activations between blocks along seq over `tensor`
-            # auto | none | full | save_dots. auto: the fastest measured for the backend
-            # (`jaxpar.parallel.plan.AUTO_REMAT`: full on CPU, none elsewhere).
+            sequence_parallel=False,
             remat="auto",
-            attention_impl="auto",  # auto | xla | cudnn | jaxpar_xla (auto: cudnn on GPU for 16-bit, jaxpar_xla on CPU, else xla)
-            # Pipeline (used when mesh.pipeline > 1): gpipe | 1f1b | interleaved_1f1b | zb_h1.
-            pipeline_schedule="1f1b",
-            num_microbatches=0,  # per step, replacing train.grad_accum; 0 means mesh.pipeline
-            virtual_stages=1,  # layer chunks per pipeline rank (> 1 only with interleaved_1f1b)
-            # Context parallelism (used when mesh.context > 1): all_gather | ring | all_to_all.
-            context_impl="all_gather",
-            context_load_balance=True,  # 2c chunks, rank r holds chunks r and 2c-1-r (causal balance)
-            context_block_size=512,  # query / key chunk of the flash-style attention (bounds temp memory)
-            # Layers per pipeline stage (per virtual stage when interleaved, in stage order), as a
-            # list or "21,20,20,19"; "auto": balanced by modelled cost (`parallel.pipeline.balance`).
-            pipeline_stage_layers=FieldReference("auto", field_type=object),
-            # Embedding / LM head with pipeline: "spread" (vocab-parallel over the pipeline ranks:
-            # 1/p of the tables and their work on each) or "ends" (whole tables on every rank, the
-            # first stage embeds, the last runs the head + loss).
+            attention_impl="auto",
+            pipeline_schedule="1f1b",  # the pipeline keys are read when mesh.pipeline > 1
+            num_microbatches=0,
+            virtual_stages=0,  # 0: the schedule's own (`ScheduleKind.default_virtual_stages`)
+            context_impl="all_gather",  # the context keys are read when mesh.context > 1
+            context_load_balance=True,
+            context_block_size=512,
+            pipeline_stage_layers=FieldReference("auto", field_type=object),  # a list, or a string
             pipeline_vocab="spread",
         )
     )
@@ -84,107 +107,160 @@ def base_config() -> ConfigDict:
             global_batch_size=8,
             seq_len=128,
             grad_accum=1,
-            # Optimizers and schedules: one record each in `jaxpar.optim`; each reads the keys named after it.
+            # Optimizers and schedules: one record each in `jaxpar.optim`; a record's own keys are its
+            # section below (train.adamw.b1, train.wsd.decay_fraction, ...), set or not whether selected.
             optimizer="adamw",  # adamw | adafactor | lion | muon | sgd
             learning_rate=3e-4,
             lr_schedule="cosine",  # cosine | wsd | linear | constant, each after a linear warmup
             warmup_steps=10,
-            final_learning_rate_fraction=0.1,
-            wsd_decay_fraction=0.2,  # wsd: the last fraction of train.steps decays ...
-            wsd_decay_shape="1-sqrt",  # ... shaped linear | cosine | 1-sqrt
+            final_learning_rate_fraction=0.1,  # where cosine, linear and wsd end: learning_rate × this
             weight_decay=0.1,
             weight_decay_exclude="norm",  # logical names, comma-separated, whose params are not decayed
-            adam_b1=0.9,  # adamw, and muon's AdamW part
-            adam_b2=0.95,
-            adam_eps=1e-8,
-            adafactor_decay_rate=0.8,
-            adafactor_min_dim_to_factor=128,
-            adafactor_clipping_threshold=1.0,  # 0: no update clipping
-            adafactor_momentum=0.0,  # 0: none
-            lion_b1=0.9,
-            lion_b2=0.99,
-            muon_beta=0.95,
-            muon_ns_steps=5,
-            muon_nesterov=True,
-            muon_consistent_rms=0.2,  # 0: Keller Jordan's width scaling instead
-            sgd_momentum=0.9,  # 0: none
-            sgd_nesterov=False,
             max_grad_norm=1.0,
             seed=0,
             param_dtype="float32",
-            compute_dtype="float32",  # float32 | bfloat16 | float16 (dynamic loss scaling)
+            compute_dtype="float32",
             loss_scale_init=2.0**15,
-            loss_scale_period=2000,  # finite steps before the fp16 loss scale doubles
-            log_every=1,  # metrics fetched and logged every this many steps (progress bar or, off a TTY, a line)
-            # A non-finite loss or gradient norm (fp32 / bf16): "stop" ends the run at that step, the
-            # workdir and the last good checkpoint intact; "skip" leaves params and optimizer state
-            # unchanged for that step and goes on, stopping once more than max_skipped_steps were skipped.
+            loss_scale_period=2000,
+            log_every=1,
             on_nonfinite="stop",
             max_skipped_steps=10,
-            # fp16: the dynamic loss scale skips overflowing steps; the run stops when a step overflows
-            # at the smallest scale (1), or when more than max_skipped_fraction of the last
-            # skip_window steps were skipped.
             max_skipped_fraction=0.5,
             skip_window=100,
-            # A transformers checkpoint directory to start from (a fresh run's initial params; each
-            # process reads only the slices its devices hold). Ignored when resuming.
             init_from_hf="",
-            # Observability (`jaxpar.train.observe`): a jax.profiler trace of steps profile_start ..
-            # profile_start + profile_steps - 1 (1-based) under WORKDIR/profile (0 steps: none);
-            # TensorBoard scalars under WORKDIR/tensorboard; the peak FLOP/s of one device for MFU
-            # (0: a table per device kind, or on CPU a matmul measured once).
-            profile_start=3,
+            profile_start=3,  # observability: `jaxpar.train.observe`
             profile_steps=0,
             tensorboard=True,
             peak_flops_per_device=0.0,
-            # Before anything is allocated the loop compares the compiled step's memory per device with
-            # what a device holds and stops (exit 2) when it does not fit (`jaxpar.train.fit`); True skips it.
             skip_fit_check=False,
-            # The planner's predicted step time (`scripts/train.py --plan` sets it): every metrics record
-            # then carries it as predicted_step_s beside the measured step_s. 0: none.
             predicted_step_s=0.0,
         )
     )
+    for section, keys in optim.SECTIONS.items():
+        c.train[section] = ConfigDict(optim.hyperparameters.defaults(keys))
 
     # Documents, packing, mixtures: `jaxpar.data.corpus` (and README "Your own data").
     c.data = ConfigDict(
         dict(
-            source="stdlib",  # stdlib | text | tokens | datasets
-            # text: a file or folder; tokens: a flat binary token file; datasets: a jsonl / json /
-            # parquet / arrow file, a folder of them or a glob
+            source="stdlib",
             path="",
-            token_dtype="uint16",  # dtype of a `tokens` file
-            max_corpus_bytes=4_000_000,  # cap on the built-in stdlib corpus
-            tokenizer="",  # a local transformers tokenizer folder (stdlib / text / datasets); "": bytes
-            text_field="text",  # the field of a .jsonl / json / parquet / arrow record holding its text
-            text_documents="file",  # text source, plain files: a document per "file" or per "line"
-            # tokens without an offsets sidecar (prepare_data.py writes one): a document ends after
-            # each eos_id; -1: no document boundaries (windows of seq_len + 1 tokens)
+            token_dtype="uint16",
+            max_corpus_bytes=4_000_000,
+            tokenizer="",
+            text_field="text",
+            text_documents="file",
             eos_id=-1,
-            packing=True,  # pack documents into rows (False: one document per row, cut and padded)
-            # Weighted sources, mixed document by document (data.path unused): "PATH:WEIGHT,..." read
-            # with the settings above, or in a config file a list of dicts with path, weight and
-            # any of source, text_field, text_documents, token_dtype, eos_id.
-            mixture=FieldReference("", field_type=object),
+            packing=True,
+            mixture=FieldReference("", field_type=object),  # a string, or a list of dicts
         )
     )
 
     # Held-out evaluation (`jaxpar.train.eval`): off unless eval.path or eval.share is set.
     c.eval = ConfigDict(
         dict(
-            path="",  # an eval corpus, read with data's settings (source, tokenizer, packing)
-            share=0.0,  # or this share of the training documents, held out by a hash of their tokens
-            every_steps=0,  # evaluate every this many steps (0: only at the end; always at the end)
-            steps=0,  # batches of train.global_batch_size rows per evaluation (0: the whole eval set once)
+            path="",
+            share=0.0,
+            every_steps=0,
+            steps=0,
         )
     )
 
     c.checkpoint = ConfigDict(
         dict(
-            dir="",  # "" → WORKDIR/checkpoints; any path Orbax handles (local, NFS, gs://)
-            every_steps=100,  # async save every this many steps (0: only at the end) and at the end
-            keep=3,  # newest complete checkpoints kept (0: all)
+            dir="",
+            every_steps=100,
+            keep=3,
             async_save=True,
         )
     )
     return c
+
+
+# What each key means, one line each: docs/config.md is generated from this table, the schema above,
+# and the records (`python scripts/docs.py config`; `tests/docs/test_config_reference.py` keeps them
+# in step). The allowed values of keys that name a record (a schedule, an optimizer, ...) are listed
+# there from the records, so they are not repeated here. `config.model`'s keys: `jaxpar.models.schema`.
+MEANINGS = {
+    f"mesh.{DATA}": "data-parallel replicas: the batch is split over them (with ZeRO also optimizer state and parameters)",
+    f"mesh.{PIPELINE}": "pipeline ranks: the layers are split into stages over them",
+    f"mesh.{CONTEXT}": "context-parallel ranks: every sequence is split over them",
+    f"mesh.{EXPERT}": "expert-parallel ranks: the MoE experts are split over them; for dense layers more data replicas",
+    f"mesh.{TENSOR}": "tensor-parallel ranks: heads and MLP columns of every layer are split over them",
+    "parallel.zero_stage": "0: replicated; 1: optimizer state sharded over the ZeRO axes; 3 (FSDP): parameters too",
+    "parallel.zero_axes": "the mesh axes ZeRO shards over; auto: data x context whenever mesh.context > 1, except ZeRO-3 "
+    "with a pipeline (data only)",
+    "parallel.sequence_parallel": "also split the residual stream between blocks along the sequence over tensor "
+    "(reduce-scatter + all-gather instead of all-reduce; less activation memory)",
+    "parallel.remat": "what the backward recomputes; auto: the fastest measured on the backend (full on CPU, none "
+    "elsewhere)",
+    "parallel.attention_impl": "the attention kernel; auto: cudnn on GPU for 16-bit compute, jaxpar_xla on CPU, xla "
+    "otherwise",
+    "parallel.pipeline_schedule": "the order in which pipeline ranks run forwards and backwards",
+    "parallel.num_microbatches": "microbatches per step through the pipeline (they replace train.grad_accum); 0: "
+    "mesh.pipeline",
+    "parallel.virtual_stages": "layer chunks per pipeline rank; 0: the schedule's own (2 for interleaved_1f1b, zb_v "
+    "and dualpipev, else 1); interleaved_1f1b takes any v >= 1, zb_v and dualpipev only 2, the others only 1",
+    "parallel.pipeline_stage_layers": "layers per pipeline stage in stage order, as a list or \"21,20,20,19\"; auto: "
+    "balanced by modelled cost",
+    "parallel.pipeline_vocab": "with a pipeline, where embedding and LM head run: spread (vocab-parallel, 1/p of the "
+    "tables and their work on each rank) or ends (the first stage embeds, the last runs head and loss)",
+    "parallel.context_impl": "how attention reaches the other context ranks' keys and values",
+    "parallel.context_load_balance": "cut each sequence into 2c chunks, rank r holding chunks r and 2c-1-r, so causal "
+    "attention costs every rank the same (else contiguous slices)",
+    "parallel.context_block_size": "query / key chunk of the flash-style context attention (bounds its temporary "
+    "memory)",
+    "train.steps": "optimizer updates of the run",
+    "train.global_batch_size": "sequences per step, over all devices",
+    "train.seq_len": "tokens per sequence",
+    "train.grad_accum": "microbatches per step without a pipeline (gradient accumulation)",
+    "train.optimizer": "the optimizer (run after global-norm clipping)",
+    "train.learning_rate": "the peak learning rate, reached after warmup",
+    "train.lr_schedule": "the learning-rate schedule after the linear warmup",
+    "train.warmup_steps": "updates of linear warmup from 0 to train.learning_rate",
+    "train.final_learning_rate_fraction": "the learning rate after train.steps, as a fraction of the peak",
+    "train.weight_decay": "decoupled weight decay, times the learning rate (sgd: L2 added to the gradient)",
+    "train.weight_decay_exclude": "logical names, comma-separated, whose parameters are not decayed (norm: the norm "
+    "scales)",
+    "train.max_grad_norm": "global gradient-norm clipping threshold",
+    "train.seed": "initialisation and data-order seed",
+    "train.param_dtype": "what parameters are stored and updated in",
+    "train.compute_dtype": "what forward and backward run in; float16 adds dynamic loss scaling",
+    "train.loss_scale_init": "fp16: the initial loss scale",
+    "train.loss_scale_period": "fp16: finite steps before the loss scale doubles",
+    "train.log_every": "metrics fetched and logged every this many steps (progress bar, or off a terminal a line)",
+    "train.on_nonfinite": "a non-finite loss or gradient norm (fp32 / bf16): stop ends the run at that step, the last "
+    "good checkpoint intact; skip leaves the state unchanged for that step and goes on",
+    "train.max_skipped_steps": "with on_nonfinite=skip: stop once more than this many steps were skipped",
+    "train.max_skipped_fraction": "fp16: stop when more than this fraction of the last skip_window steps overflowed",
+    "train.skip_window": "fp16: the window of max_skipped_fraction, in steps",
+    "train.init_from_hf": "a transformers checkpoint directory a fresh run starts from (ignored when resuming)",
+    "train.profile_start": "the first profiled step (1-based)",
+    "train.profile_steps": "steps traced by jax.profiler under WORKDIR/profile (0: none)",
+    "train.tensorboard": "write TensorBoard scalars under WORKDIR/tensorboard",
+    "train.peak_flops_per_device": "one device's peak FLOP/s for MFU (0: a table per device kind, or on CPU a matmul "
+    "measured once)",
+    "train.skip_fit_check": "skip the check, before anything is allocated, that the compiled step fits the devices' "
+    "memory",
+    "train.predicted_step_s": "the planner's predicted step time (train.py --plan sets it), logged beside the "
+    "measured one; 0: none",
+    "data.source": "stdlib: the Python standard library's source (built in); text: files; tokens: a binary token "
+    "file; datasets: jsonl / json / parquet / arrow",
+    "data.path": "text: a file or folder; tokens: a token file; datasets: a file, a folder of them or a glob",
+    "data.token_dtype": "the dtype of a tokens file",
+    "data.max_corpus_bytes": "cap on the built-in stdlib corpus",
+    "data.tokenizer": "a local transformers tokenizer folder (stdlib, text, datasets); empty: bytes are the tokens",
+    "data.text_field": "the field of a jsonl / json / parquet / arrow record that holds its text",
+    "data.text_documents": "text files: a document per file or per line",
+    "data.eos_id": "tokens without an offsets sidecar: a document ends after each eos_id; -1: no boundaries",
+    "data.packing": "pack documents into rows (false: one document per row, cut and padded)",
+    "data.mixture": "weighted sources mixed document by document, \"PATH:WEIGHT,...\" (or in a config file a list of "
+    "dicts); data.path is then unused",
+    "eval.path": "an eval corpus, read with data's settings",
+    "eval.share": "or this share of the training documents, held out by a hash of their tokens",
+    "eval.every_steps": "evaluate every this many steps (0: only at the end; always at the end)",
+    "eval.steps": "batches of train.global_batch_size rows per evaluation (0: the whole eval set once)",
+    "checkpoint.dir": "where checkpoints go; empty: WORKDIR/checkpoints; any path Orbax handles (local, NFS, gs://)",
+    "checkpoint.every_steps": "save every this many steps (0: only at the end), and always at the end",
+    "checkpoint.keep": "newest complete checkpoints kept (0: all)",
+    "checkpoint.async_save": "write checkpoints in the background while training goes on",
+}

@@ -9,7 +9,8 @@ checkpoints may change freely: restoring onto a different mesh is supported. Oth
 (batch size, seed, learning-rate schedule, ...) are allowed but reported, since the resumed run then
 no longer equals an uninterrupted one. Both configs are compared with their derived defaults
 resolved (`jaxpar.config.resolve_derived`): `model.head_dim` None and the value it derives to are the
-same model.
+same model. A config saved before keys moved is read in today's layout first (`jaxpar.config.upgrade`:
+`train.adam_b1` is `train.adamw.b1`), so a checkpoint written before the move resumes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.checkpoint.errors import CheckpointError
-from jaxpar.config import resolve_derived
+from jaxpar.config import resolve_derived, upgrade
 from jaxpar.optim import DEFAULT_OPTIMIZER, OPTIMIZER_NAMES, resume_keys
 
 # Config sections (written as key prefixes) a resumed run must share with its checkpoint.
@@ -62,7 +63,7 @@ def _describe(names, saved, current) -> str:
 def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint: str) -> list[str]:
     """Raises CheckpointError (one line) if the model or data sections differ; returns one-line notes
     for the other differing keys that change what an uninterrupted run would have done."""
-    saved_flat, current_flat = _flatten(resolve_derived(as_dict(saved))), _flatten(resolve_derived(as_dict(current)))
+    saved_flat, current_flat = (_flatten(resolve_derived(upgrade(as_dict(c)))) for c in (saved, current))
     saved_flat.setdefault("train.optimizer", DEFAULT_OPTIMIZER)  # saved before the key existed: AdamW
     differing = sorted(
         n for n in saved_flat.keys() | current_flat.keys() if saved_flat.get(n, _ABSENT) != current_flat.get(n, _ABSENT)

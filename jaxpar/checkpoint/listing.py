@@ -11,6 +11,7 @@ from etils import epath
 
 from jaxpar.checkpoint.errors import CheckpointError
 from jaxpar.checkpoint.manager import CONFIG, DATA
+from jaxpar.config import upgrade
 
 # What Orbax's JsonCheckpointHandler names the file of a JSON item.
 JSON_ITEM_FILE = "metadata"
@@ -35,8 +36,9 @@ def incomplete_saves(directory: str) -> list[str]:
 
 
 def saved_config(directory: str, step: int) -> dict:
-    """The config step `step` was saved with; CheckpointError naming the file if unreadable."""
-    return _json_item(directory, step, CONFIG)
+    """The config step `step` was saved with, in today's layout (`jaxpar.config.upgrade`: keys that
+    moved since are where they are now); CheckpointError naming the file if unreadable."""
+    return upgrade(_json_item(directory, step, CONFIG))
 
 
 def saved_data_state(directory: str, step: int) -> dict:

@@ -13,6 +13,7 @@ import traceback
 from ml_collections import ConfigDict
 
 from jaxpar.command.flags import UsageError, parse_value
+from jaxpar.config import MOVED_KEYS
 from jaxpar.train.preflight import flat_keys, nearest_key
 
 
@@ -71,6 +72,9 @@ def apply_overrides(config: ConfigDict, overrides: list[tuple[str, str]], known:
         node = config
         for section in sections:
             node = node.get(section) if isinstance(node, ConfigDict) else None
+        if key in MOVED_KEYS and not (isinstance(node, ConfigDict) and leaf in node):
+            problems.append(f"{flag}: the key moved to --config.{MOVED_KEYS[key]}")
+            continue
         if not isinstance(node, ConfigDict) or leaf not in node:
             near = nearest_key(key, known)
             problems.append(f"{flag}: unknown config key" + (f"; did you mean --config.{near}?" if near else ""))

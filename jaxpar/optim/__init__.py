@@ -8,6 +8,8 @@ import the training program. It imports only `jaxpar.sharding` and `jaxpar.range
 
 - `optimizers`: one `Optimizer` record per optimizer, `OPTIMIZERS`, `optimizer(name)`.
 - `schedules`: one `Schedule` record per learning-rate schedule, `SCHEDULES`, `schedule(name)`.
+- `hyperparameters`: the keys a record declares for its own section `train.<name>`; `SECTIONS`
+  gathers every record's (what `jaxpar.config` builds the sections from).
 - `matrices`, `muon`: the per-matrix view of stacked layers (Adafactor's RMS blocks, Muon's
   orthogonalisation and its whole-matrix gather).
 - `state`: every state leaf's sharding (ZeRO) and bytes, derived from the record.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from jaxpar.optim.hyperparameters import Hyperparameter, Range, section_problems
 from jaxpar.optim.matrices import PARAM_NAMES
 from jaxpar.optim.optimizers import OPTIMIZER_NAMES, OPTIMIZERS, Optimizer, StateLeaf, optimizer
 from jaxpar.optim.schedules import DECAY_SHAPES, SCHEDULE_NAMES, SCHEDULES, learning_rate_schedule, schedule
@@ -25,6 +28,26 @@ from jaxpar.optim.state import state_axes, state_shardings, tree_state_bytes
 from jaxpar.sharding import is_logical_names
 
 DEFAULT_OPTIMIZER = "adamw"  # also what a checkpoint saved before `train.optimizer` existed used
+
+
+def _sections() -> dict[str, tuple[Hyperparameter, ...]]:
+    sections = {}
+    for record in OPTIMIZERS + SCHEDULES:
+        if record.hyperparameters:
+            if record.name in sections:
+                raise AssertionError(f"two records own the section train.{record.name}")
+            sections[record.name] = record.hyperparameters
+    return sections
+
+
+# Every record's section `train.<name>` and its keys: optimizers, then learning-rate schedules.
+SECTIONS: dict[str, tuple[Hyperparameter, ...]] = _sections()
+
+
+def hyperparameter_problems(train) -> list[str]:
+    """The range problems of every record's section, selected or not (a bad value is a mistake
+    either way; an unused one is otherwise fine), one line each naming the full key."""
+    return [line for name, keys in SECTIONS.items() for line in section_problems(name, keys, train[name])]
 
 
 def excluded_from_decay(train) -> tuple[str, ...]:
@@ -50,14 +73,16 @@ def make_optimizer(train, logical_axes, state_layouts=None):
 
 
 def resume_keys(optimizer_name: str) -> tuple[str, ...]:
-    """The `train.` keys a resumed run must share with its checkpoint: the optimizer and its own
-    hyperparameters (what its saved state means). The learning rate, schedule, weight decay and
-    clipping may change."""
-    return ("optimizer",) + optimizer(optimizer_name).hyperparameters
+    """The `train.` keys a resumed run must share with its checkpoint: the optimizer and the keys
+    of every section it reads (what its saved state means), e.g. `lion.b1`. The learning rate,
+    schedule, weight decay and clipping may change."""
+    record = optimizer(optimizer_name)
+    return ("optimizer",) + tuple(f"{name}.{h.name}" for name in record.sections for h in SECTIONS.get(name, ()))
 
 
 __all__ = [
-    "DECAY_SHAPES", "DEFAULT_OPTIMIZER", "OPTIMIZERS", "OPTIMIZER_NAMES", "Optimizer", "PARAM_NAMES", "SCHEDULES",
-    "SCHEDULE_NAMES", "StateLeaf", "decay_mask", "excluded_from_decay", "learning_rate_schedule", "make_optimizer",
-    "optimizer", "resume_keys", "schedule", "state_axes", "state_shardings", "tree_state_bytes",
+    "DECAY_SHAPES", "DEFAULT_OPTIMIZER", "Hyperparameter", "OPTIMIZERS", "OPTIMIZER_NAMES", "Optimizer", "PARAM_NAMES",
+    "Range", "SCHEDULES", "SCHEDULE_NAMES", "SECTIONS", "StateLeaf", "decay_mask", "excluded_from_decay",
+    "hyperparameter_problems", "learning_rate_schedule", "make_optimizer", "optimizer", "resume_keys", "schedule",
+    "state_axes", "state_shardings", "tree_state_bytes",
 ]

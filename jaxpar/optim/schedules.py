@@ -7,9 +7,13 @@ learning rate of the next one, as optax counts.
 
 - `cosine` (default): cosine decay from the peak over the steps after warmup (today's schedule,
   built by optax's `warmup_cosine_decay_schedule`, unchanged).
-- `wsd`: warmup, stable at the peak, then a decay over the last `wsd_decay_fraction` of
+- `wsd`: warmup, stable at the peak, then a decay over the last `wsd.decay_fraction` of
   `train.steps` (it starts no earlier than the end of warmup), shaped `linear`, `cosine` or
-  `1-sqrt` (`wsd_decay_shape`; 1-sqrt: lr = end + (peak − end)·(1 − √progress), Hägele et al. 2024).
+  `1-sqrt` (`wsd.decay_shape`; 1-sqrt: lr = end + (peak − end)·(1 − √progress), Hägele et al. 2024).
+
+A schedule's own keys live in its section `train.<name>`, declared on its record
+(`Hyperparameter`, `jaxpar.optim.hyperparameters`); the keys every schedule reads
+(`learning_rate`, `warmup_steps`, `final_learning_rate_fraction`, `steps`) stay in `train`.
 - `linear`: linear decay from the peak after warmup.
 - `constant`: the peak after warmup.
 """
@@ -22,14 +26,16 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import optax
 
+from jaxpar.optim.hyperparameters import FRACTION, Hyperparameter, Range
+
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 @dataclass(frozen=True)
 class Schedule:
-    name: str  # `train.lr_schedule`
+    name: str  # `train.lr_schedule`, and its section `train.<name>` when it has keys
     build: Callable  # (config.train) -> optax schedule: updates applied -> learning rate
-    keys: tuple[str, ...] = ()  # train keys only this schedule reads
+    hyperparameters: tuple[Hyperparameter, ...] = ()  # the keys of its section (ranges checked by preflight)
 
 
 def _end(train) -> float:
@@ -67,13 +73,13 @@ def _constant(train):
 
 def wsd_phases(train) -> tuple[int, int]:
     """(first update of the decay, its length in updates) of the `wsd` schedule."""
-    decay = int(round(train.wsd_decay_fraction * train.steps))
+    decay = int(round(train.wsd.decay_fraction * train.steps))
     return max(train.steps - decay, train.warmup_steps), decay
 
 
 def _decay(train, length: int):
     peak, end = train.learning_rate, _end(train)
-    shape = train.wsd_decay_shape
+    shape = train.wsd.decay_shape
     if shape == "linear":
         return optax.linear_schedule(peak, end, length)
     if shape == "cosine":
@@ -89,9 +95,15 @@ def _wsd(train):
     return _after_warmup(train, optax.join_schedules([stable, _decay(train, length)], [start - train.warmup_steps]))
 
 
+WSD_KEYS = (
+    Hyperparameter("decay_fraction", 0.2, "the last fraction of train.steps over which the rate decays", FRACTION,
+                   was="wsd_decay_fraction"),
+    Hyperparameter("decay_shape", "1-sqrt", "the decay's shape", Range(choices=DECAY_SHAPES), was="wsd_decay_shape"),
+)
+
 SCHEDULES = (
     Schedule("cosine", _cosine),
-    Schedule("wsd", _wsd, ("wsd_decay_fraction", "wsd_decay_shape")),
+    Schedule("wsd", _wsd, WSD_KEYS),
     Schedule("linear", _linear),
     Schedule("constant", _constant),
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from jaxpar.dtypes import DTYPES
-from jaxpar.optim import DECAY_SHAPES, OPTIMIZER_NAMES, PARAM_NAMES, SCHEDULE_NAMES, excluded_from_decay, optimizer
+from jaxpar.optim import OPTIMIZER_NAMES, PARAM_NAMES, SCHEDULE_NAMES, excluded_from_decay, hyperparameter_problems, optimizer
 from jaxpar.ranges import at_least, one_of, positive, within
 
 NONFINITE_POLICIES = ("stop", "skip")
@@ -22,13 +22,11 @@ def train_ranges(train) -> list[str]:
     errors += at_least("train.warmup_steps", train.warmup_steps, 0)
     errors += at_least("train.max_skipped_steps", train.max_skipped_steps, 0)
     errors += within("train.seed", train.seed, 0, MAX_SEED)
-    for key in ("learning_rate", "max_grad_norm", "adam_eps", "loss_scale_init"):
+    for key in ("learning_rate", "max_grad_norm", "loss_scale_init"):
         errors += positive(f"train.{key}", train[key])
     errors += within("train.final_learning_rate_fraction", train.final_learning_rate_fraction, 0.0, 1.0)
-    errors += within("train.wsd_decay_fraction", train.wsd_decay_fraction, 0.0, 1.0)
     errors += at_least("train.weight_decay", train.weight_decay, 0.0)
-    for key in ("adam_b1", "adam_b2"):
-        errors += within(f"train.{key}", train[key], 0.0, 1.0, high_open=True)
+    errors += hyperparameter_problems(train)  # every optimizer's and schedule's section, by its record
     if train.max_skipped_fraction <= 0 or train.max_skipped_fraction > 1:
         errors.append(f"train.max_skipped_fraction={train.max_skipped_fraction!r} must be in (0, 1]")
     return errors
@@ -40,7 +38,6 @@ def train_choices(train) -> list[str]:
         errors += one_of(f"train.{key}", train[key], DTYPES)
     errors += one_of("train.on_nonfinite", train.on_nonfinite, NONFINITE_POLICIES)
     errors += one_of("train.lr_schedule", train.lr_schedule, SCHEDULE_NAMES)
-    errors += one_of("train.wsd_decay_shape", train.wsd_decay_shape, DECAY_SHAPES)
     unknown = [n for n in excluded_from_decay(train) if n not in PARAM_NAMES]
     if unknown:
         errors.append(f"train.weight_decay_exclude={train.weight_decay_exclude!r} names {unknown}, "
@@ -51,7 +48,7 @@ def train_choices(train) -> list[str]:
 
 
 def optimizer_checks(train, model) -> list[str]:
-    """`train.optimizer` and the ranges of its own hyperparameters (its record's checks)."""
+    """`train.optimizer` and its record's checks beyond its keys' ranges (`train_ranges` runs those)."""
     if train.optimizer not in OPTIMIZER_NAMES:
         return [f"train.optimizer={train.optimizer!r} is not one of {OPTIMIZER_NAMES}"]
     return optimizer(train.optimizer).checks(train, model)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ml_collections import ConfigDict
 
 from jaxpar.axes import MESH_AXES
-from jaxpar.config import base_config
+from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.data.corpus import corpus_problems, validate_data_config
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
@@ -64,7 +64,9 @@ def _unknown_keys(config, schema, known_flat, prefix="") -> list[str]:
     errors = []
     for key in config.keys():
         path = f"{prefix}{key}"
-        if key not in schema:
+        if key not in schema and path in MOVED_KEYS:
+            errors.append(f"{path}: the key moved to {MOVED_KEYS[path]}; set that instead")
+        elif key not in schema:
             near = nearest_key(path, known_flat)
             hint = f"; did you mean {near}?" if near else f" (known here: {', '.join(sorted(schema.keys()))})"
             errors.append(f"{path}: unknown config key{hint}")

@@ -26,10 +26,10 @@ from tests.support.tiers import slow_except
 STEPS = 3
 # Learning rates at which 3 steps visibly lower the loss; Adafactor factors the tiny matrices.
 OPTIMIZERS = {
-    "adafactor": {"optimizer": "adafactor", "adafactor_min_dim_to_factor": 16, "learning_rate": 5e-2},
+    "adafactor": {"optimizer": "adafactor", "adafactor": {"min_dim_to_factor": 16}, "learning_rate": 5e-2},
     "lion": {"optimizer": "lion", "learning_rate": 3e-3},
     "muon": {"optimizer": "muon"},
-    "sgd": {"optimizer": "sgd", "sgd_nesterov": True, "learning_rate": 0.5},
+    "sgd": {"optimizer": "sgd", "sgd": {"nesterov": True}, "learning_rate": 0.5},
 }
 MICROBATCHES = 2
 # name: (family, mesh, parallel, train overrides of the one-device reference)

@@ -9,6 +9,9 @@
 - Every schedule against its closed form written here.
 - Muon's matrices, their whole-matrix layout and the bytes its gather moves.
 - Bad optimizer / schedule keys: one line each, naming the key, before anything compiles.
+- Each record owns its section (`train.<record>`): the config's sections are the records' keys and
+  defaults, the flat keys they replace are listed here and map to them, and a key of an optimizer
+  that is not selected may be set.
 """
 
 import math
@@ -21,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import models, optim
 from jaxpar.analysis.program import hlo
 from jaxpar.axes import DATA, EXPERT, PIPELINE, TENSOR
+from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.optim.matrices import MatrixDims, gathered_bytes, matrix_dims, newton_schulz_flops, whole_matrix_spec
 from jaxpar.optim.muon import Matrix
 from jaxpar.optim.state import StateLayoutError
@@ -30,7 +34,7 @@ from jaxpar.train.setup import build, bytes_per_device
 from tests.support import tiny
 
 # min dim 16: the tiny models' matrices are factored; momentum: Adafactor's optional EMA leaf too.
-TRAIN = {"adafactor_min_dim_to_factor": 16, "adafactor_momentum": 0.5}
+TRAIN = {"adafactor": {"min_dim_to_factor": 16, "momentum": 0.5}}
 FAMILIES = {"llama": tiny.llama, "mixtral": tiny.mixtral}
 
 
@@ -158,7 +162,7 @@ def closed_form(schedule, step, warmup=WARMUP, fraction=0.25, shape="linear"):
 def test_schedule_follows_its_closed_form(schedule, warmup, shape):
     train = tiny.llama({
         "lr_schedule": schedule, "learning_rate": PEAK, "final_learning_rate_fraction": END, "steps": STEPS,
-        "warmup_steps": warmup, "wsd_decay_fraction": 0.25, "wsd_decay_shape": shape or "linear",
+        "warmup_steps": warmup, "wsd": {"decay_fraction": 0.25, "decay_shape": shape or "linear"},
     }).train
     fn = optim.learning_rate_schedule(train)
     got = [float(fn(step)) for step in range(STEPS + 3)]
@@ -248,15 +252,44 @@ def bad(**train) -> list[str]:
     [
         ({"optimizer": "adam"}, "train.optimizer='adam' is not one of ('adamw', 'adafactor', 'lion', 'muon', 'sgd')"),
         ({"lr_schedule": "step"}, "train.lr_schedule='step' is not one of ('cosine', 'wsd', 'linear', 'constant')"),
-        ({"wsd_decay_shape": "sqrt"}, "train.wsd_decay_shape='sqrt' is not one of ('linear', 'cosine', '1-sqrt')"),
-        ({"wsd_decay_fraction": 1.5}, "train.wsd_decay_fraction=1.5 must be in [0.0, 1.0]"),
+        ({"wsd": {"decay_shape": "sqrt"}}, "train.wsd.decay_shape='sqrt' is not one of ('linear', 'cosine', '1-sqrt')"),
+        ({"wsd": {"decay_fraction": 1.5}}, "train.wsd.decay_fraction=1.5 must be in [0.0, 1.0]"),
         ({"weight_decay_exclude": "norm,embeddings"}, "train.weight_decay_exclude='norm,embeddings' names ['embeddings']"),
-        ({"optimizer": "lion", "lion_b2": 1.0}, "train.lion_b2=1.0 must be in [0.0, 1.0)"),
-        ({"optimizer": "sgd", "sgd_momentum": -0.5}, "train.sgd_momentum=-0.5 must be in [0.0, 1.0)"),
-        ({"optimizer": "muon", "muon_ns_steps": 0}, "train.muon_ns_steps=0 must be >= 1"),
-        ({"optimizer": "adafactor", "adafactor_min_dim_to_factor": 2}, "train.adafactor_min_dim_to_factor=2 must exceed"),
+        ({"optimizer": "lion", "lion": {"b2": 1.0}}, "train.lion.b2=1.0 must be in [0.0, 1.0)"),
+        ({"optimizer": "sgd", "sgd": {"momentum": -0.5}}, "train.sgd.momentum=-0.5 must be in [0.0, 1.0)"),
+        ({"optimizer": "muon", "muon": {"ns_steps": 0}}, "train.muon.ns_steps=0 must be >= 1"),
+        ({"optimizer": "adafactor", "adafactor": {"min_dim_to_factor": 2}}, "train.adafactor.min_dim_to_factor=2 must exceed"),
     ],
 )
 def test_bad_keys_are_one_line_naming_the_key(train, line):
     (error,) = bad(**train)
     assert error.startswith(line), error
+
+
+# The flat `train.` keys before records had sections (jaxpar/config.py at 926fd48), and where each went.
+FLAT_KEYS = {
+    "adam_b1": "adamw.b1", "adam_b2": "adamw.b2", "adam_eps": "adamw.eps", "adafactor_decay_rate": "adafactor.decay_rate",
+    "adafactor_min_dim_to_factor": "adafactor.min_dim_to_factor", "adafactor_clipping_threshold": "adafactor.clipping_threshold",
+    "adafactor_momentum": "adafactor.momentum", "lion_b1": "lion.b1", "lion_b2": "lion.b2", "muon_beta": "muon.beta",
+    "muon_ns_steps": "muon.ns_steps", "muon_nesterov": "muon.nesterov", "muon_consistent_rms": "muon.consistent_rms",
+    "sgd_momentum": "sgd.momentum", "sgd_nesterov": "sgd.nesterov", "wsd_decay_fraction": "wsd.decay_fraction",
+    "wsd_decay_shape": "wsd.decay_shape",
+}
+
+
+def test_each_record_owns_its_section():
+    train = base_config().train
+    assert set(optim.SECTIONS) == {"adamw", "adafactor", "lion", "muon", "sgd", "wsd"}
+    for name, keys in optim.SECTIONS.items():
+        assert train[name].to_dict() == {h.name: h.default for h in keys}
+        assert all(h.meaning and "\n" not in h.meaning for h in keys)
+    assert MOVED_KEYS == {f"train.{old}": f"train.{new}" for old, new in FLAT_KEYS.items()}
+    assert not set(FLAT_KEYS) & set(train.keys())
+    assert optim.hyperparameter_problems(train) == []  # every default in its own range
+    # Muon's saved state means what its keys and AdamW's (for its AdamW part) say.
+    assert optim.resume_keys("muon") == (
+        "optimizer", "muon.beta", "muon.ns_steps", "muon.nesterov", "muon.consistent_rms", "adamw.b1", "adamw.b2", "adamw.eps",
+    )
+    assert optim.resume_keys("sgd") == ("optimizer", "sgd.momentum", "sgd.nesterov")
+    # Another optimizer's key set and unused: fine.
+    check(tiny.llama({"lion": {"b1": 0.5}, "muon": {"ns_steps": 3}}, vocab_size=256), 8)

@@ -34,6 +34,9 @@ def get_config():
     return c
 """
 
+# A config file written before the optimizer keys moved into their records' sections.
+FLAT_KEY_FILE = CONFIG_FILE.replace("    return c", "    c.train.adam_b1 = 0.8\n    return c")
+
 
 def load_script():
     spec = importlib.util.spec_from_file_location("train_script", SCRIPT)
@@ -114,8 +117,13 @@ CASES = [
     ("lr_zero", lambda t: (["--config.train.learning_rate=0"], "train.learning_rate=0.0 must be > 0")),
     ("lr_nan", lambda t: (["--config.train.learning_rate=nan"], "train.learning_rate=nan")),
     ("warmup_negative", lambda t: (["--config.train.warmup_steps=-1"], "train.warmup_steps=-1")),
-    ("adam_b1_one", lambda t: (["--config.train.adam_b1=1.0"], "train.adam_b1=1.0 must be in [0.0, 1.0)")),
-    ("adam_b2_above_one", lambda t: (["--config.train.adam_b2=1.5"], "train.adam_b2=1.5")),
+    ("adam_b1_one", lambda t: (["--config.train.adamw.b1=1.0"], "train.adamw.b1=1.0 must be in [0.0, 1.0)")),
+    ("adam_b2_above_one", lambda t: (["--config.train.adamw.b2=1.5"], "train.adamw.b2=1.5")),
+    ("moved_key", lambda t: (["--config.train.lion_b1=0.5"], "--config.train.lion_b1: the key moved to --config.train.lion.b1")),
+    ("moved_key_in_file", lambda t: ([f"--config={write(t.root / 'flat.py', FLAT_KEY_FILE)}"],
+                                     "train.adam_b1: the key moved to train.adamw.b1; set that instead")),
+    ("v_schedule_other_v", lambda t: (["--config.parallel.pipeline_schedule=zb_v", "--config.parallel.virtual_stages=1"],
+                                      "parallel.virtual_stages=1 must be 2 for parallel.pipeline_schedule='zb_v'")),
     ("clip_zero", lambda t: (["--config.train.max_grad_norm=0"], "train.max_grad_norm=0.0 must be > 0")),
     ("seed_negative", lambda t: (["--config.train.seed=-1"], "train.seed=-1")),
     ("decay_negative", lambda t: (["--config.train.weight_decay=-0.1"], "train.weight_decay=-0.1")),

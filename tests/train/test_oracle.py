@@ -124,11 +124,11 @@ TORCH_OPTIMIZERS = {
         lambda groups: torch.optim.AdamW(groups, lr=TRAIN["learning_rate"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
     ),
     "sgd_momentum": (
-        {"optimizer": "sgd", "sgd_momentum": 0.9},
+        {"optimizer": "sgd", "sgd": {"momentum": 0.9}},
         lambda groups: torch.optim.SGD(groups, lr=TRAIN["learning_rate"], momentum=0.9, weight_decay=0.1),
     ),
     "sgd_nesterov": (
-        {"optimizer": "sgd", "sgd_momentum": 0.8, "sgd_nesterov": True},
+        {"optimizer": "sgd", "sgd": {"momentum": 0.8, "nesterov": True}},
         lambda groups: torch.optim.SGD(groups, lr=TRAIN["learning_rate"], momentum=0.8, nesterov=True, weight_decay=0.1),
     ),
 }
@@ -270,7 +270,7 @@ def by_hand(name):
 
 BY_HAND = {
     "lion": ("llama_gqa_untied", {"optimizer": "lion"}),
-    "adafactor": ("llama_gqa_untied", {"optimizer": "adafactor", "adafactor_min_dim_to_factor": 16}),
+    "adafactor": ("llama_gqa_untied", {"optimizer": "adafactor", "adafactor": {"min_dim_to_factor": 16}}),
     "muon": ("mixtral_aux", {"optimizer": "muon"}),
 }
 

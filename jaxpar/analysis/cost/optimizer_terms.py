@@ -4,9 +4,10 @@ matrices before Newton-Schulz (communication) and the iteration's FLOPs.
 
 Everything is read from the record: its `state` leaves (Adafactor's factored moments are not
 parameter-shaped, SGD without momentum keeps nothing) sharded by the plan's optimizer-state rules
-table, and its `gathers` (`jaxpar.optim.matrices.gathered_bytes`, which tests/optim/test_optimizers.py
-checks against the compiled step's extra all-gather bytes). AdamW's two parameter-shaped moments
-give exactly the `2 * as_optimizer * param bytes` the memory model used before.
+table, its `update_flops` (Muon's Newton-Schulz iterations, with its own `ns_steps`), and its
+`gathers` (`jaxpar.optim.matrices.gathered_bytes`, which tests/optim/test_optimizers.py checks
+against the compiled step's extra all-gather bytes). AdamW's two parameter-shaped moments give
+exactly the `2 * as_optimizer * param bytes` the memory model used before.
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def _terms(model_json: str, train_json: str, table_items: tuple, mesh_items: tup
             leaf_names = tuple(None if d is None else names[d] for d in leaf.dims)
             state += _shard_elements(leaf.shape(shape), leaf_names, table, mesh) * itemsize
             whole += math.prod(leaf.shape(shape)) * itemsize
+        spec = _spec(names, table)
+        if record.update_flops is not None:
+            flops += record.update_flops(train, tuple(shape), tuple(names), spec, mesh)
         if record.gathers is None or matrices.matrix_dims(names) is None:
             continue
-        spec = _spec(names, table)
         if record.gathered_bytes(shape, names, spec, mesh):
             matrix, entries = matrices.matrix_dims(names), matrices._entries(spec, len(shape))
             local = math.prod(shape[d] // math.prod(mesh[a] for a in matrices._axes(entries[d])) for d in range(len(shape)))
@@ -81,7 +84,6 @@ def _terms(model_json: str, train_json: str, table_items: tuple, mesh_items: tup
                     size *= mesh[axis]
                     gathers[(axis,)] = gathers.get((axis,), 0.0) + size
             working += size
-        flops += matrices.newton_schulz_flops(shape, names, spec, mesh, train.muon_ns_steps)
     return OptimizerTerms(state, whole, tuple(sorted(gathers.items())), flops, round(MUON_WORKING * working))
 
 
