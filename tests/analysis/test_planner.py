@@ -3,6 +3,8 @@
 - Meshes: every ordered factorisation of N over the five axes (counted by stars and bars).
 - The mesh screen refuses exactly what preflight refuses, candidate by candidate.
 - Pipeline shapes extrapolated past m = 4p equal the exact schedule tables and slot plans.
+- The schedules searched are those whose record says so, each at its own virtual stages; gpipe's
+  record is right that it never wins (1f1b's table: the same bubble, never more in flight).
 - The planner's pruned search finds the same winner as pricing every admitted layout.
 - The source article's case: Llama-3-70B with AdamW on 8 x A100-80G fits no mesh (16+ bytes of
   state per parameter against 8 x 80 GiB), and the answer names the smallest count that fits.
@@ -22,9 +24,11 @@ from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.cost_model import estimate
 from jaxpar.analysis.cost.layout import _exact_shape, pipeline_shape
 from jaxpar.analysis.planner import PlanError, apply_layout, best_layout, command_line_keys, report
-from jaxpar.analysis.planner.candidates import Screen, Space, candidates, factorizations, meshes
+from jaxpar.analysis.planner.candidates import SCHEDULE_KEY, Screen, Space, candidates, factorizations, meshes
 from jaxpar.analysis.planner.search import USABLE_FRACTION, plan_layouts
 from jaxpar.axes import EXPERT, MESH_AXES, PIPELINE, TENSOR
+from jaxpar.parallel.pipeline.checks import peak_in_flight
+from jaxpar.parallel.pipeline.schedules import SCHEDULES, bubble_fraction, make_schedule, schedule_kind
 from jaxpar.train.preflight import ConfigError, check
 from tests.support import tiny
 from tests.support.paths import REPO as ROOT
@@ -72,6 +76,25 @@ def test_screen_refuses_exactly_what_preflight_refuses():
         assert (screen.admit(candidate) is not None) == ok, candidate.describe()
         seen += 1
     assert seen > 100 and sum(screen.refused.values()) > 0  # both outcomes exercised
+
+
+def test_planner_searches_the_schedules_their_records_name():
+    searched = Space().schedules
+    assert searched == tuple(k.name for k in SCHEDULES if k.searched) and "gpipe" not in searched and len(searched) == 5
+    config = tiny.with_overrides(small_llama(), {}, train={"seq_len": 1024})  # m = 8 microbatches: dualpipev's 2p fits
+    seen = {}
+    for candidate in candidates(config, 8, Space(microbatch_options=1)):
+        if candidate.mesh[PIPELINE] == 2:
+            seen.setdefault(candidate.get(SCHEDULE_KEY), set()).add(candidate.get("parallel.virtual_stages"))
+    assert set(seen) == set(searched)
+    assert all(v == {schedule_kind(name).default_virtual_stages} for name, v in seen.items()), seen
+    # What gpipe's record claims, from the tables: 1f1b's bubble is gpipe's, and no rank of 1f1b
+    # holds more microbatches in flight.
+    for p in (2, 3, 4):
+        for m in (1, p, 2 * p + 1, 4 * p):
+            gpipe, one_f_one_b = make_schedule("gpipe", p, m), make_schedule("1f1b", p, m)
+            assert bubble_fraction(gpipe) == pytest.approx(bubble_fraction(one_f_one_b), abs=1e-12)
+            assert all(a >= b for a, b in zip(peak_in_flight(gpipe), peak_in_flight(one_f_one_b)))
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipev", 2)])

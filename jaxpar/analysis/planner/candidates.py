@@ -28,7 +28,8 @@ from collections.abc import Iterable, Iterator
 
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.families import facts
-from jaxpar.parallel.pipeline.schedules import schedule_kind
+from jaxpar.parallel.pipeline.options import virtual_stages
+from jaxpar.parallel.pipeline.schedules import SCHEDULES, schedule_kind
 from jaxpar.parallel.zero import resolve_axes
 from jaxpar.train.preflight import ConfigError, check
 
@@ -72,11 +73,12 @@ class Space:
     zero_stages: tuple | None = (0, 1, 3)
     remats: tuple | None = ("none", "save_dots", "full")
     sequence_parallel: tuple | None = (False, True)
-    # Every schedule: interleaved and V runs store their layers in the schedule's order, so they
-    # move none per step (`PipelineOptions.layers_in_schedule_order`) and may win. Searching zb_v
-    # and dualpipev too costs little: 70B on 32 x A100, `plan_layouts` 53.3 CPU s without them,
-    # 52.1 with them; the search from 8 up to the 32 that fit (`smallest_fitting_plan`) 56.5 -> 64.1.
-    schedules: tuple | None = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipev")
+    # Every schedule whose record says the planner searches it (`ScheduleKind.searched`; not gpipe):
+    # interleaved and V runs store their layers in the schedule's order, so they move none per step
+    # (`PipelineOptions.layers_in_schedule_order`) and may win. Searching zb_v and dualpipev too costs
+    # little: 70B on 32 x A100, `plan_layouts` 53.3 CPU s without them, 52.1 with them; the search from
+    # 8 up to the 32 that fit (`smallest_fitting_plan`) 56.5 -> 64.1.
+    schedules: tuple | None = tuple(k.name for k in SCHEDULES if k.searched)
     microbatch_options: int = 4
     # > 0: every mesh splits each data replica's rows into microbatches of this many rows
     # (pipeline microbatches, or gradient accumulation without a pipeline), overriding the above.
@@ -190,7 +192,8 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
     rows = train.global_batch_size // (d * e) if train.global_batch_size % (d * e) == 0 else 0
     split = max(1, rows // space.microbatch_rows) if space.microbatch_rows and rows else 0
     if p > 1 and split:
-        v = par.virtual_stages if schedule_kind(par.pipeline_schedule).accepts(par.virtual_stages) else 1
+        v = virtual_stages(par)
+        v = v if schedule_kind(par.pipeline_schedule).accepts(v) else 1
         layouts = [{SCHEDULE_KEY: par.pipeline_schedule, MICROBATCH_KEY: max(split, p), "parallel.virtual_stages": v, ACCUM_KEY: 1}]
     elif split:
         layouts = [{ACCUM_KEY: split}]
@@ -202,9 +205,8 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
             else:
                 counts = [par.num_microbatches or p]
             kind = schedule_kind(schedule)
-            v = par.virtual_stages if schedule == par.pipeline_schedule else 1
-            if space.schedules:  # the planner's choice: 2 where a schedule takes any v, else the v it takes
-                v = 2 if kind.virtual_stages is None else max(kind.virtual_stages)
+            # The planner's choice: each schedule's own v; else the config's (resolved).
+            v = kind.default_virtual_stages if space.schedules else virtual_stages(par)
             for m in counts:
                 if space.schedules and kind.problems(p, m, v):  # e.g. dualpipev below m = 2p
                     continue

@@ -98,19 +98,27 @@ def stores_in_schedule_order(layers: int, p: int, v: int) -> bool:
     return p > 1 and v > 1 and layers % p == 0
 
 
+def virtual_stages(parallel) -> int:
+    """`parallel.virtual_stages` resolved: 0 is the schedule's own (its record's
+    `default_virtual_stages`). Read through `PipelineOptions.virtual_stages` everywhere else."""
+    return schedule_kind(parallel.pipeline_schedule).resolve_virtual_stages(parallel.virtual_stages)
+
+
 def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
-    """None when the pipeline axis is 1. `parallel.num_microbatches` 0 means mesh.pipeline."""
+    """None when the pipeline axis is 1. `parallel.num_microbatches` 0 means mesh.pipeline,
+    `parallel.virtual_stages` 0 the schedule's own."""
     p = mesh[PIPELINE]
     if p == 1:
         return None
     parallel = config.parallel
+    v = virtual_stages(parallel)
     return PipelineOptions(
         schedule=parallel.pipeline_schedule,
         microbatches=parallel.num_microbatches or p,
-        virtual_stages=parallel.virtual_stages,
+        virtual_stages=v,
         num_ranks=p,
         layers=facts.layers,
-        layers_in_schedule_order=stores_in_schedule_order(facts.layers, p, parallel.virtual_stages),
+        layers_in_schedule_order=stores_in_schedule_order(facts.layers, p, v),
         vocab=parallel.pipeline_vocab,
         split=parse_split(parallel.pipeline_stage_layers),
         facts=facts,
@@ -128,10 +136,12 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
         errors.append(f"parallel.pipeline_schedule={name!r} is not one of {SCHEDULE_NAMES}")
     else:
         kind = schedule_kind(name)
-    if v < 1:
-        errors.append(f"parallel.virtual_stages={v} must be >= 1")
-    elif kind and (problem := kind.virtual_stage_problem(v)):
-        errors.append(problem)
+    if v < 0:
+        errors.append(f"parallel.virtual_stages={v} must be >= 0 (0: the schedule's own)")
+    elif kind:
+        v = kind.resolve_virtual_stages(v)
+        if problem := kind.virtual_stage_problem(v):
+            errors.append(problem)
     if m < 0:
         errors.append(f"parallel.num_microbatches={m} must be >= 1 (or 0: mesh.{PIPELINE})")
     if parallel.pipeline_vocab not in PLACEMENTS:

@@ -146,7 +146,8 @@ class ScheduleKind:
     `build(p, m, v)` gets sizes already checked against `virtual_stages` and `constraints`;
     `constraints(p, m, v)` returns one line per problem, naming the config keys to change (used
     by preflight, `options.checks`); `bubble(p, m, v)` is the textbook bubble fraction; `stages(p,
-    v)` the stage -> (rank, local virtual stage) map its tables carry."""
+    v)` the stage -> (rank, local virtual stage) map its tables carry; `default_virtual_stages` the
+    v a run gets when `parallel.virtual_stages` is 0; `searched` whether the planner tries it."""
 
     name: str
     build: Callable[[int, int, int], Schedule]
@@ -155,6 +156,16 @@ class ScheduleKind:
     virtual_stages: tuple | None = (1,)  # the v it builds; None: any v >= 1
     constraints: Callable[[int, int, int], list] = _no_constraints
     stages: Callable[[int, int], StageMap] = modular_stages
+    default_virtual_stages: int = 1
+    searched: bool = True
+
+    def __post_init__(self):
+        if not self.accepts(self.default_virtual_stages):
+            raise AssertionError(f"{self.name}: default_virtual_stages={self.default_virtual_stages} is not a v it builds")
+
+    def resolve_virtual_stages(self, v: int) -> int:
+        """`parallel.virtual_stages` as this schedule runs it: 0 is the schedule's own."""
+        return v or self.default_virtual_stages
 
     def accepts(self, v: int) -> bool:
         return self.virtual_stages is None or v in self.virtual_stages
@@ -235,20 +246,23 @@ def _v_bubble(p, m, v):
 
 
 SCHEDULES = (
-    ScheduleKind("gpipe", _gpipe, _plain_bubble),
+    # Never searched by the planner: the bubble of 1f1b with all m microbatches' activations stashed
+    # (1f1b stashes at most 2(p - r) - 1), so it never wins.
+    ScheduleKind("gpipe", _gpipe, _plain_bubble, searched=False),
     ScheduleKind("1f1b", _one_f_one_b, _plain_bubble),
+    # Any v; 2 unless told, since interleaving is what it is chosen for (v = 1 is 1f1b).
     ScheduleKind(
         "interleaved_1f1b", interleaved_1f1b, _interleaved_bubble, virtual_stages=None,
-        constraints=_interleaved_constraints,
+        constraints=_interleaved_constraints, default_virtual_stages=2,
     ),
     ScheduleKind("zb_h1", _zb_h1, _zb_h1_bubble, split_backward=True),
     ScheduleKind(
         "zb_v", _zb_v, _v_bubble, split_backward=True, virtual_stages=(2,), constraints=_zb_v_constraints,
-        stages=v_stages,
+        stages=v_stages, default_virtual_stages=2,
     ),
     ScheduleKind(
         "dualpipev", _dualpipev, _v_bubble, split_backward=True, virtual_stages=(2,),
-        constraints=_dualpipev_constraints, stages=v_stages,
+        constraints=_dualpipev_constraints, stages=v_stages, default_virtual_stages=2,
     ),
 )
 SCHEDULE_NAMES = tuple(k.name for k in SCHEDULES)

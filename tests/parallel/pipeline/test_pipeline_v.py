@@ -1,5 +1,6 @@
 """The V-shaped schedules (`zb_v`, `dualpipev`) train exactly like one device, reached through the
-config like every other schedule (`parallel.pipeline_schedule`, `parallel.virtual_stages=2`).
+config like every other schedule (`parallel.pipeline_schedule`; `parallel.virtual_stages` left at 0
+takes the record's 2, any other value than 2 is refused naming the key).
 
 The comparison and tolerances of `tests/parallel/pipeline/test_pipeline.py` (Llama) and `tests/parallel/pipeline/test_pipeline_moe.py`
 (Mixtral against one device with `grad_accum` = m): 3 fp32 steps, identical initial params, step-1
@@ -30,7 +31,8 @@ CASES = {
         "llama", {"num_hidden_layers": 7}, {"pipeline": 2, "data": 2}, pp("zb_v", 4, 2, zero_stage=1),
     ),
     # p = 4: hops +1, 0 and -1; the embedding and head at the ends (both on rank 0).
-    "zb_v_p4_ends": ("llama", {}, {"pipeline": 4}, pp("zb_v", 4, 2, pipeline_vocab="ends")),
+    # v 0: the record's own (2), so the fast tier runs a V schedule the way a user types it.
+    "zb_v_p4_ends": ("llama", {}, {"pipeline": 4}, pp("zb_v", 4, 0, pipeline_vocab="ends")),
     # Uneven explicit split, ZeRO-3 over data with tensor + SP.
     "dualpipev_p2_data2_tensor2_zero3_sp_1_3_2_2": (
         "llama", {}, {"pipeline": 2, "data": 2, "tensor": 2},
@@ -68,11 +70,26 @@ def test_matches_single_device(name, shared_cache):
         np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)
 
 
+# The v each schedule is built for (Narayanan et al. 2021 interleave with v >= 2; ZB-V and DualPipeV
+# place exactly two chunks per rank in a V), written here rather than read from the records.
+@pytest.mark.parametrize("schedule, v", [
+    ("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zb_v", 2), ("dualpipev", 2),
+])
+def test_virtual_stages_default_to_the_schedules_own(schedule, v):
+    config = tiny.with_overrides(pipeline_config(), {"pipeline": 2}, parallel={"pipeline_schedule": schedule, "num_microbatches": 4})
+    assert config.parallel.virtual_stages == 0  # the default: nothing typed
+    sizes = resolve_mesh_shape(config.mesh, 2)
+    assert pipeline_checks(config, sizes, has_aux_losses=False) == []
+    opts = pipeline_options(config, sizes, models.facts(config.model))
+    assert opts.virtual_stages == opts.table.virtual_stages == opts.table.num_stages // 2 == v
+
+
 @pytest.mark.parametrize("mesh, parallel, expected", [
     ({"pipeline": 2}, pp("zb_v", 4), "parallel.virtual_stages=1 must be 2 for parallel.pipeline_schedule='zb_v'"),
     ({"pipeline": 4}, pp("zb_v", 2, 2), "parallel.num_microbatches=2 must be at least mesh.pipeline=4 for zb_v"),
     ({"pipeline": 4}, pp("dualpipev", 4, 2), "parallel.num_microbatches=4 must be at least 2 × mesh.pipeline=8"),
     ({"pipeline": 2}, pp("dualpipev", 4, 3), "parallel.virtual_stages=3 must be 2 for parallel.pipeline_schedule='dualpipev'"),
+    ({"pipeline": 2}, pp("zb_v", 4, -1), "parallel.virtual_stages=-1 must be >= 0 (0: the schedule's own)"),
     # 8 layers cannot fill 2 stages on each of 8 ranks.
     ({"pipeline": 8}, pp("zb_v", 8, 2), "model.num_hidden_layers=8 cannot fill mesh.pipeline × parallel.virtual_stages=16"),
 ])
