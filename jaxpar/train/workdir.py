@@ -16,7 +16,11 @@ folder left by a killed replacement is named at every start.
 `WorkdirLock` keeps two runs out of one workdir with `flock` on `.lock`: the kernel drops the lock
 when its holder dies, so a lock left by a killed run is stale by construction and simply taken over
 (the file's previous content, host and pid, is reported). The second of two live runs gets a
-one-line error naming the first's host and pid. Only process 0 of a multi-process run locks.
+one-line error naming the first's host and pid. A run that ends — done, refused or failed — removes
+`.lock` while still holding it, so a finished workdir holds only the run's files; a run that opened
+the file just before that finds, once it has the lock, that the path no longer names its file, and
+locks the path's new file instead (two runs never hold locks on two different files). Only process
+0 of a multi-process run locks.
 
 `MetricsLog` appends one strict-JSON line per step (non-finite floats become null); on resume it
 first keeps only the lines up to the restored step, replacing the file atomically, so the log
@@ -25,6 +29,7 @@ continues without duplicated or missing steps.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import math
@@ -240,30 +245,27 @@ class WorkdirLock:
     def __init__(self, workdir: str):
         self.path = os.path.join(workdir, LOCK_FILE)
         self._file = None
+        self._made_workdir = False  # acquire created the workdir: release removes it if the run left it empty
         self.stale: str | None = None  # the previous holder, if the lock was left by a killed run
 
     def acquire(self) -> WorkdirLock:
         workdir = os.path.dirname(self.path)
-        try:
-            # The first write of a run: permission checks can pass where nothing can be created (as
-            # root under /proc, on a read-only mount), so the OS's answer is the one reported.
-            os.makedirs(workdir, exist_ok=True)
-            f = open(self.path, "a+")
-        except OSError as e:
-            raise WorkdirError(
-                f"--workdir={workdir}: cannot create its lock file {self.path} ({type(e).__name__}: {e.strerror or e}); "
-                f"choose a writable directory"
-            ) from None
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = _describe_holder(f.read())
-            f.close()
-            raise WorkdirBusy(
-                f"--workdir={os.path.dirname(self.path)} is in use by another run ({holder}); "
-                f"wait for it or choose another --workdir"
-            ) from None
+        self._made_workdir = not os.path.isdir(workdir)
+        while True:
+            f = self._open(workdir)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = _describe_holder(f.read())
+                f.close()
+                raise WorkdirBusy(
+                    f"--workdir={os.path.dirname(self.path)} is in use by another run ({holder}); "
+                    f"wait for it or choose another --workdir"
+                ) from None
+            if _names(self.path, f):
+                break
+            f.close()  # the run before removed the file between our open and our lock: lock the path's new file
         f.seek(0)
         previous = f.read()
         if previous.strip():
@@ -275,20 +277,46 @@ class WorkdirLock:
         self._file = f
         return self
 
+    def _open(self, workdir: str):
+        try:
+            # The first write of a run: permission checks can pass where nothing can be created (as
+            # root under /proc, on a read-only mount), so the OS's answer is the one reported.
+            os.makedirs(workdir, exist_ok=True)
+            return open(self.path, "a+")
+        except OSError as e:
+            raise WorkdirError(
+                f"--workdir={workdir}: cannot create its lock file {self.path} ({type(e).__name__}: {e.strerror or e}); "
+                f"choose a writable directory"
+            ) from None
+
     def release(self) -> None:
         if self._file is None:
             return
         self._file.seek(0)
-        self._file.truncate()  # an empty lock file: nobody holds it, nothing stale
+        self._file.truncate()  # should the removal fail: an empty lock file, nobody holds it, nothing stale
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # while still held (module docstring)
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
         self._file = None
+        if self._made_workdir:
+            with contextlib.suppress(OSError):  # only an empty directory: a run refused before writing anything
+                os.rmdir(os.path.dirname(self.path))
 
     def __enter__(self):
         return self.acquire()
 
     def __exit__(self, *exc):
         self.release()
+
+
+def _names(path: str, f) -> bool:
+    """Whether `path` still names the open file `f` (not removed or replaced since it was opened)."""
+    try:
+        here, held = os.stat(path), os.fstat(f.fileno())
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _replace_text(path: str, text: str) -> None:

@@ -40,9 +40,41 @@ def test_a_live_run_keeps_others_out_and_a_killed_runs_lock_is_taken_over(tmp_pa
         assert lock.stale == f"host elsewhere, pid {holder.pid}, since then"
         mine = json.loads((workdir / workdirs.LOCK_FILE).read_text())
         assert mine["pid"] == os.getpid() and mine["host"] == socket.gethostname()
-    assert (workdir / workdirs.LOCK_FILE).read_text() == "", "a released lock is empty: nothing stale"
+    assert not (workdir / workdirs.LOCK_FILE).exists(), "a finished run leaves no lock file behind"
     with workdirs.WorkdirLock(str(workdir)) as lock:
         assert lock.stale is None
+
+
+def test_a_run_that_opened_the_lock_file_as_its_holder_removed_it_locks_the_new_file(tmp_path):
+    """The holder removes `.lock` at its end while a second run has it open: the second run must not
+    hold a lock on the removed file, or a third run (creating a new file) would get in beside it."""
+    first = workdirs.WorkdirLock(str(tmp_path)).acquire()
+    second = workdirs.WorkdirLock(str(tmp_path))
+    opened, opens = second._open, []
+
+    def open_as_the_holder_ends(workdir):
+        f = opened(workdir)
+        if not opens:
+            first.release()  # between the second run's open and its flock
+        opens.append(f)
+        return f
+
+    with mock.patch.object(second, "_open", open_as_the_holder_ends):
+        second.acquire()
+    assert len(opens) == 2, "the second run locked the removed file"
+    with pytest.raises(workdirs.WorkdirBusy, match=f"pid {os.getpid()}"):
+        workdirs.WorkdirLock(str(tmp_path)).acquire()
+    second.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_run_refused_after_locking_leaves_no_workdir_it_created(tmp_path):
+    with workdirs.WorkdirLock(str(tmp_path / "new")):
+        assert (tmp_path / "new" / workdirs.LOCK_FILE).exists()
+    assert not (tmp_path / "new").exists(), "the workdir the lock created, left empty, is removed"
+    with workdirs.WorkdirLock(str(tmp_path / "kept")):
+        (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
+    assert os.listdir(tmp_path / "kept") == ["metrics.jsonl"], "a workdir with a run's files stays"
 
 
 def test_two_runs_in_one_process_cannot_share_a_workdir(tmp_path):
