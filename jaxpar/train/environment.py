@@ -68,8 +68,13 @@ def report(mesh: Mesh) -> list[str]:
     """Lines to print at start; a line starting with "warning:" for a tensor axis across hosts."""
     backend = mesh.devices.flat[0].platform
     lines = [versions("gpu" if backend in ("gpu", "cuda", "rocm") else backend)]
-    lines.append(f"{jax.process_count()} process(es), {mesh.devices.size} devices; device -> mesh coordinates:")
-    lines += device_lines(mesh)
+    processes, devices = jax.process_count(), mesh.devices.size
+    counts = f"{processes} {'process' if processes == 1 else 'processes'}, {devices} {'device' if devices == 1 else 'devices'}"
+    if all(size == 1 for size in dict(mesh.shape).values()):  # no coordinate to show
+        lines.append(f"{counts}: every mesh axis has size 1, nothing is split")
+    else:
+        lines.append(f"{counts}; device -> mesh coordinates (axes of size 1 left out):")
+        lines += device_lines(mesh)
     crossing = crossing_axes(mesh)
     lines.append(f"mesh axes across processes: {', '.join(crossing) if crossing else 'none'}")
     if TENSOR in crossing:

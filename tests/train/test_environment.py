@@ -3,6 +3,7 @@ process ids stands in for a cluster), the warning for a tensor axis across hosts
 
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 
 from jaxpar.axes import MESH_AXES
@@ -38,3 +39,11 @@ def test_report_on_the_real_mesh():
     assert lines[0].startswith("python ") and " jax " in lines[0] and "backend cpu" in lines[0]
     assert "  device 5 (process 0): data=1 tensor=1" in lines
     assert lines[-1] == "mesh axes across processes: none"
+    assert lines[1] == "1 process, 8 devices; device -> mesh coordinates (axes of size 1 left out):"
+
+
+def test_one_device_has_no_empty_coordinate_line():
+    """One device has no coordinate to print: the count says so, and no `device 0 (process 0): ` line is left empty."""
+    lines = report(make_mesh({"data": 1, "pipeline": 1, "context": 1, "expert": 1, "tensor": 1}, jax.devices()[:1]))
+    assert lines[1] == "1 process, 1 device: every mesh axis has size 1, nothing is split"
+    assert not [line for line in lines if line.rstrip().endswith(":")], lines
