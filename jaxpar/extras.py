@@ -21,6 +21,7 @@ EXTRAS = {
     "gcsfs": ("gcs", "gcsfs"),  # gs:// checkpoint.dir
     "s3fs": ("s3", "s3fs"),  # s3:// checkpoint.dir
     "tensorboard": ("tensorboard", "tensorboard"),  # viewing a run's scalars (the run writes them without it)
+    "torch": ("test", "torch"),  # transformers' models: the parity tests, scripts/bench.py generate's peer
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 from collections.abc import Mapping
 
@@ -42,7 +43,7 @@ from jaxpar.data.documents import (
 )
 from jaxpar.data.mixture import ChainStream, MixtureStream
 from jaxpar.data.packing import Packer
-from jaxpar.data.prepare import token_file_problems
+from jaxpar.data.prepare import sidecar_path, token_file_problems
 from jaxpar.data.sources import (
     SOURCES,
     TEXT_SOURCES,
@@ -433,12 +434,33 @@ def corpus_problems(config) -> list[str]:
     return list(dict.fromkeys(errors))
 
 
+def _tokenizer_of(src: Source) -> str:
+    """What turned the source's text into ids: data.tokenizer, bytes, or for a token file the
+    tokenizer its sidecar names (prepare_data.py records it)."""
+    if src.source != "tokens":
+        return f"tokenizer {src.tokenizer}" if src.tokenizer else "bytes as tokens"
+    side = sidecar_path(src.path)
+    try:
+        with open(side) as f:
+            return f"tokenizer {json.load(f)['tokenizer']}, named by {os.path.basename(side)}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "ids of a tokenizer no sidecar names"
+
+
 def describe(config) -> str:
-    """One line saying what the run reads (for the start-up log)."""
+    """What the run reads, for the start-up log: one line, or a mixture's sources one per line with
+    their weights and the share of documents each is drawn for."""
     sources = training_sources(config.data)
-    parts = [f"{s.source}:{s.path or 'stdlib'}" + (f"x{s.weight:g}" if len(sources) > 1 else "") for s in sources]
     packing = "packed" if config.data.packing else "one document per row"
-    return f"data: {', '.join(parts)} ({packing}; tokenizer {config.data.tokenizer or 'bytes'})"
+    tokenizers = ", ".join(dict.fromkeys(_tokenizer_of(s) for s in sources))
+    where = {s.key: "the Python standard library's source" if s.source == "stdlib" else f"{s.source} {s.path}"
+             for s in sources}
+    if len(sources) == 1:
+        return f"data: {where[sources[0].key]} ({packing}; {tokenizers})"
+    total = sum(s.weight for s in sources)
+    lines = [f"data: a mixture of {len(sources)} sources, drawn document by document ({packing}; {tokenizers}):"]
+    lines += [f"  {where[s.key]}: weight {s.weight:g} ({s.weight / total:.0%} of documents)" for s in sources]
+    return "\n".join(lines)
 
 
 __all__ = ["DataError", "Source", "corpus_fingerprint", "corpus_problems", "corpus_tokens", "corpus_warnings", "eval_batches",

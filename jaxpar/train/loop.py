@@ -22,6 +22,7 @@ process 0 only, checkpoints by all (each its own shards, `jaxpar.checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import time
@@ -35,7 +36,7 @@ from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, chec
 from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data.batches import DocumentBatches, to_global
-from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, training_stream
+from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, eval_enabled, training_stream
 from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
@@ -46,8 +47,8 @@ from jaxpar.train.environment import report
 from jaxpar.train.eval import Evaluator, evaluator
 from jaxpar.train.fit import compile_fitting
 from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
-from jaxpar.train.observe import Observer
-from jaxpar.train.progress import Progress
+from jaxpar.train.observe import Observer, measures_peak
+from jaxpar.train.progress import Progress, StartupLog
 from jaxpar.train.setup import build, bytes_per_device
 from jaxpar.train.signals import Interrupted, StopSignals
 
@@ -101,7 +102,7 @@ def _run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.
     return run
 
 
-def _lock(workdir: str) -> workdirs.WorkdirLock | None:
+def _lock(workdir: str, startup: StartupLog) -> workdirs.WorkdirLock | None:
     lock, error = None, None
     if jax.process_index() == 0:
         try:
@@ -114,7 +115,7 @@ def _lock(workdir: str) -> workdirs.WorkdirLock | None:
     if failed:
         raise workdirs.WorkdirError(f"--workdir={workdir} could not be locked by process 0 (see its error)")
     if lock is not None and lock.stale:
-        print(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
+        startup.say(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
     return lock
 
 
@@ -126,14 +127,16 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     CheckpointError, NonFiniteStop or Interrupted (during start-up: nothing changed; in the loop:
     after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
+    startup = StartupLog(enabled=jax.process_index() == 0)
     try:
         with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
-            run = _run_preflight(config, workdir, devices, overwrite)
+            with startup.phase("checking the config, the data and the workdir"):
+                run = _run_preflight(config, workdir, devices, overwrite)
             signals.check("preflight", run.workdir.resume_step is not None)
             peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
-            lock = _lock(workdir)
+            lock = _lock(workdir, startup)
             try:
-                return _train(config, run, devices, signals, progress)
+                return _train(config, run, devices, signals, progress, startup)
             finally:
                 if lock is not None:
                     lock.release()
@@ -166,6 +169,7 @@ class _Run:
     corpus: dict  # the corpus's identity (size, fingerprint), saved with every checkpoint
     signals: StopSignals
     show_progress: bool
+    startup: StartupLog  # process 0's start-up lines (also the lines said before the first step)
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
@@ -187,16 +191,16 @@ def _open_checkpoints(config, plan: workdirs.WorkdirPlan) -> Checkpoints:
 
 
 def _restore(run: _Run):
-    """(state, data position) from the newest readable checkpoint, straight onto this run's shardings."""
+    """(state, data position, lines to print) from the newest readable checkpoint, straight onto this
+    run's shardings."""
     program = run.program
     restored = run.checkpoints.restore(None, abstract_state(jax.eval_shape(program.init), program.state_shardings))
     # A fallback may have landed on an older checkpoint: its config must fit too.
-    for note in compare_configs(restored.config, run.config.to_json_best_effort(), checkpoint=restored.path):
-        _say(note)
+    notes = compare_configs(restored.config, run.config.to_json_best_effort(), checkpoint=restored.path)
     if problem := workdirs.corpus_changed_problem(restored.path, restored.data_state, run.corpus):
         raise CheckpointError(problem)
-    _say(f"resumed from checkpoint {restored.path} (step {restored.step})")
-    return program.to_storage(restored.state), restored.data_state  # checkpoints hold the natural layer order
+    notes.append(f"resumed from checkpoint {restored.path} (step {restored.step})")
+    return program.to_storage(restored.state), restored.data_state, notes  # checkpoints hold the natural layer order
 
 
 def _initial_state(run: _Run):
@@ -204,7 +208,6 @@ def _initial_state(run: _Run):
     if not hf_dir:
         return run.program.init()
     params = load_params_onto(hf_dir, run.config.model, run.program.state_shardings.params, run.config.train.param_dtype)
-    _say(f"initial params from transformers checkpoint {hf_dir}")
     return run.program.init_from_params(params)
 
 
@@ -214,7 +217,7 @@ def _start(run: _Run, resume_step: int | None) -> None:
     if writer and run.plan.overwrite:
         run.aside = asides.set_aside(run.plan.workdir, run.plan.checkpoint_dir, workdirs.RUN_FILES)
         if run.aside is not None:
-            _say(f"moved the earlier run aside to {run.aside.where} until this run's first checkpoint")
+            run.startup.say(f"moved the earlier run aside to {run.aside.where} until this run's first checkpoint")
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxpar-workdir-ready")
     if run.checkpoints is None:
@@ -241,33 +244,39 @@ def _let_go_once_proven(run: _Run) -> None:
         _set_quit_note(run)
 
 
-def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, progress: bool) -> list[dict]:
+def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, progress: bool, startup: StartupLog) -> list[dict]:
     plan, train_cfg = pre.workdir, config.train
     resuming = plan.resume_step is not None
     for note in plan.notes:
-        _say(note)
-    if not is_remote(plan.checkpoint_dir):
-        check_shared_storage(plan.checkpoint_dir)
-    program = build(config, devices)
-    if jax.process_index() == 0:
+        startup.say(note)
+    if not is_remote(plan.checkpoint_dir):  # waits for the other processes' answers (up to 10 s)
+        shared = startup.phase("checking that every process sees the checkpoint directory")
+        with shared if jax.process_count() > 1 else contextlib.nullcontext():
+            check_shared_storage(plan.checkpoint_dir)
+    with startup.phase("building the model and its shardings"):
+        program = build(config, devices)
+    if startup.enabled:  # process 0
         for line in report(program.mesh):
-            print(line)
-        print(f"mesh: {describe_mesh(program.mesh)} on {len(devices)} {devices[0].platform} devices")
-        print(describe(config))
-        print(memory_report(program), flush=True)
+            startup.say(line)
+        startup.say(f"mesh: {describe_mesh(program.mesh)} on {len(devices)} {devices[0].platform} device{'s' * (len(devices) != 1)}")
+        startup.say(describe(config))
+        startup.say(memory_report(program))
     signals.check("build", resuming)
     # Compiled on abstract inputs and checked against the devices' memory before any data is read or
     # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
-    step_fn, compile_s = compile_fitting(program, config, devices)
+    with startup.phase("compiling the train step and checking that it fits the devices' memory"):
+        step_fn, compile_s = compile_fitting(program, config, devices)
     signals.check("compile", resuming)
-    for warning in corpus_warnings(config.data):
-        _say(f"warning: {warning}")
-    corpus = {workdirs.CORPUS_TOKENS: corpus_tokens(config.data), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
-    packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
-    batches = DocumentBatches(packer)
+    with startup.phase("opening the data"):
+        warnings = corpus_warnings(config.data)
+        corpus = {workdirs.CORPUS_TOKENS: corpus_tokens(config.data), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
+        packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
+        batches = DocumentBatches(packer)
+    for warning in warnings:
+        startup.say(f"warning: {warning}")
     signals.check("loading data", resuming)
     check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before the state, not at the first save
-    run = _Run(config, plan, program, batches, None, corpus, signals, progress)
+    run = _Run(config, plan, program, batches, None, corpus, signals, progress, startup)
     try:
         history = _run(run, resuming, step_fn, compile_s)
     except BaseException as error:
@@ -279,21 +288,31 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
 
 def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     """Restore or initialise the state, then the steps (`step_fn`: the fit-checked executable)."""
-    config, program, signals, train_cfg = run.config, run.program, run.signals, run.config.train
+    config, program, signals, train_cfg, startup = run.config, run.program, run.signals, run.config.train, run.startup
     if resuming:
-        run.checkpoints = _open_checkpoints(config, run.plan)
-        state, data_state = _restore(run)
-        run.iterator.set_state(data_state)
+        with startup.phase(f"restoring the newest checkpoint of {run.plan.checkpoint_dir}"):
+            run.checkpoints = _open_checkpoints(config, run.plan)
+            state, data_state, notes = _restore(run)
+            run.iterator.set_state(data_state)
+        for note in notes:
+            startup.say(note)
     else:
-        state = _initial_state(run)
+        hf_dir = config.train.init_from_hf
+        with startup.phase(f"reading the initial parameters from transformers checkpoint {hf_dir}" if hf_dir
+                           else "initialising the parameters"):
+            state = _initial_state(run)
     start = run.iterator.step
     signals.check("restore" if resuming else "init", resuming)
     if start >= train_cfg.steps:
-        _say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
+        startup.say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
         return []
-    run.evaluator = evaluator(config, program)  # compiled before anything is written
+    if eval_enabled(config):
+        with startup.phase("compiling the evaluation step"):  # before anything is written
+            run.evaluator = evaluator(config, program)
     _start(run, start if resuming else None)
-    run.observer = Observer(config, run.plan.workdir, program, step_fn, compile_s)
+    measuring = measures_peak(program.mesh.devices.flat[0], train_cfg.peak_flops_per_device)
+    with startup.phase("timing a matmul: this host's FLOP/s, the peak MFU counts against") if measuring else contextlib.nullcontext():
+        run.observer = Observer(config, run.plan.workdir, program, step_fn, compile_s)
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
     run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=run.show_progress and jax.process_index() == 0)
     history = []

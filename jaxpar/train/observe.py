@@ -67,6 +67,11 @@ def measured_host_flops(dtype_name: str = "float32", size: int = 2048) -> float:
     return 2 * size**3 / best
 
 
+def measures_peak(device, override: float = 0.0) -> bool:
+    """Whether `peak_flops_per_device` times a matmul for this device (seconds, once per process)."""
+    return override <= 0 and device.platform == "cpu" and not any(kind in device.device_kind for kind, _ in PEAK_FLOPS)
+
+
 def peak_flops_per_device(device, compute_dtype: str, override: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s of one device, where the number comes from)."""
     if override > 0:

@@ -1,19 +1,73 @@
 """Progress output of the training loop, on process 0 only.
 
-On a terminal: a tqdm bar with loss and tokens/s. Anywhere else (a SLURM log, a pipe, a file): one
-plain line every `train.log_every` steps, since carriage-return redraws turn such logs into one
-endless line.
+Start-up (`StartupLog`): one line per phase — checking, building, compiling, reading data, restoring
+or initialising — begun when the phase begins, so a long compile says what is happening, and ended
+with its time: `compiling the train step ... 4.1 s`.
+
+Steps: on a terminal, a tqdm bar with loss and tokens/s. Anywhere else (a SLURM log, a pipe, a
+file): one plain line every `train.log_every` steps, since carriage-return redraws turn such logs
+into one endless line. Numbers read plainly: 4 significant digits, thousands as `13,820`, never
+`1.382e+04`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 
 from tqdm.auto import tqdm
 
 
 def _format(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    if not isinstance(value, float):
+        return str(value)
+    if abs(value) >= 1000:  # a rate or a large norm: whole units with separators, not an exponent
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
+class StartupLog:
+    """Lines of the run's start-up: `phase(label)` around each phase, `say(line)` for anything else.
+
+    A phase's line is left open while it runs (`label ...`) and closed with its time; a line said
+    meanwhile closes it first, and the time then follows on a line of its own. Disabled (processes
+    other than 0): prints nothing."""
+
+    def __init__(self, enabled: bool = True, out=None):
+        self.enabled, self.out = enabled, out
+        self._open: str | None = None  # the label of the phase whose line is unfinished
+
+    def _print(self, text: str, end: str = "\n") -> None:
+        print(text, end=end, file=self.out or sys.stdout, flush=True)
+
+    def say(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._open is not None:
+            self._print("")
+            self._open = None
+        self._print(line)
+
+    @contextlib.contextmanager
+    def phase(self, label: str):
+        if not self.enabled:
+            yield
+            return
+        if self._open is not None:
+            self._print("")
+        self._print(f"{label} ...", end="")
+        self._open = label
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = f"{time.perf_counter() - started:.1f} s"
+            if self._open == label:
+                self._print(f" {seconds}")
+            else:  # something was said meanwhile
+                self._print(f"{label}: {seconds}")
+            self._open = None
 
 
 class Progress:
