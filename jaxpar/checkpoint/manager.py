@@ -43,7 +43,7 @@ from jax.experimental import multihost_utils
 from jaxpar.checkpoint.config_check import as_dict
 from jaxpar.checkpoint.errors import CheckpointError
 from jaxpar.checkpoint.integrity import fingerprints, leaf_names, mismatches
-from jaxpar.checkpoint.quiet import NOISE
+from jaxpar.checkpoint.quiet import NOISE, read_only_notices_dropped
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes, write_failure
 
 log = logging.getLogger(__name__)
@@ -181,14 +181,15 @@ class Checkpoints:
         ]
         for note in self.notes:
             self._warn(note)
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=async_save,
-            preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep),
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            create=not read_only,
-        )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handler_registry())
+        with read_only_notices_dropped() if read_only else contextlib.nullcontext():  # a reader is read-only by design
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=async_save,
+                preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep),
+                cleanup_tmp_directories=not read_only,
+                read_only=read_only,
+                create=not read_only,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handler_registry())
         self._pending: int | None = None  # the step of the last async save, until known finished
         self.needed_bytes: int | None = None  # the size of the last state saved (the next save's estimate)
         NOISE.open()

@@ -1,4 +1,5 @@
-"""Orbax's noise when a save fails in the background, collapsed to the one line the caller reports.
+"""Orbax's noise: a failed background save collapsed to the one line the caller reports, and the
+warnings of a read-only open dropped.
 
 A failed background write (a full disk, a lost mount) is reported many times over by the layers
 under a save: each array's asyncio write task logs "Task exception was never retrieved", Orbax's
@@ -10,10 +11,17 @@ itself reaches the caller at the next `save` or `wait`, which reports it in one 
 one's first line is kept (`first_error`) for a failure that never reaches a caller. After a
 failure the filters stay for the rest of the process: the asyncio futures of the failed writes
 report again when they are garbage-collected, which may be at exit.
+
+A checkpoint opened to be read (`Checkpoints(read_only=True)`: scripts/convert.py --to_hf,
+scripts/sample.py, evaluation beside a live run) made Orbax warn "Given directory is read only" and
+"CheckpointManagerOptions.read_only=True, setting save_interval_steps=0": true of every reader by
+design, and read by users as a problem. `read_only_notices_dropped` drops exactly those two while the
+reader is opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -79,3 +87,24 @@ class _Noise(logging.Filter):
 
 
 NOISE = _Noise()
+
+
+# The starts of the warnings Orbax logs on every read-only open (orbax.checkpoint.CheckpointManager
+# and its options).
+READ_ONLY_NOTICES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+
+
+class _ReadOnlyNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith(READ_ONLY_NOTICES) and _from_orbax(record))
+
+
+@contextlib.contextmanager
+def read_only_notices_dropped():
+    """While a checkpoint is opened read-only: Orbax's read-only warnings are dropped, nothing else."""
+    drop, logger = _ReadOnlyNotices(), logging.getLogger(LOGGERS[0])
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

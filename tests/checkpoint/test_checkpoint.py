@@ -6,6 +6,7 @@ layout (an interrupted save is a `*.orbax-checkpoint-tmp` directory), and the fi
 
 import glob
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -314,3 +316,18 @@ def test_shared_storage_check_single_process(tmp_path):
         CheckpointError, match=r"^checkpoint.dir=.*a_file/sub is not writable \(.*\); set checkpoint.dir"
     ):
         check_shared_storage(str(blocker / "sub"))
+
+
+def test_a_read_only_open_is_quiet_and_orbax_alone_is_not(tmp_path, caplog):
+    """A reader (convert.py --to_hf, sample.py) is read-only by design: Orbax's warnings saying so are
+    dropped while jaxpar opens one, and only then (the bare Orbax open after it still says them)."""
+    caplog.set_level(logging.WARNING)  # what a user sees on stderr
+    with Checkpoints(str(tmp_path), every_steps=0, read_only=True) as reader:
+        assert reader.all_steps() == []
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "read only" in m or "read_only" in m], said
+    caplog.clear()
+    ocp.CheckpointManager(str(tmp_path), options=ocp.CheckpointManagerOptions(read_only=True, create=False)).close()
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("Given directory is read only") for m in said), said
+    assert any(m.startswith("CheckpointManagerOptions.read_only=True") for m in said), said
