@@ -60,7 +60,7 @@ def side_by_side(moe, dense, steps: int, repeats: int) -> tuple[dict, dict]:
         _, first = run.step()
         runs[name] = run
         flops[name] = facts(config.model).model_flops_per_step(config.train.global_batch_size, config.train.seq_len)
-        print(f"{name}: {flops[name] / 1e9:.1f} model GFLOP per step, compile + first step {compile_s + first:.1f} s", flush=True)
+        print(f"{name}: {flops[name] / 1e9:.3f} model GFLOP per step, compile + first step {compile_s + first:.1f} s", flush=True)
     for repeat in range(repeats):
         for name, run in runs.items():
             (_, block), _, cpu_s = harness.timed(run.steps, steps)
