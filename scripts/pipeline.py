@@ -4,7 +4,7 @@
   python scripts/pipeline.py schedule --schedule=zb_v --stages=4 --microbatches=8 [--config=configs/llama3_70b.py]
   python scripts/pipeline.py report [--stages=4 --microbatches=8 --data=2 --schedules=1f1b,zb_h1 --nobaseline]
   python scripts/pipeline.py balance [--stages=2 --microbatches=4 --layers=8 --vocab_size=32000]
-  python scripts/pipeline.py memory [--config=configs/llama3_70b.py --pipeline=4 --devices=32]
+  python scripts/pipeline.py memory [--config=configs/llama3_70b.py --pipeline=8 --devices=32]
 
 `schedule` prints a schedule's table (pure Python: no device, nothing compiled), its bubble (table vs
 theory) and peak stash per rank; with a config also the stage split (explicit or `auto`) and each
@@ -148,7 +148,7 @@ COMMANDS = (
         Flag("steps", int, 9, "timed steps per row after two warm-up steps (median reported)", at_least=1),
     ), devices=False),
     Command("memory", "per-device parameter and optimizer bytes by part, vocab on every rank or split", run_memory, flags=(
-        Flag("pipeline", int, 4, "mesh.pipeline", at_least=1),
+        Flag("pipeline", int, 0, "mesh.pipeline (0: the config's)", at_least=0),
         Flag("devices", int, 32, "emulated CPU devices", at_least=1),
     ), config="optional", default_config="configs/llama3_70b.py", devices=False),
 )

@@ -3,7 +3,7 @@ the vocab tables on every pipeline rank ("ends", the layout before vocab paralle
 them ("spread").
 
 Read from the train state's shardings (`jax.eval_shape` of the jitted init: nothing is allocated), on
-the devices given: mesh = the config's, with `mesh.pipeline` set and `-1` taking the rest.
+the devices given: mesh = the config's, with `mesh.pipeline` set (0: the config's) and `-1` taking the rest.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def by_placement(base, pipeline: int, devices) -> tuple[dict, dict]:
     from jaxpar.train import preflight
 
     base = base.copy_and_resolve_references()
-    base.mesh.pipeline = pipeline
+    base.mesh.pipeline = pipeline or base.mesh.pipeline
     results, mesh = {}, None
     for vocab in PLACEMENTS:
         config = base.copy_and_resolve_references()
