@@ -87,7 +87,7 @@ def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | 
         if ranked is None:
             return "\n".join(out)
         out += ["", f"Ranking for {ranked.num_devices} x {hardware.name}:"]
-    out += [plan_text.ranking(ranked, top), "", plan_text.choice(ranked)]
+    out += [plan_text.ranking(ranked, top), "", plan_text.choice(ranked), f"  {plan_text.own_layout(ranked)}"]
     if compare:
         out += ["", plan_text.discuss_mesh(config, hardware, plan, ranked, compare)]
     if efficiency is None:

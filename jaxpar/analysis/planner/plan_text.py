@@ -1,10 +1,14 @@
-"""The planner's words: ranking tables, which vertex of the memory–compute–communication triangle
-binds, why the winner wins, and the one-line `no mesh fits` answer (`jaxpar.analysis.planner`)."""
+"""The planner's words: ranking tables, what limits the step (the vertex of the memory–compute–
+communication triangle that binds: memory when faster layouts do not fit, else the largest part of
+the step), why the winner wins, where the config's own layout stands, and the one-line `no mesh
+fits` answer (`jaxpar.analysis.planner`)."""
 
 from __future__ import annotations
 
 from jaxpar.analysis.cost import hardware as hw
+from jaxpar.analysis.planner.candidates import Candidate
 from jaxpar.analysis.planner.search import (
+    LAYOUT_KEYS,
     USABLE_FRACTION,
     Plan,
     Priced,
@@ -16,6 +20,9 @@ from jaxpar.analysis.planner.search import (
 )
 from jaxpar.axes import DATA, MESH_AXES
 from jaxpar.dtypes import DTYPE_BYTES
+from jaxpar.mesh import MeshError, resolve_mesh_shape
+from jaxpar.parallel.plan import resolve_remat
+from jaxpar.train.preflight import ConfigError, check
 
 GIB = 2**30
 
@@ -106,11 +113,12 @@ def ranking(plan: Plan, top: int = 5) -> str:
 
 
 def _largest_time(p: Priced, hardware: hw.Hardware) -> str:
+    """The largest part of the step and what would shorten it."""
     t = p.estimate.time
     part = max(("compute", t.compute), ("communication", t.exposed_comm), ("bubble", t.bubble), key=lambda kv: kv[1])[0]
     if part == "compute":
         return (
-            f"compute binds: {_pct(t.compute, t.seconds)} of the step is matmul time "
+            f"compute, {_pct(t.compute, t.seconds)} of the step being matmul time "
             f"({p.estimate.flops_per_device / t.compute / 1e12:.0f} TFLOP/s achieved of "
             f"{hardware.peak(p.estimate.layout.compute_dtype_name) / 1e12:.0f}); only more devices, "
             "less recomputation or faster matmuls shorten it"
@@ -118,10 +126,10 @@ def _largest_time(p: Priced, hardware: hw.Hardware) -> str:
     if part == "communication":  # the exposed part: what hides behind compute costs nothing
         axes, sec = max(p.estimate.time.exposed_by_axes.items(), key=lambda kv: kv[1])
         return (
-            f"communication binds: {_pct(t.exposed_comm, t.seconds)} of the step, most of it over {'+'.join(axes)} "
-            f"({_s(sec)} on {hw.link_name(hardware, p.estimate.layout.mesh, axes)})"
+            f"communication not hidden behind compute, {_pct(t.exposed_comm, t.seconds)} of the step, most of it over "
+            f"{'+'.join(axes)} ({_s(sec)} on {hw.link_name(hardware, p.estimate.layout.mesh, axes)})"
         )
-    return f"the pipeline bubble binds: {_pct(t.bubble, t.seconds)} of the step is idle ranks"
+    return f"the pipeline bubble, {_pct(t.bubble, t.seconds)} of the step being idle ranks"
 
 
 # A faster layout that overflows counts as evidence that memory binds only if it is this much faster.
@@ -139,16 +147,16 @@ def binding(plan: Plan) -> str:
     within = _largest_time(best, hardware)
     if not faster:
         return (
-            f"Binding vertex: {within}. Memory does not bind: no layout priced is more than "
+            f"What limits the step: {within}. Not memory: no layout priced is more than "
             f"{MATERIAL:.0%} faster, fitting or not."
         )
     near = min(faster, key=lambda p: p.peak)
     return (
-        f"Binding vertex: memory. {len(faster)} layouts priced are faster by more than {MATERIAL:.0%} but overflow; "
+        f"What limits the choice: memory. {len(faster)} layouts priced are more than {MATERIAL:.0%} faster but do not fit; "
         f"the nearest to fitting, {near.describe()}, would take {_s(near.seconds)} "
         f"(-{_pct(best.seconds - near.seconds, best.seconds)}) but needs {gib(near.peak)} per device, "
         f"{_crossing(near.estimate.memory, plan.usable)}. To fit, the winner spends {_listing(_tradeoff(best, near))}. "
-        f"Within what fits, {within}."
+        f"Within what fits, the step is limited by {within}."
     )
 
 
@@ -194,8 +202,58 @@ def why_winner(plan: Plan) -> str:
     )
 
 
+def _own_candidate(plan: Plan) -> Candidate | None:
+    """The layout the config itself sets, on the plan's device count (None: its mesh cannot be built there)."""
+    config = plan.config
+    try:
+        mesh = resolve_mesh_shape(config.mesh, plan.num_devices)
+    except MeshError:
+        return None
+    values = {f"mesh.{axis}": size for axis, size in mesh.items()}
+    for key in LAYOUT_KEYS:
+        section, name = key.split(".", 1)
+        if key not in values and name in config[section]:
+            values[key] = config[section][name]
+    # "auto" remat is what the run resolves for its backend: the one the layouts were priced for.
+    target = plan.best.estimate.layout.target if plan.best is not None else "gpu"
+    values["parallel.remat"] = resolve_remat(values["parallel.remat"], target)
+    return Candidate(tuple(values.items()))
+
+
+def own_layout(plan: Plan) -> str:
+    """Where the config's own layout (what a run without `--plan` uses) stands beside the winner: its
+    place and what the winner saves over it, or why it is not among the layouts that fit."""
+    own, best = _own_candidate(plan), plan.best
+    where = f"{plan.num_devices} x {plan.hardware.name}"
+    if own is None:
+        return f"The config's own mesh cannot be built on {plan.num_devices} devices; the winner's keys replace it."
+    name = own.describe()
+    if best is not None and name == best.describe():
+        return f"The config's own layout, {name}, is the winner."
+    priced = {p.describe(): p for p in plan.fitting + plan.too_big}
+    if name in priced and priced[name].peak <= plan.usable:
+        p = priced[name]
+        place = sorted(q.seconds for q in plan.fitting).index(p.seconds) + 1
+        spends = _tradeoff(p, best)
+        why = f"it spends {_listing(spends)}" if spends else "no part of its step differs by 0.5% or more"
+        return (
+            f"The config's own layout, {name}, fits {where} and ranks {place} of the {len(plan.fitting)} layouts that fit: "
+            f"{_s(p.seconds)}/step, +{_pct(p.seconds - best.seconds, best.seconds)} over the winner; {why}."
+        )
+    if name in priced:
+        return (
+            f"The config's own layout, {name}, does not fit {where}: it needs {gib(priced[name].peak)} per device, "
+            f"{_crossing(priced[name].estimate.memory, plan.usable)}."
+        )
+    try:
+        check(own.apply(plan.config), plan.num_devices)
+    except ConfigError as e:
+        return f"The config's own layout, {name}, is refused on {plan.num_devices} devices: {str(e).splitlines()[0]}"
+    return f"The config's own layout, {name}, is not among the layouts the planner searches."
+
+
 def choice(plan: Plan) -> str:
-    """What `best_layout` prints: the winner, its split, the binding vertex, why it wins."""
+    """What `best_layout` prints: the winner, its split, what limits it, why it wins."""
     best = plan.best
     return "\n".join([
         f"plan for {plan.num_devices} x {plan.hardware.name}: {best.describe()}: {_s(best.seconds)}/step predicted, "
