@@ -10,6 +10,10 @@ arguments, per device) with what one device can hold (`available_per_device`):
              75% of HBM, `XLA_PYTHON_CLIENT_MEM_FRACTION` raises it);
   CPU        the host's available memory (MemAvailable) shared by this process's emulated devices.
 
+A device that reports no allocator limit (`memory_stats()` None, or without "bytes_limit": some
+plugins and device kinds) cannot be checked: `compile_fitting` says so in one line (the device kind
+and what the step needs per device) and goes on; it never skips the check silently.
+
 If it does not fit it raises `DoesNotFit` (a `ConfigError`: scripts/train.py exits 2), one line: needed
 against available per device and the term that dominates (parameters, optimizer state, temporaries —
 activations, gradients and work buffers —, outputs). scripts/train.py adds the planner's best layout
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 import jax
@@ -124,7 +129,7 @@ def available_per_device(devices) -> tuple[int | None, str]:
         return host_available_bytes() // local, f"host memory available / {local} cpu devices"
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:
-        return None, f"{device.platform} reports no memory limit"
+        return None, f"{device.device_kind} ({device.platform}) reports no memory limit"
     free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return free, f"{device.device_kind} allocator limit less bytes in use"
 
@@ -154,8 +159,20 @@ def _everyone_fits(fits: bool) -> bool:
     return bool(np.all(np.asarray(flags)))
 
 
-def compile_fitting(program, config, devices):
-    """(the compiled step, compile seconds) after the fit check (module doc); raises DoesNotFit."""
+def unchecked_notice(memory: StepMemory, source: str) -> str:
+    """The line said when the devices report no limit to compare with."""
+    return (f"warning: the fit check could not run: {source} (device.memory_stats() has no bytes_limit); "
+            f"the step needs {_gib(memory.needed)} per device and was not compared with anything")
+
+
+def _warn(line: str) -> None:
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def compile_fitting(program, config, devices, say=_warn):
+    """(the compiled step, compile seconds) after the fit check (module doc); raises DoesNotFit.
+    `say(line)`: where the one-line notice goes when the devices report no memory limit."""
     started = time.perf_counter()
     state, batch = abstract_inputs(program, config)
     compiled = program.step.lower(state, batch).compile()
@@ -163,9 +180,10 @@ def compile_fitting(program, config, devices):
     if config.train.skip_fit_check:
         return compiled, seconds
     available, source = available_per_device(list(devices))
-    if available is None:
-        return compiled, seconds
     memory = step_memory(compiled, state, batch)
+    if available is None:  # the same on every process (one device kind): no collective to agree on
+        say(unchecked_notice(memory, source))
+        return compiled, seconds
     error = None
     try:
         check(memory, available, list(devices), source)

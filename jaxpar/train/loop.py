@@ -265,7 +265,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     # Compiled on abstract inputs and checked against the devices' memory before any data is read or
     # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
     with startup.phase("compiling the train step and checking that it fits the devices' memory"):
-        step_fn, compile_s = compile_fitting(program, config, devices)
+        step_fn, compile_s = compile_fitting(program, config, devices, say=startup.say)
     signals.check("compile", resuming)
     with startup.phase("opening the data"):
         warnings = corpus_warnings(config.data)

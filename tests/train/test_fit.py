@@ -9,6 +9,11 @@
   (`memory_analysis()`: arguments + outputs + temporaries - aliased), split into terms whose sum is
   that total; a budget one byte short of it fails (the boundary), naming the term that dominates.
 - `train.skip_fit_check` compiles without comparing; the planner's advice names a layout that fits.
+- The accelerator path, on CPU: fake GPU devices whose `memory_stats()` is simulated stand in for the
+  real ones (the compiled step is the CPU mesh's). A limit that leaves room passes; a limit one byte
+  short once the bytes already in use are counted stops with the one line, needed against
+  available = bytes_limit - bytes_in_use; a device that reports no statistics, or none with a
+  `bytes_limit`, gets one line saying the check could not run there, on stderr — never a silent skip.
 """
 
 from __future__ import annotations
@@ -24,6 +29,18 @@ from jaxpar.train.setup import build
 from tests.support import tiny
 
 GIB = 2**30
+
+
+class FakeAccelerator:
+    """What `fit.available_per_device` reads of a jax device, for a GPU this host does not have."""
+
+    platform, device_kind, process_index = "gpu", "NVIDIA H100 80GB HBM3", 0
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
 
 
 def host_memory() -> int:
@@ -98,3 +115,50 @@ def test_planner_advice_names_a_layout_that_fits_these_devices():
     text = advice(config, jax.devices(), 64 * 2**20)
     assert text.startswith("the planner's best layout that fits 8 x cpu devices:") and "--config.mesh.data=" in text
     assert advice(config, jax.devices(), 2**10).startswith("no layout fits 8 devices")
+
+
+@pytest.fixture(scope="module")
+def fitted_program():
+    """(config, program, the step's bytes per device as XLA counts them) of a tiny Llama on data 2 x tensor 4."""
+    config = tiny.with_overrides(tiny.llama(), {"data": 2, "tensor": 4})
+    program = build(config, jax.devices())
+    state, batch = fit.abstract_inputs(program, config)
+    stats = program.step.lower(state, batch).compile().memory_analysis()
+    needed = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    return config, program, needed
+
+
+IN_USE = 3 * GIB  # already allocated (another process's arrays): the limit alone would hold the step many times
+
+
+def fake_gpus(stats):
+    return [FakeAccelerator(stats) for _ in jax.devices()]
+
+
+def test_a_gpu_limit_with_room_passes(fitted_program):
+    config, program, needed = fitted_program
+    said = []
+    compiled, _ = fit.compile_fitting(program, config, fake_gpus({"bytes_limit": IN_USE + needed, "bytes_in_use": IN_USE}), said.append)
+    assert said == [] and compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_a_gpu_limit_one_byte_short_stops_with_needed_and_available(fitted_program):
+    config, program, needed = fitted_program
+    with pytest.raises(fit.DoesNotFit) as info:
+        fit.compile_fitting(program, config, fake_gpus({"bytes_limit": IN_USE + needed - 1, "bytes_in_use": IN_USE}))
+    error, line = info.value, str(info.value)
+    assert (error.needed, error.available) == (needed, needed - 1)
+    assert "\n" not in line and line.startswith("the step does not fit 8 gpu devices: it needs ")
+    assert f"{needed / GIB:.1f} GiB per device" in line and "(NVIDIA H100 80GB HBM3 allocator limit less bytes in use)" in line
+
+
+@pytest.mark.parametrize("stats", [None, {}, {"bytes_in_use": IN_USE, "peak_bytes_in_use": IN_USE}], ids=["none", "empty", "no_limit"])
+def test_a_gpu_without_a_memory_limit_says_the_check_could_not_run(fitted_program, stats, capsys):
+    config, program, needed = fitted_program
+    compiled, _ = fit.compile_fitting(program, config, fake_gpus(stats))  # the default notice: stderr
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and compiled is not None
+    assert err.strip() == (
+        "warning: the fit check could not run: NVIDIA H100 80GB HBM3 (gpu) reports no memory limit (device.memory_stats() "
+        f"has no bytes_limit); the step needs {needed / GIB:.1f} GiB per device and was not compared with anything"
+    )
