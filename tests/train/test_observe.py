@@ -164,8 +164,8 @@ def test_training_run_writes_timing_tensorboard_and_profile(tmp_path, monkeypatc
         def __getattr__(self, name):
             return getattr(self.compiled, name)
 
-    def spy(*args):
-        compiled, seconds = compile_fitting(*args)
+    def spy(*args, **kwargs):
+        compiled, seconds = compile_fitting(*args, **kwargs)
         compiles.append((Counted(compiled), seconds))
         return compiles[-1]
 
