@@ -89,12 +89,13 @@ def test_every_package_jaxpar_imports_comes_with_the_install_or_its_extra():
     for module, where in sorted(imported.items()):
         dists = {_name(d) for d in distributions.get(module, [module])}
         if module in EXTRAS:
-            extra, package = EXTRAS[module]
+            extra, package = EXTRAS[module][0].strip("[]"), EXTRAS[module][1]
             if _name(package) not in _closure(extras.get(extra, [])):
                 problems.append(f"{where} imports {module}, which the [{extra}] extra does not install")
         elif not dists & core:
             problems.append(f"{where} imports {module}, which `pip install -e .` does not install and jaxpar.extras does not name")
-    for extra, package in EXTRAS.values():  # every extra the one-line messages name exists and installs it
+    for bracketed, package in EXTRAS.values():  # every extra the one-line messages name exists and installs it
+        extra = bracketed.strip("[]")
         if _name(package) not in _closure(extras.get(extra, [])):
             problems.append(f"jaxpar.extras names [{extra}] for {package}, which that extra does not install")
     assert not problems, "\n".join(problems)
