@@ -15,6 +15,10 @@ padding) must give:
   (replica, context rank)), Llama and Mixtral (router loss coefficients 0: the auxiliary losses
   are batch-level, not per document).
 The cuDNN path is the xla path's mask handed to cuDNN: on a GPU, `test_cudnn_matches_xla_with_segments`.
+On CPU, what jaxpar hands cuDNN is checked without one: `causal_attention(..., "cudnn", segments)` with
+`jax.nn.dot_product_attention` intercepted (the call must ask for cuDNN) and run by XLA with the same
+arguments must give every document's attention computed alone (numpy, float64) and 0 on padding; and
+`parallel.attention_impl="auto"` resolves to cuDNN on a GPU for 16-bit compute only.
 """
 
 import math
@@ -128,6 +132,48 @@ def test_packed_batch_gradients_equal_sum_of_documents(name, shared_cache):
     want_grads = jax.tree.map(lambda g: g / ref["count"], ref["grads"])
     err = max_relative_error(result["grads1"], want_grads)
     assert err <= 1e-5, f"packed gradients differ from the per-document sum by {err:.2e} (relative)"
+
+
+def attention_alone(q, k, v, segments):
+    """Causal attention of each document by itself (numpy, float64), grouped-query heads, 0 on padding."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    group, out = q.shape[2] // k.shape[2], np.zeros(q.shape)
+    for r in range(q.shape[0]):
+        for s in np.unique(segments[r][segments[r] > 0]):
+            at = np.flatnonzero(segments[r] == s)
+            keys, values = (np.repeat(t[r, at], group, axis=1) for t in (k, v))
+            scores = np.einsum("thd,shd->hts", q[r, at], keys) / np.sqrt(q.shape[-1])
+            scores = np.where(np.tril(np.ones((len(at), len(at)), bool)), scores, -np.inf)
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            out[r, at] = np.einsum("hts,shd->thd", weights / weights.sum(-1, keepdims=True), values)
+    return out
+
+
+def test_the_cudnn_call_carries_the_segments(monkeypatch):
+    from jaxpar.models.layers import causal_attention
+
+    batch, _ = batch_and_documents()
+    segments = batch[:, 1, :-1]
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((ROWS, SEQ, 8, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((ROWS, SEQ, 2, 16)), jnp.float32) for _ in range(2))
+    real, asked = jax.nn.dot_product_attention, []
+
+    def on_cpu(*args, implementation=None, **kwargs):  # cuDNN's arguments, run where there is no cuDNN
+        asked.append(implementation)
+        return real(*args, implementation="xla", **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+    out = np.asarray(causal_attention(q, k, v, "cudnn", jnp.asarray(segments)))
+    assert asked == ["cudnn"]
+    np.testing.assert_allclose(out, attention_alone(q, k, v, segments), atol=1e-5, rtol=1e-5)
+
+
+def test_auto_attention_is_cudnn_on_gpu_for_16_bit_compute():
+    from jaxpar.parallel.plan import resolve_attention
+
+    assert [resolve_attention("auto", dtype, "gpu") for dtype in ("bfloat16", "float16", "float32")] == ["cudnn", "cudnn", "xla"]
+    assert resolve_attention("auto", "bfloat16", "cpu") == "jaxpar_xla" and resolve_attention("cudnn", "float32", "cpu") == "cudnn"
 
 
 @pytest.mark.gpu
