@@ -5,16 +5,16 @@
   --sections=...,published), so the two cannot drift.
 - Each GPU generation's matmul constant in `jaxpar.analysis.cost.hardware` is the fit on its named run
   (refitting gives it back), and no held-out run took part.
-- Held out, the dense runs are within ±25%; the one beyond (Mixtral through jaxpar's pipeline engine)
-  is within ±25% once the work jaxpar's engine adds and Megatron does not do is taken out.
+- Every held-out run's RAW error (predicted tokens/s over published, less one; nothing subtracted) is
+  within ±25%, and the table's verdict says the same. Mixtral through jaxpar's pipeline engine misses
+  by -38%: a known failure, a strict xfail (it fails the bound; if the model ever meets it the xfail
+  passes and must be removed). The note that may explain its gap (`gap_note`) changes no verdict.
 - The conversion of published model TFLOP/s to tokens/s follows Megatron-LM's own formula, written
   out independently here.
 No compilation: arithmetic on configs.
 """
 
 from __future__ import annotations
-
-import re
 
 import pytest
 
@@ -49,18 +49,43 @@ def test_each_constant_is_the_fit_on_its_named_run(profile):
     assert abs(P.error(run)) < 0.005
 
 
-def test_held_out_runs_meet_the_target_or_name_the_gap():
-    held = [r for r in P.RUNS if P.FITTED.get(r.hardware) != r.name]
-    assert len(P.RUNS) >= 6 and len(held) >= 4
+HELD_OUT = [r for r in P.RUNS if P.FITTED.get(r.hardware) != r.name]
+# Held-out runs the model misses, each with what may explain it (not a measurement: no 64-GPU run).
+KNOWN_MISSES = {
+    "Mixtral 8x7B, TP1 EP8 PP4 VP8": "-38%: the prediction prices jaxpar's pipeline engine (each stage's forward "
+    "recomputed in its backward, pipeline and data exchanges not overlapped), Megatron's published run does neither",
+}
+
+
+def test_the_held_out_runs_cover_systems_and_families():
+    assert len(P.RUNS) >= 6 and len(HELD_OUT) >= 4 and set(KNOWN_MISSES) <= {r.name for r in HELD_OUT}
     assert {r.system for r in P.RUNS} >= {"torchtitan", "MaxText", "Megatron-Core"}
-    assert any(facts(r.model()).is_moe for r in held) and any(not facts(r.model()).is_moe for r in held)
-    for run in held:
-        err = P.error(run)
-        if abs(err) <= P.TARGET_ERROR:
-            continue
-        note = P.gap_note(run, P.predict(run))
-        without = float(re.search(r"\(([+-]\d+)%\)$", note).group(1)) / 100
-        assert abs(without) <= P.TARGET_ERROR, note
+    assert any(facts(r.model()).is_moe for r in HELD_OUT) and any(not facts(r.model()).is_moe for r in HELD_OUT)
+
+
+def raw_error(run) -> float:
+    return P.predict(run).tokens_per_second_per_device / run.published_tokens_per_gpu() - 1
+
+
+@pytest.mark.parametrize("name", [r.name for r in P.RUNS])
+def test_the_table_reports_the_raw_error(name):
+    run = next(r for r in P.RUNS if r.name == name)
+    raw = raw_error(run)
+    assert P.error(run) == pytest.approx(raw, abs=1e-12)  # nothing subtracted, whatever the notes say
+    row = next(row for row in P.rows() if row[0] == name)
+    assert row[P.HEADER.index("error")] == f"{100 * raw:+.1f}%"
+    if run in HELD_OUT:
+        assert row[P.HEADER.index("verdict")] == ("held out, within ±25%" if abs(raw) <= 0.25 else "held out, OUTSIDE ±25%")
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(r.name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[r.name])) if r.name in KNOWN_MISSES else r.name
+    for r in HELD_OUT
+])
+def test_held_out_run_within_the_bound(name):
+    run = next(r for r in P.RUNS if r.name == name)
+    raw = raw_error(run)
+    assert abs(raw) <= P.TARGET_ERROR == 0.25, f"{name}: {100 * raw:+.1f}% off the published tokens/s per GPU"
 
 
 def megatron_flops(model, batch: int, seq: int) -> float:

@@ -199,30 +199,38 @@ def _mesh_text(mesh: dict) -> str:
     return " x ".join(f"{a} {s}" for a, s in mesh.items() if s > 1)
 
 
+def verdict(run: PublishedRun) -> str:
+    """"fitted", or whether the raw error of a held-out run is within ±TARGET_ERROR (nothing subtracted)."""
+    if FITTED.get(run.hardware) == run.name:
+        return "fitted"
+    return f"held out, {'within' if abs(error(run)) <= TARGET_ERROR else 'OUTSIDE'} ±{TARGET_ERROR:.0%}"
+
+
 def rows() -> list[list[str]]:
-    """The table's rows (prediction columns only: what tests/analysis/test_published.py recomputes)."""
+    """The table's rows (prediction columns only: what tests/analysis/test_published.py recomputes).
+    The error is the raw one, predicted over published less one: no note changes it."""
     out = []
     for run in RUNS:
         est = predict(run)
         predicted, published = est.tokens_per_second_per_device, run.published_tokens_per_gpu()
-        role = "fitted" if FITTED.get(run.hardware) == run.name else "held out"
         out.append([
             run.name, run.system, run.hardware, str(run.seq), str(run.global_batch), run.layout,
             f"{published:,.0f}" + (f" ({run.tflops_per_gpu:g} TFLOP/s)" if run.tflops_per_gpu else ""),
-            est.layout.describe(), f"{predicted:,.0f}", f"{100 * (predicted / published - 1):+.1f}%", role,
+            est.layout.describe(), f"{predicted:,.0f}", f"{100 * (predicted / published - 1):+.1f}%", verdict(run),
         ])
     return out
 
 
 HEADER = [
     "run", "system", "hardware", "seq", "global batch", "layout as published", "published tok/s/GPU",
-    "jaxpar layout", "predicted tok/s/GPU", "error", "constant",
+    "jaxpar layout", "predicted tok/s/GPU", "error", "verdict",
 ]
 
 
 def gap_note(run: PublishedRun, est: Estimate) -> str:
-    """Where a prediction misses by more than TARGET_ERROR: the seconds of the step that are jaxpar's
-    own work the published system does not do, and the prediction without them."""
+    """Where a prediction misses by more than TARGET_ERROR, what may explain it: the seconds of the
+    step that are jaxpar's own work the published system does not do, and the prediction without
+    them. An explanation, not a measurement: it never changes the run's verdict (`verdict`)."""
     t, lay = est.time, est.layout
     if lay.p == 1:
         return ""
@@ -279,7 +287,9 @@ def section(with_planner: bool = True) -> list[str]:
         "ZeRO-3's per-layer collectives behind compute: `jaxpar.analysis.cost.efficiency`). Published model TFLOP/s are",
         "converted to tokens/s with the publisher's own FLOP count (attention without the causal half). One",
         "constant, the fraction of the bf16 peak a large matmul reaches, is fitted per GPU generation on the run",
-        f"marked *fitted* ({', '.join(f'{h}: {n}' for h, n in FITTED.items())}); the others are held out.",
+        f"marked *fitted* ({', '.join(f'{h}: {n}' for h, n in FITTED.items())}); the others are held out. The error",
+        f"is the raw one (predicted over published, less one); a held-out run passes within ±{TARGET_ERROR:.0%}, and a note",
+        "below a run that misses may explain the gap but does not change its verdict.",
         "",
         *_table(HEADER, rows()),
         "",
@@ -289,7 +299,12 @@ def section(with_planner: bool = True) -> list[str]:
     ]
     for run in held:
         if abs(errors[run.name]) > TARGET_ERROR:
-            lines += [f"- {run.name}: {gap_note(run, predict(run))}.", ""]
+            lines += [
+                f"- {run.name} misses by {100 * errors[run.name]:+.0f}%, outside the bound: a known failure "
+                "(tests/analysis/test_published.py marks it a strict xfail). What may explain it, not measured: "
+                f"{gap_note(run, predict(run))}.",
+                "",
+            ]
     lines += ["Sources:", ""] + [f"- {system}: {source}" for system, source in sorted({(r.system, r.source) for r in RUNS})]
     lines += ["", "Notes: " + "; ".join(f"{r.name}: {r.note}" for r in RUNS if r.note) + ".", ""]
     if with_planner:
