@@ -13,8 +13,10 @@ line each, exit code `peers.EXIT_PEER_LOST`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 
 import jax
 
@@ -65,12 +67,29 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not 0 <= process_id < num_processes:
             raise DistributedError(f"{PROCESS_ID_ENV}={process_id} must be in [0, {NUM_PROCESSES_ENV}={num_processes})")
         log.info("jax.distributed: process %d of %d, coordinator %s", process_id, num_processes, coordinator)
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        with _joining(f"joining a {num_processes}-process run (coordinator {coordinator})", process_id):
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
         peers.watch()
         return True
     if _in_slurm_job_with_several_tasks():
         log.info("jax.distributed: SLURM job step with %s tasks", os.environ["SLURM_NTASKS"])
-        jax.distributed.initialize()
+        with _joining(f"joining the {os.environ['SLURM_NTASKS']} tasks of SLURM job {os.environ['SLURM_JOB_ID']}",
+                      _env_int("SLURM_PROCID")):
+            jax.distributed.initialize()
         peers.watch()
         return True
     return False
+
+
+@contextlib.contextmanager
+def _joining(label: str, process_id: int | None):
+    """Said on process 0 with its time (as the training loop's start-up phases are): a process waits
+    here until every other one has started, which on a cluster can take minutes."""
+    said, started = process_id == 0, time.perf_counter()
+    if said:
+        print(f"{label} ...", end="", flush=True)
+    try:
+        yield
+    finally:
+        if said:
+            print(f" {time.perf_counter() - started:.1f} s", flush=True)

@@ -127,7 +127,7 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     CheckpointError, NonFiniteStop or Interrupted (during start-up: nothing changed; in the loop:
     after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
-    startup = StartupLog(enabled=jax.process_index() == 0)
+    startup = StartupLog(enabled=jax.process_index() == 0, open_lines=jax.process_count() == 1)
     try:
         with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
             with startup.phase("checking the config, the data and the workdir"):

@@ -31,11 +31,13 @@ class StartupLog:
     """Lines of the run's start-up: `phase(label)` around each phase, `say(line)` for anything else.
 
     A phase's line is left open while it runs (`label ...`) and closed with its time; a line said
-    meanwhile closes it first, and the time then follows on a line of its own. Disabled (processes
-    other than 0): prints nothing."""
+    meanwhile closes it first, and the time then follows on a line of its own (`label: 1.2 s`).
+    `open_lines=False` (a multi-process run, where Gloo's C++ threads write to the same stdout) never
+    leaves a line open: `label ...` when the phase begins, `label: 1.2 s` when it ends. Disabled
+    (processes other than 0): prints nothing."""
 
-    def __init__(self, enabled: bool = True, out=None):
-        self.enabled, self.out = enabled, out
+    def __init__(self, enabled: bool = True, out=None, open_lines: bool = True):
+        self.enabled, self.out, self.open_lines = enabled, out, open_lines
         self._open: str | None = None  # the label of the phase whose line is unfinished
 
     def _print(self, text: str, end: str = "\n") -> None:
@@ -56,8 +58,8 @@ class StartupLog:
             return
         if self._open is not None:
             self._print("")
-        self._print(f"{label} ...", end="")
-        self._open = label
+        self._print(f"{label} ...", end="" if self.open_lines else "\n")
+        self._open = label if self.open_lines else None
         started = time.perf_counter()
         try:
             yield

@@ -48,6 +48,12 @@ def test_each_start_up_phase_is_one_line_with_its_time():
     assert lines[1] == "opening the data ..." and lines[2] == "warning: a note said while the phase runs"
     assert PHASE.match(lines[3])["label"] == "opening the data" and lines[3].startswith("opening the data: ")
     assert PHASE.match(lines[4])["label"] == "initialising the parameters" and lines[5] == "step 1/1"
+    closed = io.StringIO()  # a multi-process run: no line is left open for another thread's output to join
+    with StartupLog(out=closed, open_lines=False).phase("compiling the train step"):
+        print("[Gloo] Rank 0 is connected to 1 peer ranks", file=closed)
+    lines = closed.getvalue().splitlines()
+    assert lines[:2] == ["compiling the train step ...", "[Gloo] Rank 0 is connected to 1 peer ranks"]
+    assert PHASE.match(lines[2])["label"] == "compiling the train step" and len(lines) == 3
     quiet = io.StringIO()
     with StartupLog(enabled=False, out=quiet).phase("on process 1"):
         pass
