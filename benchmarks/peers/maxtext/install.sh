@@ -25,7 +25,8 @@ if [ ! -x "$venv/bin/python" ]; then
   python312="${PYTHON312:-}"
   if [ -z "$python312" ]; then  # python3.12 on PATH, else a pyenv-installed one
     for candidate in python3.12 "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
-      if command -v "$candidate" >/dev/null 2>&1; then python312="$candidate"; break; fi
+      # run it: a pyenv shim answers `command -v` but fails when 3.12 is not selected
+      if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then python312="$candidate"; break; fi
     done
   fi
   [ -n "$python312" ] || { echo "no Python 3.12 found: set PYTHON312=/path/to/python3.12" >&2; exit 1; }
