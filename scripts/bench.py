@@ -43,20 +43,21 @@ def run_step(args, _):
     config = bench_config(args.model)
     if args.remat:
         config.parallel.remat = args.remat
-    peer = None
-    if args.peer:
-        if not os.path.exists(args.peer_python):
-            raise UsageError(f"--peer_python={args.peer_python} does not exist")
-        folder = step.write_peer_config(config, tempfile.mkdtemp(prefix="jaxpar_peer_"))
-        train = config.train
-        peer_command = [args.peer_python, HF_PEER, f"--config_dir={folder}", f"--batch={train.global_batch_size}",
-                        f"--seq_len={train.seq_len}", f"--steps={args.steps}", f"--threads={args.threads}"]
-        print(f"peer: {' '.join(peer_command)}", flush=True)
+    if args.peer and not os.path.exists(args.peer_python):
+        raise UsageError(f"--peer_python={args.peer_python} does not exist")
+    with tempfile.TemporaryDirectory(prefix="jaxpar_peer_") as folder:  # the peer's config.json
+        peer = None
+        if args.peer:
+            train = config.train
+            command_line = [args.peer_python, HF_PEER, f"--config_dir={step.write_peer_config(config, folder)}",
+                            f"--batch={train.global_batch_size}", f"--seq_len={train.seq_len}", f"--steps={args.steps}",
+                            f"--threads={args.threads}"]
+            print(f"peer: {' '.join(command_line)}", flush=True)
 
-        def peer():
-            return step.peer_line(peer_command)
+            def peer():
+                return step.peer_line(command_line)
 
-    step.bench(config, args.model, args.steps, args.repeats, peer, args.profile)
+        step.bench(config, args.model, args.steps, args.repeats, peer, args.profile)
 
 
 def run_generate(args, _):
