@@ -5,7 +5,6 @@ first losses against ln(vocab) (a fresh model predicts nearly uniformly), decode
 transformers'. `step` and `packing` swap in the tiny model (the bench config takes a minute a step).
 """
 
-import importlib.util
 import json
 import math
 import re
@@ -13,7 +12,6 @@ import re
 import pytest
 
 from tests.support import tiny
-from tests.support.paths import REPO
 from tests.support.scripts import fields, numbers, run_script
 
 TINY = "import sys; from tests.support import tiny\n"  # the child's preamble: bench.py with the tiny model
@@ -25,30 +23,6 @@ spec.loader.exec_module(bench)
 bench.bench_config = lambda model: tiny.with_overrides(tiny.llama(vocab_size=256), {})
 sys.exit(bench.main(sys.argv[1:]))
 """
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_script", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_peer_config_is_the_jaxpar_model_as_transformers_reads_it(tmp_path):
-    import transformers
-
-    from jaxpar.bench.step import write_peer_config
-
-    bench = load_bench()
-    for model in ("llama", "mixtral"):
-        config = bench.bench_config(model)
-        hf = transformers.AutoConfig.from_pretrained(write_peer_config(config, str(tmp_path / model)))
-        m = config.model
-        assert (hf.model_type, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size) == (
-            m.model_type, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.vocab_size)
-        assert (hf.num_attention_heads, hf.num_key_value_heads, hf.tie_word_embeddings) == (
-            m.num_attention_heads, m.num_key_value_heads, m.tie_word_embeddings)
-    assert (hf.num_local_experts, hf.num_experts_per_tok) == (8, 2)
 
 
 @pytest.mark.slow

@@ -1,13 +1,16 @@
-"""The peers in benchmarks/peers/ measure what jaxpar's side measures: the MaxText runner's own tiny
+"""The peers in benchmarks/peers/ measure what jaxpar's side measures: the transformers peer's model is
+the bench config's, as transformers reads the config.json jaxpar writes; the MaxText runner's own tiny
 model is configs/maxtext_tiny.py in MaxText's key names, and its meshes are jaxpar's by name and size.
-The runner is read here, not run (MaxText lives in its own environment; tests/scripts/test_bench_script.py
-runs `bench.py mesh` without it)."""
+The MaxText runner is read here, not run (MaxText lives in its own environment;
+tests/scripts/test_bench_script.py runs `bench.py mesh` without it and `bench.py step --peer` with the
+transformers peer)."""
 
 import importlib.util
 import math
 
 from jaxpar.axes import CONTEXT, DATA, PIPELINE, TENSOR
 from jaxpar.bench import mesh
+from jaxpar.bench.step import write_peer_config
 from jaxpar.command.config_file import load_config
 from tests.support.paths import REPO
 
@@ -50,3 +53,17 @@ def test_the_runner_sets_what_a_run_needs():
     assert keys["base_mlp_dim"] == "12" and keys["steps"] == "7" and keys["ici_pipeline_parallelism"] == "2"
     assert keys["remat_policy"] == "none" and keys["scan_layers"] == "false"  # scanned layers are always checkpointed
     assert keys["dataset_type"] == "synthetic" and keys["enable_checkpointing"] == "false"
+
+
+def test_the_peer_config_is_the_jaxpar_model_as_transformers_reads_it(tmp_path):
+    import transformers
+
+    for model in ("llama", "mixtral"):
+        config = load_config(str(REPO / "configs" / f"bench_{model}.py"))
+        hf = transformers.AutoConfig.from_pretrained(write_peer_config(config, str(tmp_path / model)))
+        m = config.model
+        assert (hf.model_type, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.vocab_size) == (
+            m.model_type, m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.vocab_size)
+        assert (hf.num_attention_heads, hf.num_key_value_heads, hf.tie_word_embeddings) == (
+            m.num_attention_heads, m.num_key_value_heads, m.tie_word_embeddings)
+    assert (hf.num_local_experts, hf.num_experts_per_tok) == (8, 2)
