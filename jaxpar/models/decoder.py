@@ -4,8 +4,9 @@ A family's module is a `Decoder` subclass that names its hooks: `make_attention`
 grouped-query `Attention`) and `make_mlp` (default: the SwiGLU `MLP`; Mixtral's is the sparse MoE
 block). Each hook is built as hook(cfg, rngs=...) and called like the default: attention as
 (x, positions, inv_freq, opts, segment_ids=None) -> out (segment ids [B, S] of packed documents,
-0 for padding; None: one sequence per row), the MLP as (x, opts) -> (out, aux) with aux its
-per-layer statistics ({} for a dense MLP).
+0 for padding; None: one sequence per row), the MLP as (x, opts, real=None) -> (out, aux) with aux
+its per-layer statistics ({} for a dense MLP) and `real` [B, S] the tokens that are not padding
+(None: every one).
 
 The blocks are created once with `nnx.vmap` (one stacked parameter per weight, leading logical
 axis `layers`) and run with `jax.lax.scan` over their plain state: split once, merge the layer's
@@ -62,7 +63,9 @@ class DecoderBlock(nnx.Module):
         """(x, aux): aux is what the MLP reports per layer (router statistics for MoE, else {})."""
         x = x + self.attention(self.input_norm(x), positions, inv_freq, opts, segment_ids=segment_ids)
         x = constrain(opts.rules, x, RESIDUAL)
-        mlp_out, aux = self.mlp(self.post_attention_norm(x), opts)
+        # Packed documents: padding is no token of the router's statistics (`jaxpar.models.moe`).
+        real = None if segment_ids is None else segment_ids != 0
+        mlp_out, aux = self.mlp(self.post_attention_norm(x), opts, real=real)
         return constrain(opts.rules, x + mlp_out, RESIDUAL), aux
 
     def cached(self, x, positions, inv_freq, kv_cache, write_at, mask, opts: RunOptions):

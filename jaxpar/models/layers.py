@@ -164,8 +164,8 @@ class MLP(nnx.Module):
         self.up = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
         self.down = nnx.Param(normal_init(rngs, (f, d), std), out_sharding=("mlp", "embed"))
 
-    def __call__(self, x, opts: RunOptions):
-        """(out, aux): the same contract as the MoE block; a dense MLP reports nothing."""
+    def __call__(self, x, opts: RunOptions, real=None):
+        """(out, aux): the same contract as the MoE block; a dense MLP reports nothing (`real` unused)."""
         split = opts.plan.splits_sequence
         with jax.named_scope("mlp"):
             gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split), "mlp_gate")

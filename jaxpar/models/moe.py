@@ -158,8 +158,9 @@ class MoEBlock(nnx.Module):
                 normal_init(rngs, (cfg.hidden_size, 1), cfg.initializer_range), out_sharding=("embed", None)
             )
 
-    def __call__(self, x, opts: RunOptions):
-        """(out [B, S, D], aux): aux holds this layer's whole-batch router statistics."""
+    def __call__(self, x, opts: RunOptions, real=None):
+        """(out [B, S, D], aux): aux holds this layer's whole-batch router statistics over the `real`
+        tokens [B, S] (None: all)."""
         spec = self.spec
         with jax.named_scope("moe_router"):
             logits = jnp.einsum("bsd,de->bse", x, self.router[...], preferred_element_type=jnp.float32)
@@ -179,7 +180,7 @@ class MoEBlock(nnx.Module):
             shared, _ = self.shared_expert(x, opts)
             gate = jnp.einsum("bsd,do->bso", x, self.shared_expert_gate[...], preferred_element_type=jnp.float32)
             out = out + (jax.nn.sigmoid(gate) * shared.astype(jnp.float32)).astype(x.dtype)
-        stats = router_statistics(logits, probs, chosen, capacity)
+        stats = router_statistics(logits, probs, chosen, capacity, real)
         if bias is not None:
             stats["load_probe"] = probe(self.router_bias[...], stats["assignments"])
         return out, stats
@@ -190,15 +191,25 @@ def moe_block(spec_of: Callable):
     return functools.partial(MoEBlock, spec_of=spec_of)
 
 
-def router_statistics(logits, probs, chosen, capacity: int) -> dict:
+def router_statistics(logits, probs, chosen, capacity: int, real=None) -> dict:
     """Sums over the whole batch (the partitioner all-reduces them over data / expert); `chosen`
-    [B, S, E] marks each token's k experts."""
+    [B, S, E] marks each token's k experts. With `real` [B, S] (packed documents) the sums are over
+    the real tokens only: padding is routed like any token, but it is not text, and counting it
+    would make the load balance of a batch depend on how its documents were packed (transformers'
+    `load_balancing_loss_func` leaves padding out the same way, by its attention mask). The dropped
+    count stays over every token: padding does take capacity."""
     chosen = jax.lax.stop_gradient(chosen.astype(jnp.float32))
+    dropped = dropped_assignments(chosen, capacity)
+    z = jax.nn.logsumexp(logits, axis=-1) ** 2
+    if real is not None:
+        chosen = jnp.where(real[..., None], chosen, 0.0)
+        probs = jnp.where(real[..., None], probs, 0.0)
+        z = jnp.where(real, z, 0.0)
     return {
         "assignments": jnp.sum(chosen, axis=(0, 1)),  # [E]: (token, expert) pairs routed to each expert
         "router_prob_sum": jnp.sum(probs, axis=(0, 1)),  # [E]
-        "router_z_sum": jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-        "dropped": dropped_assignments(chosen, capacity),
+        "router_z_sum": jnp.sum(z),
+        "dropped": dropped,
     }
 
 
@@ -213,7 +224,8 @@ def aux_losses(spec: MoESpec, aux) -> tuple[jnp.ndarray, dict]:
     loss-free balancing the router bias's load probe (exactly zero) is added too.
     """
     assigned = jnp.sum(aux["assignments"], axis=0)  # [E], summed over layers
-    total_assignments = jnp.sum(assigned)
+    # At least one token (k assignments): a microbatch of padding only has no statistics, and gives 0.
+    total_assignments = jnp.maximum(jnp.sum(assigned), spec.top_k)
     token_layers = total_assignments / spec.top_k
     tokens_per_expert = assigned / token_layers
     prob_per_expert = jnp.sum(aux["router_prob_sum"], axis=0) / token_layers

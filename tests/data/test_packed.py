@@ -12,8 +12,13 @@ padding) must give:
   gradients = Σ per-document gradients / Σ targets, within 1e-5 relative: context parallelism's
   three kernels balanced and contiguous (documents straddle chunks and ranks), inside pipeline
   stages, with sequence and tensor parallelism, gradient accumulation (per replica and per
-  (replica, context rank)), Llama and Mixtral (router loss coefficients 0: the auxiliary losses
-  are batch-level, not per document).
+  (replica, context rank)), Llama and Mixtral (router loss coefficients 0 there: the auxiliary
+  losses are batch-level, not a sum over documents).
+Mixtral with its router losses on: the aux and z losses are token-level statistics over the real
+tokens, so the same documents unpacked — each alone in its own row, at the column it has in the
+packed row, padding elsewhere — give the same step-1 loss (cross-entropy + aux + z), the same
+router metrics and the same gradients as the packed batch, on one device and with experts, data
+and context split (tests/data/test_packed_oracle.py checks the same against transformers).
 The cuDNN path is the xla path's mask handed to cuDNN: on a GPU, `test_cudnn_matches_xla_with_segments`.
 On CPU, what jaxpar hands cuDNN is checked without one: `causal_attention(..., "cudnn", segments)` with
 `jax.nn.dot_product_attention` intercepted (the call must ask for cuDNN) and run by XLA with the same
@@ -33,6 +38,7 @@ from jaxpar.models.options import RunOptions
 from jaxpar.parallel.context.sequence import real_targets, segment_positions
 from jaxpar.parallel.plan import ParallelPlan
 from jaxpar.parallel.tensor import cross_entropy
+from jaxpar.train.setup import build
 from tests.support import tiny
 from tests.support.documents import documents_in, packed_batch
 from tests.support.reference import max_relative_error, run
@@ -132,6 +138,50 @@ def test_packed_batch_gradients_equal_sum_of_documents(name, shared_cache):
     want_grads = jax.tree.map(lambda g: g / ref["count"], ref["grads"])
     err = max_relative_error(result["grads1"], want_grads)
     assert err <= 1e-5, f"packed gradients differ from the per-document sum by {err:.2e} (relative)"
+
+
+def unpacked(batch):
+    """Every document of a packed batch [G, 2, W] alone in its own row, at its packed column (so it
+    enters the model as the same inputs: a document's last token is an input in both or in
+    neither), rows of padding up to a multiple of 8."""
+    rows = []
+    for row in batch:
+        for seg in np.unique(row[1][row[1] > 0]):
+            alone = np.where(row[1] == seg, row, 0)
+            rows.append(alone)
+    rows += [np.zeros_like(batch[0])] * (-len(rows) % 8)
+    return np.stack(rows).astype(np.int32)
+
+
+# name: (mesh, parallel)
+ROUTER_CASES = {
+    "one_device": ({}, {}),
+    "expert2_data2": ({"expert": 2, "data": 2}, {}),
+    "c2_all_to_all_balanced_expert2_data2": ({"context": 2, "expert": 2, "data": 2}, cp("all_to_all")),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", slow_except(ROUTER_CASES, "one_device", "expert2_data2"))
+def test_packed_router_losses_equal_the_documents_unpacked(name):
+    mesh, parallel = ROUTER_CASES[name]
+    packed, _ = batch_and_documents()
+    alone = unpacked(packed)
+    assert len(alone) >= 2 * len(packed) and (packed[:, 1] == 0).sum() < (alone[:, 1] == 0).sum() / 2
+    results = []
+    for batch in (packed, alone):
+        config = tiny.with_overrides(tiny.mixtral({"global_batch_size": len(batch), "seq_len": SEQ}), mesh, parallel=parallel)
+        assert config.model.router_aux_loss_coef > 0 and config.model.router_z_loss_coef > 0
+        program = build(config, jax.devices()[: math.prod(mesh.values()) if mesh else 1])
+        params = models.init_params(config.model, config.train.seed)
+        _, metrics, grads = program.step_with_grads(program.init_from_params(params), jax.device_put(batch, program.batch_sharding))
+        results.append((jax.device_get(metrics), jax.device_get(grads)))
+    (m_packed, g_packed), (m_alone, g_alone) = results
+    for key in ("loss", "aux_loss", "z_loss"):
+        assert abs(float(m_packed[key]) - float(m_alone[key])) <= 1e-5 * abs(float(m_alone[key])), (key, m_packed[key], m_alone[key])
+    np.testing.assert_allclose(m_packed["expert_fraction"], m_alone["expert_fraction"], rtol=0, atol=1e-6)
+    err = max_relative_error(g_packed, g_alone)
+    assert err <= 1e-5, f"packed gradients differ from the documents unpacked by {err:.2e} (relative)"
 
 
 def attention_alone(q, k, v, segments):

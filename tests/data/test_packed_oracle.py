@@ -13,6 +13,16 @@ no target crosses a boundary, padding is never a target) with no help from jaxpa
 Positive control: the same forward with every segment id 1 (segment ids ignored, positions still
 restarting) leaves the first document of each row unchanged and moves every later one by far more
 than the tolerance.
+
+Mixtral with its router losses on (`mixtral_aux`, aux coefficient 0.5): the auxiliary losses are
+token-level statistics, and under packing the tokens are the real ones (segment id > 0: every token
+of every document that enters the model; padding is no token). So transformers runs each document
+alone, its router logits of every layer are pooled over all documents, and its own
+`load_balancing_loss_func` of the pooled logits is the aux loss the packed step must report; the
+step's loss = mean cross-entropy over the real targets + 0.5 × that, and its step-1 gradients are
+torch's gradient of the same sum. The z-loss (coefficient 0 after `hf.load`, transformers has
+none) is the mean over real (token, layer) pairs of logsumexp(router logits)² and each expert's
+share of the assignments is counted from torch's top-k, both from the same pooled logits.
 """
 
 import jax
@@ -137,3 +147,67 @@ def test_positive_control_segment_ids_ignored(oracle):
     print(f"segment ids ignored: logits off by {gaps}")
     assert all(gaps[r, 0] <= TOL for r in range(len(ROWS))), "a row's first document sees nothing before it"
     assert min(g for (r, i), g in gaps.items() if i > 0) > 1000 * TOL
+
+
+# The MoE oracle's rows: padding after every row's documents and a row of padding only, so that
+# counting padding as tokens would move every router statistic.
+MOE_ROWS = [(11, 9, 8), (20, 10), ()]
+
+
+@pytest.fixture(scope="module")
+def moe_oracle(tmp_path_factory):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model = hf_model("mixtral_aux")
+    hf = model.config
+    rng = np.random.default_rng(5)
+    batch, docs = np.zeros((len(MOE_ROWS), 2, SEQ + 1), np.int32), []
+    for r, lengths in enumerate(MOE_ROWS):
+        start = 0
+        for s, n in enumerate(lengths, start=1):
+            docs.append(rng.integers(0, hf.vocab_size, n).astype(np.int32))
+            batch[r, 0, start : start + n], batch[r, 1, start : start + n] = docs[-1], s
+            start += n
+    cfg, params = as_jaxpar(model, weights(model), tmp_path_factory.mktemp("moe_weights"))
+
+    # transformers: every document alone (all its tokens are inputs in the packed rows: none ends a row).
+    outs = [model(input_ids=torch.as_tensor(doc, dtype=torch.long)[None], output_router_logits=True) for doc in docs]
+    count = sum(len(doc) - 1 for doc in docs)
+    ce = sum(torch.nn.functional.cross_entropy(o.logits[0, :-1], torch.as_tensor(doc[1:], dtype=torch.long), reduction="sum")
+             for o, doc in zip(outs, docs)) / count
+    pooled = tuple(torch.cat([o.router_logits[layer] for o in outs]) for layer in range(hf.num_hidden_layers))
+    aux = load_balancing_loss_func(pooled, hf.num_local_experts, hf.num_experts_per_tok)
+    (ce + hf.router_aux_loss_coef * aux).backward()
+    hf_grads = as_jaxpar(model, {n: p.grad.numpy() for n, p in model.named_parameters()}, tmp_path_factory.mktemp("moe_grads"))[1]
+    logits = torch.stack(pooled).detach()  # [layers, real tokens, E]
+    chosen = torch.topk(logits, hf.num_experts_per_tok, dim=-1).indices
+    shares = torch.bincount(chosen.reshape(-1), minlength=hf.num_local_experts).double() / chosen.numel()
+
+    config = tiny.mixtral({"global_batch_size": len(MOE_ROWS), "seq_len": SEQ})
+    config.model = cfg
+    program = build(tiny.with_overrides(config, {}), jax.devices()[:1])
+    _, metrics, grads = program.step_with_grads(program.init_from_params(params), batch)
+    return {
+        "coef": hf.router_aux_loss_coef, "z_coef": cfg.router_z_loss_coef, "hf_ce": float(ce.detach()), "hf_aux": float(aux.detach()),
+        "hf_z": float((torch.logsumexp(logits, -1) ** 2).mean()), "hf_shares": shares.numpy(), "hf_grads": hf_grads,
+        "metrics": jax.device_get(metrics), "grads": jax.device_get(grads), "padding": int((batch[:, 1, :-1] == 0).sum()),
+    }
+
+
+def test_packed_router_losses_are_over_the_real_tokens(moe_oracle):
+    o, m = moe_oracle, moe_oracle["metrics"]
+    print(f"aux loss {float(m['aux_loss']):.7f} vs transformers {o['hf_aux']:.7f}; z loss {float(m['z_loss']):.7f} vs "
+          f"{o['hf_z']:.7f}; {o['padding']} padding inputs")
+    assert o["z_coef"] == 0 and o["padding"] > SEQ  # the z-loss is compared as a metric; padding is there to be miscounted
+    assert abs(float(m["aux_loss"]) - o["hf_aux"]) <= TOL * o["hf_aux"]
+    assert abs(float(m["z_loss"]) - o["hf_z"]) <= TOL * o["hf_z"]
+    np.testing.assert_allclose(np.asarray(m["expert_fraction"]), o["hf_shares"], rtol=0, atol=1e-6)
+
+
+def test_packed_moe_step_with_router_losses_equals_transformers(moe_oracle):
+    o = moe_oracle
+    want = o["hf_ce"] + o["coef"] * o["hf_aux"]
+    grad_err = max_relative_error(o["grads"], o["hf_grads"])
+    print(f"packed MoE step loss {float(o['metrics']['loss']):.7f} vs transformers {want:.7f}; gradients {grad_err:.1e}")
+    assert abs(float(o["metrics"]["loss"]) - want) <= TOL * want
+    assert grad_err <= TOL
