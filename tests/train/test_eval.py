@@ -1,6 +1,7 @@
 """Held-out evaluation (`jaxpar.train.eval`): the eval loss is the mean over the eval set's real
 targets, the same number on every mesh (data / tensor / gradient accumulation / context / the
-pipeline's forward-only engine) and packed or not — packing isolates documents, so a packed and an
+pipeline's forward-only engine; Llama, and Mixtral with its experts split and inside pipeline
+stages, whose eval is the cross-entropy alone) and packed or not — packing isolates documents, so a packed and an
 unpacked eval of documents shorter than a row see the same targets through the same model. The
 reference is written out here: every eval document run alone on one device, its token losses
 summed, over the total target count. Through the training loop, evaluations land in metrics.jsonl
@@ -42,9 +43,9 @@ def corpus(tmp_path_factory):
     }
 
 
-def _config(corpus, mesh=None, parallel=None, train_overrides=None, packing=True, **evaluation):
+def _config(corpus, mesh=None, parallel=None, train_overrides=None, packing=True, family="llama", **evaluation):
     return tiny.with_overrides(
-        tiny.llama({"global_batch_size": ROWS, "seq_len": SEQ, **(train_overrides or {})}, vocab_size=256),
+        getattr(tiny, family)({"global_batch_size": ROWS, "seq_len": SEQ, **(train_overrides or {})}, vocab_size=256),
         mesh or {},
         parallel=parallel or {},
         data={"source": "text", "path": corpus["train"], "tokenizer": corpus["tokenizer"], "packing": packing},
@@ -72,11 +73,13 @@ def _evaluate(config, devices):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus):
-    return _reference(_config(corpus))
+def references(corpus):
+    """family -> its per-document reference, computed on first use."""
+    cache = {}
+    return lambda family: cache.setdefault(family, _reference(_config(corpus, family=family)))
 
 
-# name: (mesh, parallel, train overrides, packing)
+# name: (mesh, parallel, train overrides, packing[, family: llama])
 MESHES = {
     "one_device_unpacked": ({}, {}, {}, False),
     "data2_tensor2_accum2": ({"data": 2, "tensor": 2}, {"sequence_parallel": True}, {"grad_accum": 2}, True),
@@ -85,24 +88,37 @@ MESHES = {
         {"pipeline": 2, "context": 2, "data": 2},
         {"pipeline_schedule": "1f1b", "num_microbatches": 4, "context_impl": "all_gather"}, {}, True,
     ),
+    "pp2_gpipe_data2": ({"pipeline": 2, "data": 2}, {"pipeline_schedule": "gpipe", "num_microbatches": 2}, {}, True),
+    # Mixtral (router losses on, dropless): eval is the cross-entropy alone, whatever the layout of its experts.
+    "mixtral_one_device": ({}, {}, {}, True, "mixtral"),
+    "mixtral_expert2_data2_tensor2_accum2": ({"expert": 2, "data": 2, "tensor": 2}, {}, {"grad_accum": 2}, True, "mixtral"),
+    "mixtral_pp2_1f1b_expert2_data2": (
+        {"pipeline": 2, "expert": 2, "data": 2}, {"pipeline_schedule": "1f1b", "num_microbatches": 2}, {}, True, "mixtral",
+    ),
 }
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", slow_except(["one_device_packed", *MESHES], "one_device_unpacked", "data2_tensor2_accum2"))
-def test_eval_loss_is_the_per_document_mean_on_every_mesh(name, corpus, reference):
-    mesh, parallel, train_overrides, packing = MESHES.get(name, ({}, {}, {}, True))
-    config = _config(corpus, mesh, parallel, train_overrides, packing)
+@pytest.mark.parametrize("name", slow_except(
+    ["one_device_packed", *MESHES],
+    "one_device_unpacked", "data2_tensor2_accum2", "pp2_gpipe_data2", "mixtral_expert2_data2_tensor2_accum2",
+    "mixtral_pp2_1f1b_expert2_data2",
+))
+def test_eval_loss_is_the_per_document_mean_on_every_mesh(name, corpus, references):
+    mesh, parallel, train_overrides, packing, *family = MESHES.get(name, ({}, {}, {}, True))
+    family = family[0] if family else "llama"
+    config = _config(corpus, mesh, parallel, train_overrides, packing, family)
+    assert family == "llama" or config.model.router_aux_loss_coef > 0  # eval must leave the aux losses out
     got = _evaluate(config, math.prod(mesh.values()) if mesh else 1)
-    want_loss, want_tokens = reference
+    want_loss, want_tokens = references(family)
     assert got["eval_tokens"] == want_tokens
-    assert abs(got["eval_loss"] - want_loss) <= 1e-5 * want_loss, (got, reference)
+    assert abs(got["eval_loss"] - want_loss) <= 1e-5 * want_loss, (got, want_loss, want_tokens)
     assert got["eval_perplexity"] == pytest.approx(math.exp(got["eval_loss"]))
 
 
-def test_eval_steps_limits_the_batches(corpus, reference):
+def test_eval_steps_limits_the_batches(corpus, references):
     got = _evaluate(_config(corpus, steps=1), 1)
-    assert 0 < got["eval_tokens"] < reference[1]
+    assert 0 < got["eval_tokens"] < references("llama")[1]
 
 
 @pytest.mark.timeout(400)
