@@ -179,12 +179,13 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
         raise FileExistsError(f"{directory} is a file; save into a directory")
     if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
         raise FileExistsError(f"{directory} is not empty; pass overwrite=True (convert.py --overwrite) to replace the checkpoint in it")
+    hf_json = hf_config(cfg)  # a model transformers cannot express is refused here, before anything is written
+    groups = _tensor_groups(params, cfg, adapter)
+    shards = _plan_shards(groups, max_shard_bytes)
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(directory, exist_ok=True)
         _clear(directory)
-    groups = _tensor_groups(params, cfg, adapter)
-    shards = _plan_shards(groups, max_shard_bytes)
     files = [hf_core.WEIGHTS_FILE] if len(shards) == 1 else [SHARD_FILE.format(i + 1, len(shards)) for i in range(len(shards))]
     file_of = {name: file for names, file in zip(shards, files) for name in names}
     pending: dict[str, dict] = {file: {} for file in files}
@@ -208,4 +209,4 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
         with open(os.path.join(directory, hf_core.INDEX_FILE), "w") as f:
             json.dump(index, f, indent=2)
     with open(os.path.join(directory, hf_core.CONFIG_FILE), "w") as f:
-        json.dump(hf_config(cfg), f, indent=2, sort_keys=True)
+        json.dump(hf_json, f, indent=2, sort_keys=True)
