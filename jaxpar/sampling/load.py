@@ -145,7 +145,7 @@ def from_checkpoint(directory: str, flag: str, step: int | None, requested: dict
     sampler = Sampler(config.model, mesh, config.train.compute_dtype)
     tokenizer = run_tokenizer(config)
     return Loaded(config.model, sampler, sampler.place(restored.state.params), tokenizer, _eos(tokenizer),
-                  f"checkpoint {restored.path} (step {restored.step})")
+                  f"checkpoint {_shown(restored.path)} (step {restored.step})")
 
 
 def from_hf(directory: str, requested: dict, devices) -> Loaded:
@@ -163,4 +163,10 @@ def from_hf(directory: str, requested: dict, devices) -> Loaded:
     has_tokenizer = any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES)
     tokenizer = _tokenizer_at(directory) if has_tokenizer else None
     eos = _eos(tokenizer, hf_core.read_config(directory).get("eos_token_id"))
-    return Loaded(model, sampler, params, tokenizer, eos, f"transformers checkpoint {directory}")
+    return Loaded(model, sampler, params, tokenizer, eos, f"transformers checkpoint {_shown(directory)}")
+
+
+def _shown(path) -> str:
+    """`path` as the user would type it: relative to the working directory when it lies inside it."""
+    relative = os.path.relpath(os.fspath(path))
+    return os.fspath(path) if relative.startswith("..") else relative
