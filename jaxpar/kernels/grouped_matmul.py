@@ -21,7 +21,7 @@ padding (zero on the tiled path, unspecified on the ragged one: callers never re
   matmuls over all rows at once takes 251-296 ms. Not taken: a loop per group (its weights sliced
   once, the tiles in an inner loop) was ~8% faster at kernel level, but its trip counts are
   dynamic, out of reach of the compiled-HLO accounting (`jaxpar.analysis.program.hlo_flops`); the whole
-  SwiGLU in one forward and one backward loop was no faster in the step (bench_moe 0.52 vs 0.50).
+  SwiGLU in one forward and one backward loop was no faster in the step (`scripts/bench.py moe` 0.52 vs 0.50).
 
 `grouped_matmul_pair(x, w1, w2, sizes)` runs two weights over the same rows (the experts' gate
 and up) as one grouped matmul: on CPU one loop over [K, 2N] tiles beats two over [K, N].
