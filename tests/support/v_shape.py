@@ -42,7 +42,7 @@ def v_kind(*, split_backward: bool = False, order: str = "1f1b") -> ScheduleKind
     """A record for `v_table`, to hand to `PipelineOptions` (not reachable from the config)."""
     build = functools.partial(_build, split_backward=split_backward, order=order)
     return ScheduleKind(f"v_{order}", build, lambda p, m, v: float("nan"), split_backward=split_backward,
-                        virtual_stages=(2,), stages=v_stages)
+                        virtual_stages=(2,), default_virtual_stages=2, stages=v_stages)
 
 
 def _build(p, m, v, *, split_backward, order):

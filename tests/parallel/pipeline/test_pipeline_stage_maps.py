@@ -3,7 +3,8 @@
 +1, 0 and -1 and stage 0 and the last stage both sit on rank 0).
 
 Degeneracy: the V tables (injected through `PipelineOptions`, no config reaches them) train like
-one device — the same comparison and tolerances as `tests/parallel/pipeline/test_pipeline.py`. Layouts: the real
+one device — the same comparison and tolerances as `tests/parallel/pipeline/test_pipeline.py`, and
+with SGD every final parameter within 1e-6 (the AdamW difference is measured and explained below). Layouts: the real
 `to_stages` exchange run on the pipeline ranks hands every rank exactly its stages' layers.
 """
 
@@ -74,12 +75,10 @@ CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", list(CASES))
-def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
+def run_on_v_table(name, shared_cache, monkeypatch, train=None):
+    """(the run on the case's V table, the one-device run, the pipeline options built)."""
     model, mesh, parallel, table_opts, split = CASES[name]
-    config = tiny.with_overrides(pipeline_config(**model), mesh, parallel=parallel)
+    config = tiny.with_overrides(pipeline_config(**model), mesh, parallel=parallel, train=train or {})
     kind = v_kind(**table_opts)
     real, built = plan_module.pipeline_options, []
     expected = single_device(shared_cache, config, STEPS)  # before the patch: one device, no pipeline
@@ -98,8 +97,31 @@ def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
     result = run(config, synthetic_batches(config, STEPS), devices, expected["init_params"])
     monkeypatch.undo()
     assert built and not built[-1].table.modular and built[-1].slot_plan.schedule is built[-1].table
-    # Parameters after the last step at 2e-2 (largest element) and 1e-3 (norm), not 5e-3 / 1.5e-4:
-    # v_gpipe_split p4 "ends" measured 1.37e-2 and 5.1e-4 (a lost update: 3.2e-2 / 3.7e-2), while
-    # its step-1 gradients (1e-5) and every step's loss and gradient norm keep their tolerances.
-    # Not explained yet (an open finding, not a tuned pass).
-    assert_matches_reference(result, expected, param_rtol=2e-2, param_l2_rtol=1e-3)
+    return result, expected
+
+
+# Parameters after the last step: the suite's tolerances (`tests/support/reference.py`), whose
+# mechanism is the one measured here. v_gpipe_split p4 "ends" (AdamW, lr 1e-2, eps 1e-8) differs by
+# 1.93e-3 of a leaf's largest element (5.2e-5 in norm) in ONE element: layer 10's o_proj [0, 6, 12],
+# whose step-1 gradient is 1.9e-8 of its leaf's largest — of the order of Adam's eps, where the
+# update lr·g/(|g| + eps) turns the 1e-7-relative fp32 differences of another reduction order into
+# 2% of the learning rate (2.05e-4). It is there after step 1 and does not grow (1, 2, 3 steps:
+# 2.12e-3, 2.02e-3, 1.93e-3), scales with the learning rate (lr 1e-3: 2.3e-4, the same element), and
+# goes when Adam's division does: eps 1e-4 6.0e-6, SGD 9.2e-8 (fp32 noise). v_1f1b_p2: 2.4e-4. (An
+# earlier build measured 1.37e-2 there: the same amplification of another reduction order's noise.)
+# So the AdamW runs keep the suite's 5e-3 / 5e-4 and the SGD run below holds every element to 1e-6.
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(CASES))
+def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
+    result, expected = run_on_v_table(name, shared_cache, monkeypatch)
+    assert_matches_reference(result, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_v_shaped_table_with_sgd_matches_single_device_to_fp32_noise(shared_cache, monkeypatch):
+    """SGD (no per-element division): every parameter after the last step within 1e-6 of its leaf's
+    largest (measured 9.2e-8, 9.0e-9 in norm); a lost update is 3e-2."""
+    result, expected = run_on_v_table("v_gpipe_split_p4_data2_ends_uneven", shared_cache, monkeypatch, {"optimizer": "sgd"})
+    assert_matches_reference(result, expected, param_rtol=1e-6, param_l2_rtol=1e-7)
