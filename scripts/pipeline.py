@@ -36,7 +36,7 @@ def run_schedule(args, config):
     from jaxpar.parallel.pipeline.table import bubble_fraction, render
 
     kind, p, m = schedule_kind(args.schedule), args.stages, args.microbatches
-    v = args.virtual_stages or (kind.virtual_stages[0] if kind.virtual_stages else 1)
+    v = args.virtual_stages or kind.default_virtual_stages
     try:
         schedule = kind.table(p, m, v)
     except ValueError as e:
@@ -119,7 +119,7 @@ COMMANDS = (
     Command("schedule", "a schedule's table, bubble and stash (no devices); with --config its stage split", run_schedule, flags=(
         Flag("schedule", str, "1f1b", "the pipeline schedule", choices=SCHEDULE_NAMES),
         STAGES, MICROBATCHES,
-        Flag("virtual_stages", int, 0, "virtual stages v per rank (0: the schedule's own: 2 for zb_v and dualpipev, else 1)",
+        Flag("virtual_stages", int, 0, "virtual stages v per rank (0: the schedule's own, from its record)",
              at_least=0),
         STAGE_LAYERS, VOCAB_AT,
     ), config="optional", devices=False),
