@@ -1,9 +1,5 @@
 """Subprocess side of tests/train/test_faults.py: scripts/train.py's main, with one fault planted.
 
-python tests/support/train_worker.py kill_mid_save STEP -- TRAIN_ARGS...
-    trains as scripts/train.py would, and SIGKILLs itself as soon as the async save of step STEP
-    has started (save() returned; its commit is held back, so the kill always lands mid-save), like a
-    preempted node.
 python tests/support/train_worker.py signal_at_PHASE SIGNUM -- TRAIN_ARGS...
     trains, sending itself signal SIGNUM as the start-up phase PHASE begins (preflight, data, build,
     restore, compile; first_step: as the first step's batch is fetched), like a preemption notice
@@ -13,7 +9,6 @@ python tests/support/train_worker.py limit_file_size BYTES -- TRAIN_ARGS...
     it fails with EFBIG), like a disk that fills while a checkpoint is written.
 """
 
-import glob
 import importlib.util
 import os
 import resource
@@ -28,39 +23,6 @@ def load_train_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def kill_mid_save(step: int, train_args: list[str]) -> int:
-    import threading
-
-    import orbax.checkpoint as ocp
-
-    from jaxpar.checkpoint import Checkpoints
-
-    # Step `step`'s save never commits (its finalize thread waits forever), so the kill always lands
-    # mid-save however fast the storage: no race between the commit and the kill.
-    finalize = ocp.CheckpointManager._finalize_checkpoint
-
-    def never_for_step(self, at):
-        if at == step:
-            threading.Event().wait()
-        return finalize(self, at)
-
-    ocp.CheckpointManager._finalize_checkpoint = never_for_step
-    save = Checkpoints.save
-
-    def save_then_die(self, at, state, **kwargs):
-        saved = save(self, at, state, **kwargs)
-        if saved and at == step:
-            pending = glob.glob(os.path.join(self.directory, f"{at}.orbax-checkpoint-tmp*"))
-            print(f"save-started {pending}", flush=True)
-            if not pending:
-                sys.exit(5)  # no temporary directory: the test setup failed
-            os.kill(os.getpid(), signal.SIGKILL)
-        return saved
-
-    Checkpoints.save = save_then_die
-    return load_train_script().main(train_args)
 
 
 def _phase_functions():
@@ -106,4 +68,4 @@ if __name__ == "__main__":
     assert separator == "--"
     if mode.startswith("signal_at_"):
         sys.exit(signal_at(mode[len("signal_at_"):], int(number), rest))
-    sys.exit({"kill_mid_save": kill_mid_save, "limit_file_size": limit_file_size}[mode](int(number), rest))
+    sys.exit({"limit_file_size": limit_file_size}[mode](int(number), rest))
