@@ -162,7 +162,7 @@ ROUTER_CASES = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", slow_except(ROUTER_CASES, "one_device", "expert2_data2"))
+@pytest.mark.parametrize("name", slow_except(ROUTER_CASES, "expert2_data2"))
 def test_packed_router_losses_equal_the_documents_unpacked(name):
     mesh, parallel = ROUTER_CASES[name]
     packed, _ = batch_and_documents()
