@@ -99,8 +99,8 @@ def test_a_lost_process_ends_the_other_with_one_line(tmp_path):
     traceback and JAX's abort — and the last complete checkpoint must restore."""
     from jaxpar.checkpoint import Checkpoints, abstract_state
     from jaxpar.checkpoint.listing import finished_steps
-    from jaxpar.peers import EXIT_PEER_LOST
     from jaxpar.command.config_file import load_config
+    from jaxpar.peers import EXIT_PEER_LOST
     from jaxpar.train.setup import build
 
     config_file = write(tmp_path / "config.py", LOST_CONFIG)
