@@ -43,31 +43,15 @@ def documents(kind: str, config, rng) -> list[np.ndarray]:
     return [rng.integers(0, config.model.vocab_size, n).astype(np.int32) for n in lengths if n >= 2]
 
 
-class _Listed:
-    """A list of documents as the stream the packer reads (`jaxpar.data`)."""
-
-    def __init__(self, docs):
-        self.docs, self.index = docs, 0
-
-    def __next__(self):
-        if self.index >= len(self.docs):
-            raise StopIteration
-        self.index += 1
-        return self.docs[self.index - 1]
-
-    def get_state(self):
-        return {"index": self.index}
-
-
 def batch_of(kind: str, config, seed: int = 0) -> tuple[np.ndarray, str]:
     """(the global batch as numpy, a one-line description)."""
-    from jaxpar.data.packing import Packer
+    from jaxpar.data.packing import ListStream, Packer
 
     rng = np.random.default_rng(seed)
     shape = (config.train.global_batch_size, config.train.seq_len + 1)
     if kind == "unpacked":
         return rng.integers(0, config.model.vocab_size, shape).astype(np.int32), "token rows"
-    batch = next(Packer(_Listed(documents(kind, config, rng)), *shape))
+    batch = next(Packer(ListStream(documents(kind, config, rng)), *shape))
     segments = batch[:, 1]
     per_row = np.mean([len(np.unique(r[r > 0])) for r in segments])
     return batch, f"{per_row:.1f} segments a row, {np.mean(segments == 0):.1%} padding"

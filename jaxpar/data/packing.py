@@ -98,3 +98,26 @@ class Packer:
         if state["offset"] is not None:
             before = self.stream.get_state()
             self.waiting = (next(self.stream), int(state["offset"]), before)
+
+
+class ListStream:
+    """Documents from a list, in order, once: the stream protocol the packer reads (`__next__`,
+    `get_state`, `set_state`), for documents already in memory (benchmarks, tests)."""
+
+    def __init__(self, docs):
+        self.docs, self.index = [np.asarray(d, np.int32) for d in docs], 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.index >= len(self.docs):
+            raise StopIteration
+        self.index += 1
+        return self.docs[self.index - 1]
+
+    def get_state(self):
+        return {"index": self.index}
+
+    def set_state(self, state):
+        self.index = state["index"]

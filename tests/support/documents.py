@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from jaxpar.data.packing import ListStream
+
 WORDS = ("the quick brown fox jumps over a lazy dog while packed documents never see each other "
          "and every target stays inside its own document as the mask says").split()
 
@@ -47,28 +49,6 @@ def write_jsonl(path, lines: list[str], field: str = "text") -> str:
         for line in lines:
             f.write(json.dumps({field: line, "id": len(line)}) + "\n")
     return str(path)
-
-
-class ListStream:
-    """Documents from a list, in order, once (the stream protocol of `jaxpar.data`)."""
-
-    def __init__(self, docs):
-        self.docs, self.index = [np.asarray(d, np.int32) for d in docs], 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.index >= len(self.docs):
-            raise StopIteration
-        self.index += 1
-        return self.docs[self.index - 1]
-
-    def get_state(self):
-        return {"index": self.index}
-
-    def set_state(self, state):
-        self.index = state["index"]
 
 
 def packed_batch(docs, rows: int, width: int, packing: bool = True) -> np.ndarray:
