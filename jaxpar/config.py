@@ -117,6 +117,7 @@ def base_config() -> ConfigDict:
             weight_decay=0.1,
             weight_decay_exclude="norm",  # logical names, comma-separated, whose params are not decayed
             max_grad_norm=1.0,
+            mtp_loss_weight=0.3,  # multi-token prediction (models with such modules: DeepSeek-V3's)
             seed=0,
             param_dtype="float32",
             compute_dtype="float32",
@@ -222,6 +223,8 @@ MEANINGS = {
     "train.weight_decay_exclude": "logical names, comma-separated, whose parameters are not decayed (norm: the norm "
     "scales)",
     "train.max_grad_norm": "global gradient-norm clipping threshold",
+    "train.mtp_loss_weight": "weight of the multi-token prediction loss (the mean over its depths) for models with "
+    "such modules (model.num_nextn_predict_layers > 0); 0: they do not run",
     "train.seed": "initialisation and data-order seed",
     "train.param_dtype": "what parameters are stored and updated in",
     "train.compute_dtype": "what forward and backward run in; float16 adds dynamic loss scaling",

@@ -28,7 +28,7 @@ from jaxpar.config import resolve_derived
 from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
-from jaxpar.models.hf_adapter import TRANSFORMERS_ROUTING, Adapter
+from jaxpar.models.hf_adapter import Adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
@@ -60,9 +60,13 @@ def model_config(path) -> ConfigDict:
     file = os.path.join(directory, hf_core.CONFIG_FILE)
     adapter = _adapter(hf_config.get("model_type"), file)
     try:
-        return adapter.to_model_config(hf_config)
+        cfg = adapter.to_model_config(hf_config)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{file}: {e}") from None
+    if adapter.fit_to_tensors is None or not hf_core.has_weights(directory):
+        return cfg
+    with hf_core.Checkpoint(directory) as get:  # tensor names only (the index, or headers)
+        return adapter.fit_to_tensors(cfg, set(get.file_of))
 
 
 def with_jaxpar_fields(model: ConfigDict, config_model: ConfigDict) -> ConfigDict:
@@ -76,7 +80,7 @@ def with_jaxpar_fields(model: ConfigDict, config_model: ConfigDict) -> ConfigDic
     # Routing options transformers cannot express (loss-free balancing) would make to_hf_config
     # refuse; the round trip runs with transformers' values, so they count as jaxpar's own fields.
     expressible = ConfigDict(config_model.to_dict())
-    for key, value in TRANSFORMERS_ROUTING.items():
+    for key, value in adapter.routing.items():
         if key in expressible:
             expressible[key] = value
     trip = resolve_derived({"model": adapter.to_model_config(adapter.to_hf_config(expressible)).to_dict()})["model"]
@@ -97,6 +101,8 @@ def load(path) -> tuple[ConfigDict, dict]:
         params = hf_core.outer_from_hf(get, cfg)
         for stack in adapter.layer_stacks(cfg):
             params[stack.key] = hf_core.layers_from_hf(get, cfg, stack.table, stack.indices)
+        if adapter.copies is not None:
+            hf_core.check_copies(get, adapter.copies(cfg))
         # A tied checkpoint may still carry a copy of the embedding as lm_head; transformers drops it.
         extra = get.unread(ignored={"lm_head.weight"} if cfg.tie_word_embeddings else ())
     if extra:
@@ -115,7 +121,8 @@ def _fetch(x) -> np.ndarray:
 def _tensor_groups(params, cfg, adapter):
     """[(names and shapes, producer)] in file order: the outer tensors, then one group per layer;
     `producer()` computes that group's HF tensors (on device for jax params) only when called."""
-    outer = lambda p: hf_core.outer_to_hf(p, cfg)  # noqa: E731
+    copies = {} if adapter.copies is None else adapter.copies(cfg)
+    outer = lambda p: hf_core.with_copies(hf_core.outer_to_hf(p, cfg), copies)  # noqa: E731
     groups = [(outer, None, lambda: outer(params))]
     abstract = jax.eval_shape(lambda p: p, params)
     by_layer = {}

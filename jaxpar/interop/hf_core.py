@@ -57,6 +57,11 @@ def _open(file: str):
         raise ValueError(f"{file} is not a readable safetensors file ({first})") from None
 
 
+def has_weights(directory: str) -> bool:
+    """The directory holds safetensors weights (a single file or an index), not only a config."""
+    return any(os.path.isfile(os.path.join(directory, name)) for name in (WEIGHTS_FILE, INDEX_FILE))
+
+
 def _weight_map(directory: str) -> dict[str, str]:
     """Tensor name -> safetensors file; the single file wins over an index, as in transformers."""
     single, index = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, INDEX_FILE)
@@ -146,6 +151,23 @@ def outer_to_hf(params, cfg) -> dict:
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = params["lm_head"]["weight"][:, :v].T
     return tensors
+
+
+def with_copies(tensors: dict, copies: dict) -> dict:
+    """`tensors` and the copies a format repeats ({copy name: source name}) of those among them;
+    a copy of a tensor the model has not (a tied model's lm_head) copies the embedding."""
+    repeated = {name: tensors.get(source, tensors[EMBED]) for name, source in copies.items()}
+    return {**tensors, **repeated}
+
+
+def check_copies(get, copies: dict) -> None:
+    """Reads the copies present in the checkpoint and raises unless each equals its source."""
+    for name, source in copies.items():
+        if not get.has(name):
+            continue
+        source = source if get.has(source) else EMBED
+        if not np.array_equal(get(name), get(source)):
+            raise ValueError(f"{get.where(name)}: tensor {name} differs from {source}, which it must repeat")
 
 
 def layers_from_hf(get, cfg, table: dict, indices) -> dict:

@@ -68,15 +68,25 @@ def merge(model_config, params):
     return nnx.merge(graphdef(model_config), params)
 
 
-def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positions=None, segment_ids=None):
+def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positions=None, segment_ids=None, ahead=None):
     """(logits, aux) for int tokens [B, S]: fp32 logits [B, S, padded vocab] with padded columns
     masked, and the model's auxiliary per-layer outputs (see `aux_losses`). `positions` [B, S]
     default to 0 .. S-1; `segment_ids` [B, S] (packed documents, 0 padding) default to one
-    sequence per row."""
+    sequence per row. `ahead` [D, B, S] (D = `prediction_depth`, tokens i + 1 .. i + D of each
+    position i): also run the multi-token prediction modules, whose logits come back in
+    aux["ahead_logits"] [D, B, S, padded vocab] (`jaxpar.models.decoder.Decoder.__call__`)."""
     # Model state keeps its stored dtype (its observations are exact; `jaxpar.models.state`).
     mask = model_state.state_mask(params, _abstract(frozen(model_config))[1])
     params = jax.tree.map(lambda p, kept: p if kept else p.astype(opts.compute_dtype), params, mask)
-    return merge(model_config, params)(tokens, opts, positions, segment_ids)
+    module = merge(model_config, params)
+    if ahead is None:
+        return module(tokens, opts, positions, segment_ids)
+    return module(tokens, opts, positions, segment_ids, ahead=ahead)
+
+
+def prediction_depth(model_config) -> int:
+    """Tokens ahead the model's multi-token prediction modules predict (0: it has none)."""
+    return family(model_config.model_type).module.prediction_depth(model_config)
 
 
 def take_observations(model_config, grads):
@@ -115,6 +125,7 @@ __all__ = [
     "merge",
     "padded_vocab_size",
     "param_shapes",
+    "prediction_depth",
     "take_observations",
     "update_state",
 ]

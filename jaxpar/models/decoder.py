@@ -138,12 +138,26 @@ class Decoder(nnx.Module):
     make_attention = Attention
     make_mlp = MLP
     make_dense_mlp = MLP  # the MLP of the layers `dense_layer_indices` names
+    # cfg -> the RoPE inverse frequencies every block's attention receives.
+    rope_frequencies = staticmethod(rope_inverse_frequencies)
 
     @staticmethod
     def dense_layer_indices(cfg) -> tuple[int, ...]:
         """Layers that use `make_dense_mlp` instead of `make_mlp` (none by default)."""
         del cfg
         return ()
+
+    @staticmethod
+    def prediction_depth(cfg) -> int:
+        """Tokens ahead the model's multi-token prediction modules predict (0: none; see `__call__`)."""
+        del cfg
+        return 0
+
+    @classmethod
+    def cache_layout(cls, cfg, kv_repeat: int):
+        """The decode cache (`extend`): per array, its shape and logical names after [layers, batch,
+        slots] — the attention hook's (`Attention.cache_layout`)."""
+        return cls.make_attention.cache_layout(cfg, kv_repeat)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -170,7 +184,7 @@ class Decoder(nnx.Module):
     def run_layers(self, x, positions, opts: RunOptions, segment_ids=None):
         """(x, per-layer aux) after every block in `self.layers` (a stage holds only its own), and
         `self.dense_layers` in their places; aux is stacked over the `layers` stack's blocks."""
-        inv_freq = rope_inverse_frequencies(self.cfg)
+        inv_freq = type(self).rope_frequencies(self.cfg)
         run = lambda block, h: block(h, positions, inv_freq, opts, segment_ids)  # noqa: E731
         if self.dense_layers is None:
             return scan_blocks(self.layers, x, opts, run)
@@ -190,21 +204,33 @@ class Decoder(nnx.Module):
     def head_weight(self):
         return self.embed.weight[...].T if self.lm_head is None else self.lm_head.weight[...]
 
-    def __call__(self, tokens, opts: RunOptions, positions=None, segment_ids=None):
+    def __call__(self, tokens, opts: RunOptions, positions=None, segment_ids=None, ahead=None):
         """(logits, aux): fp32 logits [B, S, padded vocab], vocab-sharded, padded columns masked;
         aux holds per-layer statistics stacked over layers ({} for dense Llama). `positions`
-        [B, S] default to 0 .. S-1; `segment_ids` [B, S]: packed documents (see `Attention`)."""
+        [B, S] default to 0 .. S-1; `segment_ids` [B, S]: packed documents (see `Attention`).
+        `ahead` [D, B, S] (D = `prediction_depth`): token i + k of each position i at depth k
+        (1 .. D); given, the multi-token prediction modules run too (`predict_ahead`)."""
         if positions is None:
             positions = default_positions(tokens)
         x, aux = self.run_layers(self.embed_tokens(tokens, opts), positions, opts, segment_ids)
-        return self.logits_from_hidden(x, opts), aux
+        logits = self.logits_from_hidden(x, opts)
+        if ahead is None:
+            return logits, aux
+        return logits, self.predict_ahead(x, ahead, positions, opts, segment_ids, aux)
+
+    def predict_ahead(self, x, ahead, positions, opts: RunOptions, segment_ids, aux):
+        """`aux` with the multi-token predictions from the last block's output x: "ahead_logits"
+        [D, B, S, padded vocab] (depth k's prediction of token i + k + 1) and the modules' own
+        per-layer statistics appended. A family with such modules defines it."""
+        raise ValueError(f"model.model_type={self.cfg.model_type!r} has no multi-token prediction modules")
 
     def extend(self, tokens, positions, cache, write_at, mask, opts: RunOptions):
         """The decode path (`jaxpar.sampling`): runs tokens [B, T] at `positions` [B, T], writing
-        their keys / values into `cache` (k, v [layers, B, S, K', Dh]) at slots write_at .. +T-1
+        their keys / values into `cache` (a tuple of arrays [layers, B, S, ...] laid out as
+        `cache_layout`; k, v [layers, B, S, K', Dh] by default) at slots write_at .. +T-1
         and attending over the cache where `mask` [B, T, S] allows (no remat: nothing is
         differentiated). Returns (fp32 logits of the last position [B, 1, padded vocab], cache)."""
-        inv_freq = rope_inverse_frequencies(self.cfg)
+        inv_freq = type(self).rope_frequencies(self.cfg)
 
         def layer(block, h, kv_cache):
             return block.cached(h, positions, inv_freq, kv_cache, write_at, mask, opts)

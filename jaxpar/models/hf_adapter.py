@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import numpy as np
 from ml_collections import ConfigDict
@@ -79,29 +80,39 @@ def _linear_block(get, name, cfg, index, shape):  # jaxpar [in, out] = HF [out, 
 
 
 def _heads_in_block(get, name, cfg, index, shape):  # jaxpar [D, H, Dh] from HF rows h*Dh + e
-    dh = head_dim_of(cfg)
+    dh = shape[2]
     block = rows_cols(get, name, _heads(index[1], shape[1], dh), span(index[0], shape[0]))
     return block.T.reshape(block.shape[1], -1, dh)[:, :, index[2]]
 
 
 def _heads_out_block(get, name, cfg, index, shape):  # jaxpar [H, Dh, D] from HF columns h*Dh + e
-    dh = head_dim_of(cfg)
+    dh = shape[1]
     block = rows_cols(get, name, span(index[2], shape[2]), _heads(index[0], shape[0], dh))
     return block.T.reshape(-1, dh, block.shape[0])[:, index[1], :]
 
 
 COPY = Layout(lambda w, cfg: w, lambda w, cfg: w, _copy_block, lambda s, cfg: tuple(s))
 LINEAR = Layout(lambda w, cfg: w.T, lambda w, cfg: w.T, _linear_block, lambda s, cfg: tuple(reversed(s)))
-# q/k/v: [heads * Dh, D] <-> [D, heads, Dh]
-HEADS_IN = Layout(
-    lambda w, cfg: w.T.reshape(w.shape[1], -1, head_dim_of(cfg)), lambda w, cfg: w.reshape(w.shape[0], -1).T,
-    _heads_in_block, lambda s, cfg: (s[1] * s[2], s[0]),
-)
-# o: [D, H * Dh] <-> [H, Dh, D]
-HEADS_OUT = Layout(
-    lambda w, cfg: w.T.reshape(-1, head_dim_of(cfg), w.shape[0]), lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
-    _heads_out_block, lambda s, cfg: (s[2], s[0] * s[1]),
-)
+
+
+def heads_in(head_dim: Callable = head_dim_of) -> Layout:
+    """An input projection with heads: HF [heads * Dh, in] <-> jaxpar [in, heads, Dh], Dh = head_dim(cfg)."""
+    return Layout(
+        lambda w, cfg: w.T.reshape(w.shape[1], -1, head_dim(cfg)), lambda w, cfg: w.reshape(w.shape[0], -1).T,
+        _heads_in_block, lambda s, cfg: (s[1] * s[2], s[0]),
+    )
+
+
+def heads_out(head_dim: Callable = head_dim_of) -> Layout:
+    """An output projection with heads: HF [out, heads * Dh] <-> jaxpar [heads, Dh, out]."""
+    return Layout(
+        lambda w, cfg: w.T.reshape(-1, head_dim(cfg), w.shape[0]), lambda w, cfg: w.reshape(-1, w.shape[-1]).T,
+        _heads_out_block, lambda s, cfg: (s[2], s[0] * s[1]),
+    )
+
+
+HEADS_IN = heads_in()  # q/k/v: [heads * Dh, D] <-> [D, heads, Dh]
+HEADS_OUT = heads_out()  # o: [D, H * Dh] <-> [H, Dh, D]
 
 
 @dataclass(frozen=True)
@@ -339,6 +350,14 @@ class Adapter:
     layer_table: dict  # jaxpar path under params["layers"] -> entry (see the module docstring)
     # cfg -> the layer stacks (default: every layer in "layers", read with `layer_table`).
     stacks: Callable[[ConfigDict], list[Stack]] | None = None
+    # The router options the transformers model computes with (`reject_inexpressible`).
+    routing: dict = dataclass_field(default_factory=lambda: dict(TRANSFORMERS_ROUTING))
+    # cfg -> {HF name: HF name it copies}: tensors the format repeats (DeepSeek-V3's MTP layer holds
+    # the embedding and LM head again); written beside their source, checked equal to it on load.
+    copies: Callable[[ConfigDict], dict] | None = None
+    # (config.model from config.json, the checkpoint's tensor names) -> config.model of the tensors
+    # it holds (parts of the format a checkpoint may leave out, e.g. DeepSeek-V3's MTP layers).
+    fit_to_tensors: Callable[[ConfigDict, set], ConfigDict] | None = None
 
     def layer_stacks(self, cfg) -> list[Stack]:
         if self.stacks is not None:

@@ -85,6 +85,13 @@ class Attention(nnx.Module):
         self.v = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
         self.o = nnx.Param(normal_init(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
 
+    @staticmethod
+    def cache_layout(cfg, kv_repeat: int):
+        """The decode cache: k and v, each [.., K', Dh] per slot (K' = KV heads × `kv_repeat`, the
+        copies `jaxpar.parallel.tensor.repeat_kv` makes), laid out like the k / v activations."""
+        entry = ((cfg.num_key_value_heads * kv_repeat, head_dim_of(cfg)), ("act_kv_heads", "head_dim"))
+        return (entry, entry)
+
     def project_qkv(self, x, opts: RunOptions):
         """q [B, S, H, hd], k and v [B, S, Hkv, hd] of the normed input: the family hook. A
         family's attention class extends it (biases, per-head norms) before RoPE."""

@@ -5,11 +5,14 @@ names differ: Mixtral's `num_local_experts` / `intermediate_size`, Qwen's `num_e
 `moe_intermediate_size`), and names `moe_block(spec_of)` as its MLP hook and
 `aux_losses_for(spec_of)` as its record's aux losses. Routing follows transformers: router
 logits = x @ router, scores = softmax (or sigmoid) of the logits, top-k, the k weights optionally
-renormalised to sum to 1 (`norm_topk_prob`; Mixtral always). A shared expert (Qwen2-MoE) is a
-SwiGLU MLP every token runs, scaled by sigmoid(x @ shared_expert_gate) and added. The expert
+renormalised to sum to 1 (`norm_topk_prob`; Mixtral always), then scaled (`MoESpec.routed_scale`,
+DeepSeek-V3's `routed_scaling_factor`). Group-limited routing (DeepSeek-V3) keeps each token's
+choice within its best groups of experts (`group_limited`). A shared expert is a SwiGLU MLP every
+token runs, added; Qwen2-MoE's is scaled by sigmoid(x @ shared_expert_gate), DeepSeek-V3's not. The expert
 computation and its expert-parallel dispatch live in `jaxpar.parallel.expert`.
 
-Loss-free load balancing (DeepSeek-V3; any MoE family, `router_bias_update_rate` > 0): a per-expert
+Loss-free load balancing (DeepSeek-V3, whose checkpoints hold the bias as `e_score_correction_bias`
+whatever the rate; any MoE family, `router_bias_update_rate` > 0): a per-expert
 bias per layer is added to the scores for the top-k choice only (the combine weights are the
 unbiased scores), and after each step moves by the rate toward balance: up for experts below the
 layer's mean load, down above (`RouterBias.update`). The bias is model state
@@ -96,6 +99,14 @@ class MoESpec:
     bias_update_rate: float = 0.0  # loss-free balancing (0: no bias)
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    # Group-limited routing (DeepSeek-V3): the experts form `groups` equal groups, a group scores
+    # the sum of its two best selection scores, and each token picks its top k among the experts
+    # of its `top_groups` best groups only (1, 1: no limit).
+    groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0  # the k combine weights are multiplied by this (after renormalising)
+    shared_gate: bool = True  # the shared expert is scaled by sigmoid(x @ shared_expert_gate) (Qwen2-MoE)
+    selection_bias: bool = False  # the router bias exists even when it is not updated (a checkpoint's own)
 
 
 def spec_from(model, *, experts: int, expert_ffn: int, normalize_top_k: bool, shared_ffn: int = 0) -> MoESpec:
@@ -148,12 +159,13 @@ class MoEBlock(nnx.Module):
             normal_init(rngs, (cfg.hidden_size, spec.experts), cfg.initializer_range), out_sharding=("embed", None)
         )
         self.experts = Experts(cfg, spec, rngs=rngs)
-        if spec.bias_update_rate > 0:
+        if has_bias(spec):
             self.router_bias = RouterBias(
                 jnp.zeros((spec.experts,), jnp.float32), out_sharding=(None,), update_rate=spec.bias_update_rate
             )
         if spec.shared_ffn:
             self.shared_expert = MLP(cfg, rngs=rngs, ffn=spec.shared_ffn)
+        if spec.shared_ffn and spec.shared_gate:
             self.shared_expert_gate = nnx.Param(
                 normal_init(rngs, (cfg.hidden_size, 1), cfg.initializer_range), out_sharding=("embed", None)
             )
@@ -167,23 +179,45 @@ class MoEBlock(nnx.Module):
             logits = checkpoint_name(logits, "router_logits")
             probs = jax.nn.softmax(logits, axis=-1)
             scores = probs if spec.scoring == "softmax" else jax.nn.sigmoid(logits)
-            bias = self.router_bias[...].astype(jnp.float32) if spec.bias_update_rate > 0 else None
+            bias = self.router_bias[...].astype(jnp.float32) if has_bias(spec) else None
             select = scores if bias is None else scores + jax.lax.stop_gradient(bias)
+            if spec.groups > 1:
+                select = group_limited(select, spec.groups, spec.top_groups)
             top_scores, ids, chosen = top_k_by_argmax(select, spec.top_k, values=scores)
             weights = top_scores / jnp.sum(top_scores, axis=-1, keepdims=True) if spec.normalize_top_k else top_scores
+            if spec.routed_scale != 1.0:
+                weights = weights * spec.routed_scale
         capacity = expert_capacity(x.shape[1], spec.top_k, spec.experts, spec.capacity_factor)
         experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
         out = moe_ffn(
             x, ids, weights.astype(x.dtype), experts, num_experts=spec.experts, capacity=capacity, rules=opts.rules
         )
-        if spec.shared_ffn:  # profiled under the dense MLP's scope, "mlp"
+        if spec.shared_ffn and spec.shared_gate:  # profiled under the dense MLP's scope, "mlp"
             shared, _ = self.shared_expert(x, opts)
             gate = jnp.einsum("bsd,do->bso", x, self.shared_expert_gate[...], preferred_element_type=jnp.float32)
             out = out + (jax.nn.sigmoid(gate) * shared.astype(jnp.float32)).astype(x.dtype)
+        elif spec.shared_ffn:
+            out = out + self.shared_expert(x, opts)[0]
         stats = router_statistics(logits, probs, chosen, capacity, real)
         if bias is not None:
             stats["load_probe"] = probe(self.router_bias[...], stats["assignments"])
         return out, stats
+
+
+def has_bias(spec: MoESpec) -> bool:
+    """The layer holds a router selection bias (`RouterBias`)."""
+    return spec.bias_update_rate > 0 or spec.selection_bias
+
+
+def group_limited(select, groups: int, top_groups: int):
+    """`select` [..., E] with -inf at the experts outside each token's `top_groups` best groups of
+    E / `groups` consecutive experts; a group scores the sum of its two best entries (its one, if
+    it has one expert), as DeepSeek-V3's node-limited routing (transformers' DeepseekV3TopkRouter)."""
+    *lead, experts = select.shape
+    size = experts // groups
+    best, _, _ = top_k_by_argmax(select.reshape(*lead, groups, size), min(2, size))
+    _, _, kept = top_k_by_argmax(jnp.sum(best, axis=-1), top_groups)  # [..., groups]
+    return jnp.where(jnp.repeat(kept, size, axis=-1), select, -jnp.inf)
 
 
 def moe_block(spec_of: Callable):

@@ -59,11 +59,20 @@ MEANINGS = {
     "head_dim": "the size of one head; None: hidden_size // num_attention_heads",
     "rms_norm_eps": "epsilon of the RMS norms",
     "rope_theta": "the base of the rotary position embedding",
-    "rope_scaling.rope_type": "default (plain RoPE) or llama3 (Llama 3.1's frequency scaling, the fields below)",
-    "rope_scaling.factor": "llama3: the context extension factor",
+    "rope_scaling.rope_type": "default (plain RoPE), llama3 (Llama 3.1's frequency scaling) or yarn (YaRN, "
+    "DeepSeek-V3's family only); the fields below are read by the type they name",
+    "rope_scaling.factor": "llama3, yarn: the context extension factor",
     "rope_scaling.low_freq_factor": "llama3: wavelengths above original / low_freq_factor are scaled by factor",
     "rope_scaling.high_freq_factor": "llama3: wavelengths below original / high_freq_factor are kept",
-    "rope_scaling.original_max_position_embeddings": "llama3: the context length before extension",
+    "rope_scaling.original_max_position_embeddings": "llama3, yarn: the context length before extension",
+    "rope_scaling.beta_fast": "yarn: rotary dims turning more than this many times over the original context keep "
+    "their frequency",
+    "rope_scaling.beta_slow": "yarn: rotary dims turning fewer times than this are slowed by factor (a linear ramp "
+    "between)",
+    "rope_scaling.mscale": "yarn: with mscale_all_dim, cos and sin are scaled by mscale(factor, mscale) / "
+    "mscale(factor, mscale_all_dim), mscale(f, m) = 0.1 m ln f + 1; 0: by mscale(factor, 1)",
+    "rope_scaling.mscale_all_dim": "yarn: the attention scores are also scaled by mscale(factor, mscale_all_dim)² "
+    "(0: not)",
     "max_position_embeddings": "the longest sequence the model is meant for (train.seq_len may not exceed it)",
     "tie_word_embeddings": "the LM head is the embedding's transpose",
     "initializer_range": "standard deviation of the normal initialisation",
@@ -82,4 +91,19 @@ MEANINGS = {
     "sequence and drops the rest",
     "scoring_func": "router scores: softmax (transformers' MoE families) or sigmoid (DeepSeek-V3)",
     "router_bias_update_rate": "> 0: loss-free load balancing, a per-expert router bias moved by this much per step",
+    "q_lora_rank": "multi-head latent attention: the query latent's size; None: queries projected directly",
+    "kv_lora_rank": "multi-head latent attention: the key / value latent's size (what a decode cache holds per token)",
+    "qk_rope_head_dim": "the rotary part of each query and key head (the key's shared by all heads)",
+    "qk_nope_head_dim": "the part of each query and key head without position",
+    "v_head_dim": "the size of one value head",
+    "rope_interleave": "RoPE rotates adjacent dims (0, 1), (2, 3), ... of the rotary part (DeepSeek's weights)",
+    "first_k_dense_replace": "the first this many layers have a dense MLP, the rest route",
+    "n_routed_experts": "routed experts per MoE layer",
+    "n_shared_experts": "shared experts every token runs (one SwiGLU of n × moe_intermediate_size), ungated",
+    "n_group": "the routed experts form this many equal groups",
+    "topk_group": "each token picks its experts among those of its this-many best groups (a group scores its two "
+    "best experts)",
+    "routed_scaling_factor": "the routed experts' combine weights are multiplied by this",
+    "num_nextn_predict_layers": "multi-token prediction modules after the last layer (depth k predicts token i + k + "
+    "1); trained with weight train.mtp_loss_weight, never run at inference",
 }

@@ -1,12 +1,13 @@
 """The per-matrix view of stacked parameters, for optimizers that are not elementwise.
 
-Layers are stored stacked (`[L, ...]`, logical name `layers`) and MoE experts too (`experts`), so
-one parameter leaf holds many matrices. Adafactor's RMS clipping and parameter scale and Muon's
-orthogonalisation are defined per matrix: these helpers treat the leading `layers` / `experts`
-dims as batch dims and never mix matrices across them. Which dims form a Muon matrix follows the
-logical names: the dims after the batch dims, split into input (`embed` first: q, k, v, gate, up)
-and output (`embed` last: o, down). Embeddings and the LM head (`vocab`), norm scales and the
-MoE router (an unnamed expert-logit dim) are not Muon matrices.
+Layers are stored stacked (`[L, ...]`, logical name `layers`; multi-token prediction modules
+`depth`) and MoE experts too (`experts`), so one parameter leaf holds many matrices. Adafactor's RMS
+clipping and parameter scale and Muon's orthogonalisation are defined per matrix: these helpers
+treat the leading `layers` / `depth` / `experts` dims as batch dims and never mix matrices across
+them. Which dims form a Muon matrix follows the logical names: the dims after the batch dims,
+split into input (`embed` first: q, k, v, gate, up) and output (`embed` last: o, down; else the
+first dim: MLA's up-projections from their `latent`). Embeddings and the LM head (`vocab`), norm
+scales and the MoE router (an unnamed expert-logit dim) are not Muon matrices.
 
 Muon needs each whole matrix: where tensor parallelism or ZeRO shards a matrix dim, the momentum
 is gathered to `whole_matrix_spec` (matrix dims replicated, batch dims as they were — pipeline
@@ -26,9 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 # Logical names of dims that index matrices rather than lie inside one.
-BATCH_NAMES = ("layers", "experts")
+BATCH_NAMES = ("layers", "experts", "depth")
 # Every logical name a parameter dim carries (tests/optim/test_optimizers.py checks it against the models).
-PARAM_NAMES = ("vocab", "embed", "norm", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts")
+PARAM_NAMES = ("vocab", "embed", "norm", "heads", "kv_heads", "head_dim", "mlp", "layers", "experts", "latent", "depth")
 
 
 def batch_dims(names) -> int:
@@ -82,7 +83,7 @@ def matrix_dims(names) -> MatrixDims | None:
     """The Muon matrix of a parameter with these logical names, or None (AdamW takes it)."""
     batch = batch_dims(names)
     inner = tuple(names[batch:])
-    if "layers" not in names or len(inner) < 2 or any(n is None or n in ("vocab", "norm") for n in inner):
+    if not {"layers", "depth"} & set(names) or len(inner) < 2 or any(n is None or n in ("vocab", "norm") for n in inner):
         return None
     dims = tuple(range(batch, len(names)))
     split = 1 if inner[0] == "embed" or inner[-1] != "embed" else len(inner) - 1

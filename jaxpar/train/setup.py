@@ -49,7 +49,10 @@ class TrainProgram:
 
 
 def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
-    return RunOptions(rules=rules, plan=plan, compute_dtype=DTYPES[config.train.compute_dtype])
+    return RunOptions(
+        rules=rules, plan=plan, compute_dtype=DTYPES[config.train.compute_dtype],
+        mtp_loss_weight=float(config.train.mtp_loss_weight),
+    )
 
 
 def build(config, devices=None) -> TrainProgram:

@@ -25,18 +25,21 @@ FAMILY_FOLDERS = {PACKAGE / "models" / name for name in FAMILIES}
 VARIANTS = {
     "qwen3_moe": dict(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2, router_bias_update_rate=1e-3),
     "qwen2_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], qkv_bias=False, capacity_factor=1.0),
+    # Queries projected directly, two shared experts, two prediction modules, every layer routed.
+    "deepseek_v3": dict(q_lora_rank=None, n_shared_experts=2, num_nextn_predict_layers=2, first_k_dense_replace=0),
 }
 
 
 def _configs():
     makes = (("llama", tiny.llama), ("mixtral", tiny.mixtral), ("qwen3", tiny.qwen3), ("qwen3_moe", tiny.qwen3_moe),
-             ("qwen2_moe", tiny.qwen2_moe))
+             ("qwen2_moe", tiny.qwen2_moe), ("deepseek_v3", tiny.deepseek_v3))
     for name, make in makes:
         model = make().model
         yield f"{name}-untied", model
         tied = model.copy_and_resolve_references()
         tied.tie_word_embeddings = True
-        tied.head_dim = 32  # heads x head_dim = 4 x hidden
+        if "head_dim" in tied:
+            tied.head_dim = 32  # heads x head_dim = 4 x hidden
         yield f"{name}-tied-hd32", tied
         if name in VARIANTS:
             yield f"{name}-variant", make(**VARIANTS[name]).model

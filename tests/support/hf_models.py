@@ -145,3 +145,52 @@ def qwen_model(case: str, **overrides):
     config = qwen_config(case, **overrides)
     torch.manual_seed(0)
     return randomized(getattr(transformers, QWEN_ARCH[QWEN_CASES[case][0]][1])(config)).eval()
+
+
+# DeepSeek-V3: each case exercises features of MLA and its routing. YaRN's context is 4 × 32 = the
+# 128 positions transformers expects of its factor.
+DEEPSEEK_YARN = dict(
+    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32, beta_fast=32.0,
+    beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+)
+DEEPSEEK_CASES = {
+    # Queries through a latent, YaRN with its softmax-scale correction, interleaved RoPE pairs; a dense
+    # layer then two routed ones, 8 experts in 4 groups (top-2 among the experts of the 2 best groups).
+    "q_lora_yarn_groups": dict(
+        vocab_size=300, q_lora_rank=32, rope_parameters=DEEPSEEK_YARN, first_k_dense_replace=1, num_hidden_layers=3,
+        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+    ),
+    # Queries projected directly, plain RoPE without interleaving, value heads larger than the query
+    # heads (32 > 16 + 8), every layer routed, no group limit, weights not renormalised, two shared
+    # experts, tied embeddings.
+    "q_direct_tied": dict(
+        vocab_size=256, q_lora_rank=None, rope_parameters=DEFAULT_ROPE, rope_interleave=False, v_head_dim=32,
+        first_k_dense_replace=0, num_hidden_layers=2, n_routed_experts=8, n_group=1, topk_group=1,
+        num_experts_per_tok=3, norm_topk_prob=False, n_shared_experts=2, tie_word_embeddings=True,
+    ),
+}
+
+
+def deepseek_config(case: str, **overrides):
+    kwargs = dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, moe_intermediate_size=32, n_shared_experts=1,
+        routed_scaling_factor=2.5, rms_norm_eps=1e-5, max_position_embeddings=128, num_nextn_predict_layers=0,
+        attn_implementation="eager",
+    )
+    kwargs.update(DEEPSEEK_CASES[case])
+    kwargs.update(overrides)
+    return transformers.DeepseekV3Config(**kwargs)
+
+
+def deepseek_model(case: str, **overrides):
+    """A random DeepSeek-V3 case, its selection biases (`e_score_correction_bias`, a buffer) drawn too:
+    N(0, 0.1²) against sigmoid scores in (0, 1), so they change which experts are chosen."""
+    config = deepseek_config(case, **overrides)
+    torch.manual_seed(0)
+    model = randomized(transformers.DeepseekV3ForCausalLM(config))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    return model.eval()

@@ -6,6 +6,7 @@ import copy
 
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import base_config
+from jaxpar.models.deepseek_v3 import model_config as deepseek_v3_model_config
 from jaxpar.models.llama import model_config as llama_model_config
 from jaxpar.models.mixtral import model_config as mixtral_model_config
 from jaxpar.models.qwen2_moe import model_config as qwen2_moe_model_config
@@ -31,6 +32,18 @@ QWEN3_MOE = dict(
 QWEN2_MOE = dict(
     LLAMA, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
     norm_topk_prob=False, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
+)
+# DeepSeek-V3 on Llama's width: MLA with 8 heads (q and k heads of 16 + 8, values of 16: padded to 24),
+# a q latent of 32 and a kv latent of 16, YaRN; a dense layer then two routed ones with 16 experts in
+# 4 groups (top-4 within 2 groups), one shared expert; one multi-token prediction module.
+DEEPSEEK_V3 = dict(
+    vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
+    num_key_value_heads=8, max_position_embeddings=64, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
+    moe_intermediate_size=32, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    num_nextn_predict_layers=1, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
+    rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                      mscale=1.0, mscale_all_dim=1.0),
 )
 TRAIN = dict(global_batch_size=16, seq_len=16, steps=3, learning_rate=1e-2, warmup_steps=0)
 
@@ -65,6 +78,14 @@ def qwen3_moe(train: dict | None = None, **model):
 def qwen2_moe(train: dict | None = None, **model):
     """A 2-layer Qwen2-MoE: 8 experts, top-2, a shared expert, q/k/v biases."""
     return _config(qwen2_moe_model_config(**{**QWEN2_MOE, **model}), train)
+
+
+def deepseek_v3(train: dict | None = None, **model):
+    """A DeepSeek-V3 of one dense and two routed layers (MLA, YaRN, group-limited routing) and one
+    multi-token prediction module."""
+    model = {**DEEPSEEK_V3, **model}
+    scaling = deepseek_v3_model_config().rope_scaling.to_dict() | model.pop("rope_scaling")
+    return _config(deepseek_v3_model_config(**model, rope_scaling=scaling), train)
 
 
 def with_overrides(config, mesh: dict, **sections):

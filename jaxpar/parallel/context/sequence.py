@@ -87,6 +87,51 @@ def target_count(batch):
     return jnp.sum(real_targets(segments), dtype=jnp.int32)
 
 
+class Ahead(NamedTuple):
+    """Multi-token prediction's inputs and targets, each [D, ..., S]: at depth k (1 .. D) and
+    position i, token i + k (the module's input), token i + k + 1 (its target) and that target's
+    weight (0 past the row's end or across a document boundary)."""
+
+    tokens: jax.Array
+    targets: jax.Array
+    weights: jax.Array
+
+
+def _shifted(x, k: int):
+    """x [..., S] moved k slots to the left along the sequence, zeros coming in at the end."""
+    if k == 0:
+        return x
+    return jnp.concatenate([x[..., k:], jnp.zeros(x.shape[:-1] + (k,), x.dtype)], axis=-1)
+
+
+def ahead_rows(rows, depth: int) -> Ahead:
+    """`Ahead` of int rows [..., S+1] (or `document_batch`'s dict), in text order. A target counts
+    when every next-token link from position i to it is a real target (`document_batch`'s weights:
+    same document, no padding), with the main loss's weight, so each depth's mean(loss · weight)
+    sums over its real targets with the main loss's normaliser; token rows weigh 1 up to the row's end."""
+    packed = isinstance(rows, dict)
+    targets = (rows["rows"] if packed else rows)[..., 1:]
+    real = rows["weights"] if packed else jnp.ones(targets.shape, jnp.float32)
+    tokens, later, weights = [], [], []
+    weight, links = real, real > 0
+    for k in range(1, depth + 1):
+        links = links & (_shifted(real, k) > 0)
+        tokens.append(_shifted(targets, k - 1))
+        later.append(_shifted(targets, k))
+        weights.append(jnp.where(links, weight, jnp.zeros((), weight.dtype)))
+    return Ahead(jnp.stack(tokens), jnp.stack(later), jnp.stack(weights))
+
+
+def split_ahead(rows, depth: int, plan: ContextPlan | None, rules, names=("batch", "seq")) -> Ahead:
+    """`ahead_rows` in the plan's sequence order, laid out as (None,) + `names`: computed on whole
+    rows in text order before any split, so no token has to cross a context rank."""
+    ahead = ahead_rows(rows, depth)
+    order = None if plan is None else sequence_order(plan, ahead.tokens.shape[-1])
+    if order is not None:
+        ahead = jax.tree.map(lambda x: x[..., order], ahead)
+    return jax.tree.map(lambda x: constrain(rules, x, (None,) + tuple(names)), ahead)
+
+
 def sequence_order(plan: ContextPlan | None, seq_len: int) -> np.ndarray | None:
     """Text position of each sequence slot (a permutation of range(seq_len)); None: text order."""
     if plan is None or not plan.load_balance:
