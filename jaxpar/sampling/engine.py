@@ -7,11 +7,13 @@ RoPE positions count from its first real token (slot - pad), as transformers' `g
 them from the attention mask; the mask lets a query see the slots from its row's first real token
 up to its own. The padding itself is never attended to.
 
-The cache is [layers, batch, slots, KV heads, head dim] for k and for v: only the KV heads (GQA),
-after `jaxpar.parallel.tensor.repeat_kv` when tensor has more ranks than KV heads (then each rank
-holds the one KV head its query heads read). On a mesh it is laid out like the activations: batch
-over the batch axes (`data`, `expert`), KV heads over `tensor` (Megatron inference); the MoE
-dispatch runs as in training. Pipeline and context axes are refused (`mesh_problems`).
+The cache is the model's (`jaxpar.models.decoder.Decoder.cache_layout`): by default [layers, batch,
+slots, KV heads, head dim] for k and for v: only the KV heads (GQA), after
+`jaxpar.parallel.tensor.repeat_kv` when tensor has more ranks than KV heads (then each rank holds
+the one KV head its query heads read); DeepSeek-V3's is one latent and RoPE key per slot. On a mesh
+it is laid out like the activations: batch over the batch axes (`data`, `expert`), KV heads over
+`tensor` (Megatron inference); the MoE dispatch runs as in training. Pipeline and context axes are
+refused (`mesh_problems`).
 
 Compiled once per shape bucket: rows rounded up to a multiple of the batch axes, P to a power of
 two (>= 16), the slots to a power of two >= P + max_new_tokens. The decode step takes the slot and
@@ -33,7 +35,6 @@ from ml_collections import ConfigDict, FrozenConfigDict
 from jaxpar import models
 from jaxpar.axes import CONTEXT, PIPELINE
 from jaxpar.dtypes import DTYPES
-from jaxpar.model_facts import head_dim_of
 from jaxpar.models.families import family
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel import tensor
@@ -41,7 +42,7 @@ from jaxpar.parallel.plan import make_plan
 from jaxpar.sampling.filters import SamplingParams, choose, problems
 from jaxpar.sharding import param_rules
 
-CACHE_NAMES = ("layers", "batch", "seq", "act_kv_heads", "head_dim")
+CACHE_NAMES = ("layers", "batch", "seq")  # then each cache array's own (`Decoder.cache_layout`)
 MIN_BUCKET = 16
 
 
@@ -130,24 +131,26 @@ class Sampler:
     def _sharding(self, names):
         return None if self.mesh is None else self.opts.rules.sharding(names)
 
-    def cache_shape(self, rows: int, slots: int) -> tuple:
+    def cache_layout(self, rows: int, slots: int) -> tuple:
+        """Per cache array: (its shape, its logical names)."""
         cfg = self.cfg
-        kv = cfg.num_key_value_heads * self.opts.plan.tensor.kv_repeat
-        return (cfg.num_hidden_layers, rows, slots, kv, head_dim_of(cfg))
+        layout = family(cfg.model_type).module.cache_layout(cfg, self.opts.plan.tensor.kv_repeat)
+        return tuple(((cfg.num_hidden_layers, rows, slots) + tuple(shape), CACHE_NAMES + tuple(names)) for shape, names in layout)
 
     def cache_bytes_per_device(self, rows: int, slots: int) -> int:
-        shape = self.cache_shape(rows, slots)
-        sharding = self._sharding(CACHE_NAMES)
-        shard = shape if sharding is None else sharding.shard_shape(shape)
-        return 2 * math.prod(shard) * jnp.dtype(self.opts.compute_dtype).itemsize
+        total = 0
+        for shape, names in self.cache_layout(rows, slots):
+            sharding = self._sharding(names)
+            total += math.prod(shape if sharding is None else sharding.shard_shape(shape))
+        return total * jnp.dtype(self.opts.compute_dtype).itemsize
 
     def empty_cache(self, rows: int, slots: int):
         key = (rows, slots)
         if key not in self._empty:
-            shape, dtype = self.cache_shape(rows, slots), self.opts.compute_dtype
+            layout, dtype = self.cache_layout(rows, slots), self.opts.compute_dtype
             self._empty[key] = jax.jit(
-                lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                out_shardings=None if self.mesh is None else (self._sharding(CACHE_NAMES),) * 2,
+                lambda: tuple(jnp.zeros(shape, dtype) for shape, _ in layout),
+                out_shardings=None if self.mesh is None else tuple(self._sharding(names) for _, names in layout),
             )
         return self._empty[key]()
 
@@ -157,7 +160,8 @@ class Sampler:
         params = jax.tree.map(lambda p: p.astype(self.opts.compute_dtype), params)
         logits, cache = models.merge(self.cfg, params).extend(tokens, positions, cache, write_at, mask, self.opts)
         if self.mesh is not None:
-            cache = tuple(self.opts.rules.constrain(c, CACHE_NAMES) for c in cache)
+            names = [n for _, n in self.cache_layout(*cache[0].shape[1:3])]
+            cache = tuple(self.opts.rules.constrain(c, n) for c, n in zip(cache, names))
         return logits[:, 0, : self.cfg.vocab_size], cache
 
     def _prefill_fn(self, params, tokens, pad, cache, seed, sampling: SamplingParams):

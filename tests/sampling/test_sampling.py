@@ -76,8 +76,34 @@ def test_mixtral_same_greedy_tokens_on_every_mesh(mixtral, sizes):
     assert sampler.generate(sampler.place(params), PROMPTS, NEW_TOKENS).completions == reference.completions
 
 
-def test_reference_is_not_degenerate(llama, mixtral):
-    for _, _, result in (llama, mixtral):
+@pytest.fixture(scope="module")
+def deepseek_v3():
+    cfg = tiny.deepseek_v3().model
+    params = jax.tree.map(lambda p: p * 6 if p.ndim > 1 else p, models.init_params(cfg, 3))
+    sampler = Sampler(cfg)
+    return cfg, params, sampler.generate(sampler.place(params), PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("sizes", slow_except([dict(data=2, tensor=2), dict(data=2, expert=2, tensor=2)], dict(data=2, tensor=2)),
+                         ids=["data2_tensor2", "data2_expert2_tensor2"])
+def test_deepseek_v3_same_greedy_tokens_on_every_mesh_from_a_latent_cache(deepseek_v3, sizes):
+    """MLA decodes from each token's latent and RoPE key (kv_lora_rank + qk_rope_head_dim numbers per
+    layer), shared by the heads: split over the batch axes, not over tensor, which splits the heads."""
+    cfg, params, reference = deepseek_v3
+    sampler = Sampler(cfg, mesh_of(**sizes))
+    result = sampler.generate(sampler.place(params), PROMPTS, NEW_TOKENS)
+    assert result.completions == reference.completions
+    tokens = result.rows * result.slots
+    latent = cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32 bytes per token
+    assert Sampler(cfg).cache_bytes_per_device(result.rows, result.slots) == tokens * latent
+    assert result.cache_bytes_per_device * sizes["data"] * sizes.get("expert", 1) == tokens * latent
+    heads = cfg.num_attention_heads
+    expanded = cfg.num_hidden_layers * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * 4
+    print(f"cache bytes per token: latent {latent}, expanded k and v {expanded} ({expanded / latent:.1f}x)")
+
+
+def test_reference_is_not_degenerate(llama, mixtral, deepseek_v3):
+    for _, _, result in (llama, mixtral, deepseek_v3):
         assert len({t for c in result.completions for t in c}) > 10
 
 

@@ -3,7 +3,8 @@
 The same random tiny models as the interop parity tests (large weights: decisive argmaxes): Llama,
 Mixtral, Qwen3 with QK-norm (untied and tied), Qwen3-MoE with 16 experts, and with a dense layer between two MoE layers
 (the decode cache is split into runs of one kind and joined back in layer order), Qwen2-MoE with
-its gated shared expert and q/k/v biases, and with `decoder_sparse_step` 2. Saved
+its gated shared expert and q/k/v biases, and with `decoder_sparse_step` 2, DeepSeek-V3 (decoding from
+its latent cache with the up-projections absorbed; tests/support/hf_models.py `DEEPSEEK_CASES`). Saved
 with `save_pretrained` and read with `jaxpar.interop.hf.load`. Three prompts of different lengths
 go through one left-padded batch; transformers generates each on its own (no padding), 64 new
 tokens, fp32. Every cached step's logits are also compared with a full forward (no cache) over
@@ -20,7 +21,7 @@ from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 from jaxpar.models.families import FAMILIES  # noqa: E402
 from jaxpar.sampling import Sampler  # noqa: E402
-from tests.support.hf_models import QWEN_CASES, llama_model, mixtral_model, qwen_model  # noqa: E402
+from tests.support.hf_models import DEEPSEEK_CASES, QWEN_CASES, deepseek_model, llama_model, mixtral_model, qwen_model  # noqa: E402
 from tests.support.tiers import slow_except  # noqa: E402
 
 NEW_TOKENS = 64
@@ -32,9 +33,11 @@ CASES = {
     "llama3_rope": (llama_model, "llama3_head_dim"),
     "mixtral_e4_top2": (mixtral_model, "e4_top2"),
     **{case: (qwen_model, case) for case in QWEN_CASES},
+    **{f"deepseek_v3_{case}": (deepseek_model, case) for case in DEEPSEEK_CASES},
 }
 # The fast tier: one case per family, with the features a planted bug in decoding would break.
-FAST = ("llama_gqa_untied", "mixtral_e4_top2", "qwen3_gqa_head_dim", "qwen3_moe_dense_layer_tied", "qwen2_moe_shared_qkv_bias")
+FAST = ("llama_gqa_untied", "mixtral_e4_top2", "qwen3_gqa_head_dim", "qwen3_moe_dense_layer_tied", "qwen2_moe_shared_qkv_bias",
+        "deepseek_v3_q_lora_yarn_groups")
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:
