@@ -2,7 +2,7 @@
 and held out (`corpus`); the byte tokenizer and token-stream windows for tools and tests."""
 
 from jaxpar.data.batches import BatchIterator, DocumentBatches, GlobalBatches, global_batch, process_rows, to_global
-from jaxpar.data.corpus import corpus_problems, validate_data_config
+from jaxpar.data.checks import corpus_problems, validate_data_config
 from jaxpar.data.sources import load_tokens
 from jaxpar.data.tokenizer import ByteTokenizer
 

@@ -189,14 +189,16 @@ class DocumentBatches:
 
     def __next__(self) -> np.ndarray:
         if not self.prefetch:
-            batch, self._state = next(self.packer), self.packer.get_state()
+            batch = next(self.packer)
+            self._state = self.packer.get_state()
         else:
             if self._thread is None:
                 self._start()
-            batch, self._state, error = self._queue.get()
-            if error is not None:
+            batch, state, error = self._queue.get()
+            if error is not None:  # the position stays after the last batch returned: a checkpoint may still be saved
                 self.close()
                 raise error
+            self._state = state
         self.step += 1
         return batch
 

@@ -102,8 +102,8 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
 class SpanDocuments:
     """Documents as byte spans of text files: whole files, lines, or JSON records (.jsonl)."""
 
-    def __init__(self, files: list[str], encoder, *, per_line: bool, text_field: str):
-        self.files, self.encoder, self.text_field = files, encoder, text_field
+    def __init__(self, files: list[str], encoder, *, per_line: bool, text_field: str, name: str = "data.path"):
+        self.files, self.encoder, self.text_field, self.name = files, encoder, text_field, name
         file_ids, starts, ends = [], [], []
         for i, path in enumerate(files):
             if path.endswith(".jsonl") or per_line:
@@ -130,24 +130,47 @@ class SpanDocuments:
             data = f.read(int(self.ends[index] - self.starts[index]))
         if not path.endswith(".jsonl"):
             return data
-        return record_text(data, self.text_field, f"{path} (byte {int(self.starts[index])})")
+        try:
+            return record_text(data, self.text_field, "")
+        except DataError as e:  # named only now: counting the line costs a read of the file up to it
+            raise DataError(f"{self.name}: {path} line {line_number(path, int(self.starts[index]))}{e}") from None
 
     def __getitem__(self, index) -> np.ndarray:
         return self.encoder.encode_document(self.text(int(index)))
 
 
 def record_text(line: bytes, field: str, where: str) -> str:
-    """The `field` string of one JSON record; DataError naming `where` if it has none."""
+    """The `field` string of one JSON record; DataError naming `where` (followed by what is wrong)
+    if the line is not UTF-8, not a JSON object, or has no text in `field`."""
     try:
-        record = json.loads(line)
-    except ValueError:
-        raise DataError(f"{where} is not a JSON record") from None
-    if not isinstance(record, dict) or field not in record:
+        decoded = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where} is not UTF-8 (byte {e.start} of the line is {line[e.start:e.start + 1].hex()}); "
+                        f"convert the file to UTF-8") from None
+    try:
+        record = json.loads(decoded)
+    except (ValueError, RecursionError) as e:
+        detail = f" ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise DataError(f"{where} is not a JSON record{detail}") from None
+    if not isinstance(record, dict) or field not in record or record[field] is None:
         raise DataError(f"{where} has no {field!r} field; set data.text_field")
     text = record[field]
     if not isinstance(text, str):
         raise DataError(f"{where}: field {field!r} is {type(text).__name__}, not text; set data.text_field")
     return text
+
+
+def line_number(path: str, offset: int) -> int:
+    """The 1-based line of `path` that byte `offset` lies on."""
+    count = 0
+    with open(path, "rb") as f:
+        while offset > 0:
+            block = f.read(min(offset, 1 << 24))
+            if not block:
+                break
+            count += block.count(b"\n")
+            offset -= len(block)
+    return count + 1
 
 
 def offsets_path(token_file: str) -> str:

@@ -55,7 +55,8 @@ def builder_of(files: list[str]) -> str:
     return FORMATS[os.path.splitext(files[0])[1]]
 
 
-def open_stream(files: list[str], *, order: list[str] | None = None, needed_by: str = "data.source='datasets'"):
+def open_stream(files: list[str], *, order: list[str] | None = None, needed_by: str = "data.source='datasets'",
+                key: str = "data.path"):
     """A `datasets` IterableDataset over `files` (in `order`, default sorted); DataError (one line
     naming `needed_by` and the extra to install) without `datasets`."""
     # Imported here: `datasets` takes seconds to import and only this source needs it.
@@ -64,7 +65,23 @@ def open_stream(files: list[str], *, order: list[str] | None = None, needed_by: 
     except MissingExtra as e:
         raise DataError(str(e)) from None
     datasets.disable_progress_bars()
-    return datasets.load_dataset(builder_of(files), data_files=list(order or files), split="train", streaming=True)
+    # Its "Failed to load JSON from file ..." error lines: jaxpar reports such a failure itself, in one line.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        return datasets.load_dataset(builder_of(files), data_files=list(order or files), split="train", streaming=True)
+    except Exception as e:  # noqa: BLE001 - `datasets` infers the schema from the first file: an empty or unreadable one
+        raise DataError(f"{key}: {_named(order or files)} cannot be read ({_reason(e)})") from None
+
+
+def _named(files: list[str]) -> str:
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more files" if len(files) > 3 else "")
+
+
+def _reason(error: BaseException) -> str:
+    """`datasets` / pyarrow's error in a few words: an empty file ends its schema inference in a bare StopIteration."""
+    if isinstance(error, StopIteration):
+        return "no record"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def first_record(path: str):
@@ -72,6 +89,15 @@ def first_record(path: str):
     for record in open_stream([path]):
         return record
     return None
+
+
+def _current_file(state, files: list[str]) -> str | None:
+    """The file a `datasets` stream is in, from its state_dict's innermost `shard_idx` (None if this
+    version of `datasets` does not say)."""
+    while isinstance(state, dict) and isinstance(state.get("examples_iterable"), dict):
+        state = state["examples_iterable"]
+    index = state.get("shard_idx") if isinstance(state, dict) else None
+    return files[index] if isinstance(index, int) and 0 <= index < len(files) else None
 
 
 class DatasetStream:
@@ -93,7 +119,7 @@ class DatasetStream:
 
     def _open(self, epoch: int, position: dict | None, records: int) -> None:
         self.epoch, self.records = epoch, records
-        self.dataset = open_stream(self.files, order=self._order(epoch))
+        self.dataset = open_stream(self.files, order=self._order(epoch), key=self.name)
         if position is not None:
             self.dataset.load_state_dict(position)
         self.iterator = iter(self.dataset)
@@ -101,10 +127,17 @@ class DatasetStream:
     def __iter__(self):
         return self
 
+    def _unreadable(self, error: BaseException) -> DataError:
+        where = _current_file(self.dataset.state_dict(), self._order(self.epoch))
+        return DataError(f"{self.name}: {where or _named(self.files)} cannot be read after record {self.records} of epoch "
+                         f"{self.epoch} ({_reason(error)})")
+
     def __next__(self) -> np.ndarray:
         while True:
             try:
                 record = next(self.iterator)
+            except DataError:
+                raise
             except StopIteration:
                 if not self.train:
                     raise
@@ -115,14 +148,16 @@ class DatasetStream:
                 self.found = 0
                 self._open(self.epoch + 1, None, 0)
                 continue
+            except Exception as e:  # noqa: BLE001 - pyarrow / `datasets` failing on a file: one line naming it
+                raise self._unreadable(e) from None
             self.records += 1
-            if self.text_field not in record:
-                raise DataError(f"{self.name}: record {self.records} of epoch {self.epoch} has no {self.text_field!r} "
-                                f"field; set data.text_field")
-            text = record[self.text_field]
+            text = record.get(self.text_field)
             if not isinstance(text, str):
-                raise DataError(f"{self.name}: field {self.text_field!r} of record {self.records} is "
-                                f"{type(text).__name__}, not text; set data.text_field")
+                where = _current_file(self.dataset.state_dict(), self._order(self.epoch))
+                where = f"record {self.records} of epoch {self.epoch}" + (f" (in {where})" if where else "")
+                what = f"has no {self.text_field!r} field" if text is None else \
+                    f"holds a {type(text).__name__} in field {self.text_field!r}, not text"
+                raise DataError(f"{self.name}: {where} {what}; set data.text_field")
             tokens = self.encoder.encode_document(text)
             if len(tokens) >= 2 and (self.keep is None or self.keep(tokens)):
                 self.found += 1

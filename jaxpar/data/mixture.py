@@ -21,7 +21,7 @@ _SALT = 0x6D6978  # separates the mixture's draws from other users of the seed
 class MixtureStream:
     def __init__(self, streams: list, weights: list[float], seed: int):
         weights = np.asarray(weights, np.float64)
-        if len(streams) != len(weights) or not len(streams) or np.any(weights <= 0):
+        if len(streams) != len(weights) or not len(streams) or not np.all(np.isfinite(weights) & (weights > 0)):
             raise ValueError(f"a mixture needs one positive weight per source, got {weights.tolist()}")
         self.streams, self.probabilities, self.seed = streams, weights / weights.sum(), int(seed)
         self.draws, self._block, self._choices = 0, -1, None

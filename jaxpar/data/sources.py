@@ -238,24 +238,34 @@ def _blocks(count: int):
     return [(int(s), int(s) + RANGE_BLOCK_TOKENS) for s in starts]
 
 
-def token_range_problems(path: str, token_dtype: str, vocab_size: int, key: str = "data.path") -> list[str]:
-    """One line if a token file holds an id outside [0, vocab_size) (in full if small, else sampled)."""
+def token_range_problems(path: str, token_dtype: str, vocab_size: int, key: str = "data.path",
+                         sidecar_vocab: int | None = None) -> list[str]:
+    """One line if a token file holds an id outside [0, vocab_size) (in full if small, else sampled),
+    or at or above the `sidecar_vocab` its sidecar records (then the sidecar describes another file)."""
     tokens = np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
     count = len(tokens)
     spans = _blocks(count)
     scope = f"all {count} ids" if count <= RANGE_FULL_TOKENS else f"{len(spans)} sampled blocks of {count} ids"
+    limit = vocab_size if sidecar_vocab is None else min(vocab_size, sidecar_vocab)
     for start, stop in spans:
         block = np.asarray(tokens[start:stop])
         low, high = int(block.min()), int(block.max())
-        if high >= vocab_size or low < 0:
-            bad = high if high >= vocab_size else low
+        if high >= limit or low < 0:
+            bad = high if high >= limit else low
             where = start + int(np.argmax(block == bad))
-            if bad >= 0:
+            if bad < 0:
+                return [f"{key}={path!r} holds negative token id {bad} at position {where} (checked {scope}); "
+                        f"check data.token_dtype"]
+            if bad < vocab_size:  # within the model's vocabulary, beyond the sidecar's
                 return [
-                    f"{key}={path!r} holds token id {bad} at position {where}, not below model.vocab_size={vocab_size} "
-                    f"(checked {scope}); check data.token_dtype, or {vocab_size_fix(bad + 1)}"
+                    f"{key}={path!r} holds token id {bad} at position {where}, not below the vocab_size={sidecar_vocab} "
+                    f"its sidecar {sidecar_path(path)} records (checked {scope}): the sidecar describes another file; "
+                    f"regenerate both with scripts/prepare_data.py"
                 ]
-            return [f"{key}={path!r} holds negative token id {bad} at position {where} (checked {scope}); check data.token_dtype"]
+            return [
+                f"{key}={path!r} holds token id {bad} at position {where}, not below model.vocab_size={vocab_size} "
+                f"(checked {scope}); check data.token_dtype, or {vocab_size_fix(bad + 1)}"
+            ]
     return []
 
 

@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import MOVED_KEYS, base_config
-from jaxpar.data.corpus import corpus_problems, validate_data_config
+from jaxpar.data.checks import corpus_problems, validate_data_config
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models.families import FAMILIES, UnknownFamily, family

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from jaxpar.command.config_file import apply_overrides, load_config
-from jaxpar.data.corpus import corpus_problems, training_stream
+from jaxpar.data.checks import corpus_problems
+from jaxpar.data.corpus import training_stream
 
 FALSE_FAILURE = 1e-6
 DOCUMENTS = 40  # per token source
