@@ -33,6 +33,12 @@ FLAGS = (
 )
 
 
+def checks(args) -> list[str]:
+    if not 0 <= args.max_undecodable <= 1:  # nan too
+        return [f"--max_undecodable={args.max_undecodable} must be a fraction in [0, 1]"]
+    return []
+
+
 def run(args, _) -> None:
     inputs = [part for entry in args.input for part in entry.split(",") if part]
     try:
@@ -51,7 +57,7 @@ def run(args, _) -> None:
     )
 
 
-COMMANDS = (Command(None, "tokenize text into the flat binary tokens format", run, flags=FLAGS, devices=False),)
+COMMANDS = (Command(None, "tokenize text into the flat binary tokens format", run, flags=FLAGS, devices=False, checks=checks),)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,16 +155,20 @@ def _pieces(path: str, undecodable: _Undecodable, text_field: str = "text") -> I
     if path.endswith(RECORD_FORMATS):
         from jaxpar.data.hf_stream import open_stream
 
+        count = 0
         try:
-            records = open_stream([path], needed_by=f"--input file {path}")
+            for count, record in enumerate(open_stream([path], needed_by=f"--input file {path}", key="--input"), 1):
+                text = record.get(text_field)
+                if not isinstance(text, str):
+                    raise PrepareError(f"--input file {path} record {count} has no {text_field!r} text field")
+                yield text, True, 0
         except DataError as e:
             raise PrepareError(str(e)) from None
-        count = 0
-        for count, record in enumerate(records, 1):
-            text = record.get(text_field)
-            if not isinstance(text, str):
-                raise PrepareError(f"--input file {path} record {count} has no {text_field!r} text field")
-            yield text, True, 0
+        except (PrepareError, GeneratorExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow / `datasets` failing on the file: one line naming it
+            raise PrepareError(f"--input file {path} cannot be read after record {count} ({type(e).__name__}: "
+                               f"{(str(e).strip().splitlines() or [''])[0]})") from None
         yield "", False, os.path.getsize(path)  # the progress bar's share of the file
         return
     size = os.path.getsize(path)
@@ -206,6 +210,17 @@ def sidecar_path(token_file: str) -> str:
     return token_file + ".json"
 
 
+def _refuse_input_as_output(output: str, files: list[str]) -> None:
+    """The output, its sidecars and the partial file must not be an input: writing one would destroy it."""
+    written = (output, sidecar_path(output), offsets_path(output), output + ".partial")
+    for path in written:
+        for source in files:
+            if os.path.abspath(path) == os.path.abspath(source) or (os.path.exists(path) and os.path.samefile(path, source)):
+                raise PrepareError(
+                    f"--output={output}: writing {path} would replace the --input file {source}; choose another --output"
+                )
+
+
 def _refuse_existing(output: str) -> None:
     for path in (output, sidecar_path(output), offsets_path(output)):
         if os.path.lexists(path):
@@ -228,6 +243,9 @@ def prepare(
     """Tokenizes `inputs` into `output`; returns the sidecar dict it also writes to `output`.json
     (and the documents' offsets to `output`.offsets.npy)."""
     files = input_files(inputs)
+    _refuse_input_as_output(output, files)
+    if not 0 <= max_undecodable <= 1:
+        raise PrepareError(f"--max_undecodable={max_undecodable} must be a fraction in [0, 1]")
     if not overwrite:
         _refuse_existing(output)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -315,35 +333,51 @@ def prepare(
     return sidecar
 
 
-def token_file_problems(path: str, token_dtype: str, vocab_size: int) -> list[str]:
-    """One-line problems of a `tokens` file against `data.token_dtype` and `model.vocab_size`, from its
-    sidecar (none if it has no sidecar: then nothing is known about it)."""
+def _sidecar(path: str) -> dict | None:
     side = sidecar_path(path)
     if not os.path.isfile(side):
-        return []
+        return None
+    with open(side) as f:
+        return json.load(f)
+
+
+def sidecar_vocab(path: str) -> int | None:
+    """The vocabulary size a token file's sidecar records (None: no readable sidecar)."""
     try:
-        with open(side) as f:
-            meta = json.load(f)
+        return int(_sidecar(path)["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def token_file_problems(path: str, token_dtype: str, vocab_size: int, key: str = "data.path") -> list[str]:
+    """One-line problems of a `tokens` file against `data.token_dtype` and `model.vocab_size`, from its
+    sidecar (none if it has no sidecar: then nothing is known about it). `key`: the config key naming
+    the file."""
+    side = sidecar_path(path)
+    try:
+        meta = _sidecar(path)
+        if meta is None:
+            return []
         saved_dtype, saved_vocab, count = str(meta["dtype"]), int(meta["vocab_size"]), int(meta["num_tokens"])
+        itemsize = np.dtype(saved_dtype).itemsize
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [
-            f"data.path={path!r} has an unreadable sidecar {side} ({type(e).__name__}); "
+            f"{key}={path!r} has an unreadable sidecar {side} ({type(e).__name__}); "
             f"regenerate it with scripts/prepare_data.py"
         ]
     problems = []
     if saved_dtype != token_dtype:
         problems.append(
-            f"data.token_dtype={token_dtype!r} but {side} says the file holds {saved_dtype}; "
-            f"set data.token_dtype={saved_dtype!r}"
+            f"data.token_dtype={token_dtype!r} but {side} says the file holds {saved_dtype}; set data.token_dtype={saved_dtype!r}"
         )
     if saved_vocab > vocab_size:
         problems.append(
             f"model.vocab_size={vocab_size} is smaller than the {saved_vocab} tokens of the tokenizer that wrote "
-            f"data.path={path!r}; {vocab_size_fix(saved_vocab)}"
+            f"{key}={path!r}; {vocab_size_fix(saved_vocab)}"
         )
-    if os.path.isfile(path) and os.path.getsize(path) != count * np.dtype(saved_dtype).itemsize:
+    if os.path.isfile(path) and os.path.getsize(path) != count * itemsize:
         problems.append(
-            f"data.path={path!r} is {os.path.getsize(path)} bytes but {side} says {count} {saved_dtype} tokens; "
+            f"{key}={path!r} is {os.path.getsize(path)} bytes but {side} says {count} {saved_dtype} tokens; "
             f"regenerate it"
         )
     return problems
