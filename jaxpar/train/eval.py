@@ -82,13 +82,17 @@ class Evaluator:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def run(self, params, step: int) -> dict:
-        """Evaluates `params` on the eval set; the metrics record of training step `step`."""
+    def run(self, params, step: int, stop=None) -> dict | None:
+        """Evaluates `params` on the eval set; the metrics record of training step `step`. `stop()`
+        is asked before each batch (a signal arrived, the same answer on every process): then the
+        evaluation ends there and returns None."""
         batches, limit = eval_batches(self.config), int(self.config.eval.steps)
         total, tokens = 0.0, 0
         for i, batch in enumerate(batches):
             if limit and i >= limit:
                 break
+            if stop is not None and stop() is not None:
+                return None
             loss, count = jax.device_get(self.step(params, to_global(batch, self.program.batch_sharding)))
             total += float(loss) * int(count)
             tokens += int(count)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import time
 
@@ -37,6 +38,7 @@ from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
 from jaxpar.data.batches import DocumentBatches, to_global
 from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, eval_enabled, training_stream
+from jaxpar.data.documents import DataError
 from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
@@ -54,6 +56,11 @@ from jaxpar.train.signals import Interrupted, StopSignals
 
 # Metrics every step reports; anything else a model reports (MoE router stats) is logged as is.
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps")
+
+
+class DataFault(preflight.ConfigError):
+    """Data the preflight did not read (a bad record deep in a shard) failed to read once the run had
+    started: one line naming the key and file, after a checkpoint of what was trained (`_data_errors`)."""
 
 
 def _human(n: float) -> str:
@@ -102,21 +109,35 @@ def _run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.
     return run
 
 
-def _lock(workdir: str, startup: StartupLog) -> workdirs.WorkdirLock | None:
-    lock, error = None, None
+def _lock(workdir: str, checkpoint_dir: str, startup: StartupLog) -> list[workdirs.WorkdirLock]:
+    """Process 0 locks the workdir, then a local checkpoint directory (another run's workdir may name
+    it); released in reverse order by `_unlock`."""
+    locks, error = [], None
     if jax.process_index() == 0:
+        targets = [(workdir, "--workdir")]
+        if workdirs.locks_checkpoint_dir(workdir, checkpoint_dir):
+            targets.append((checkpoint_dir, "checkpoint.dir"))
         try:
-            lock = workdirs.WorkdirLock(workdir).acquire()
+            for directory, key in targets:
+                locks.append(workdirs.WorkdirLock(directory, key).acquire())
         except workdirs.WorkdirError as e:
             error = e
+            _unlock(locks)
     failed = _agree(error is None)
     if error is not None:
         raise error
     if failed:
         raise workdirs.WorkdirError(f"--workdir={workdir} could not be locked by process 0 (see its error)")
-    if lock is not None and lock.stale:
-        startup.say(f"took over the lock of {workdir} left by a run that ended without releasing it ({lock.stale})")
-    return lock
+    for lock in locks:
+        if lock.stale:
+            where = os.path.dirname(lock.path)
+            startup.say(f"took over the lock of {where} left by a run that ended without releasing it ({lock.stale})")
+    return locks
+
+
+def _unlock(locks: list[workdirs.WorkdirLock]) -> None:
+    for lock in reversed(locks):  # the checkpoint directory first: inside the workdir, it is removed first if empty
+        lock.release()
 
 
 def train(config, workdir: str, devices=None, *, overwrite: bool = False, progress: bool = True) -> list[dict]:
@@ -134,12 +155,11 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
                 run = _run_preflight(config, workdir, devices, overwrite)
             signals.check("preflight", run.workdir.resume_step is not None)
             peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
-            lock = _lock(workdir, startup)
+            locks = _lock(workdir, run.workdir.checkpoint_dir, startup)
             try:
                 return _train(config, run, devices, signals, progress, startup)
             finally:
-                if lock is not None:
-                    lock.release()
+                _unlock(locks)
     except (preflight.ConfigError, workdirs.WorkdirError, NonFiniteStop, Interrupted):
         raise  # one-line errors every process reaches together
     except CheckpointError:
@@ -177,6 +197,9 @@ class _Run:
     evaluator: Evaluator | None = None
     evaluated: int = -1  # the last step evaluated
     aside: asides.Aside | None = None  # the earlier run --overwrite moved aside (process 0), until let go
+    start: int = 0  # the step the run started (or resumed) at
+    step: int = 0  # the last step trained, and its state: what a data fault saves before it ends the run
+    state: object = None
 
 
 def _say(line: str) -> None:
@@ -267,7 +290,7 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     with startup.phase("compiling the train step and checking that it fits the devices' memory"):
         step_fn, compile_s = compile_fitting(program, config, devices, say=startup.say)
     signals.check("compile", resuming)
-    with startup.phase("opening the data"):
+    with startup.phase("opening the data"), _data_errors(None):
         warnings = corpus_warnings(config.data)
         corpus = {workdirs.CORPUS_TOKENS: corpus_tokens(config.data), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
         packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
@@ -290,7 +313,7 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     """Restore or initialise the state, then the steps (`step_fn`: the fit-checked executable)."""
     config, program, signals, train_cfg, startup = run.config, run.program, run.signals, run.config.train, run.startup
     if resuming:
-        with startup.phase(f"restoring the newest checkpoint of {run.plan.checkpoint_dir}"):
+        with startup.phase(f"restoring the newest checkpoint of {run.plan.checkpoint_dir}"), _data_errors(run):
             run.checkpoints = _open_checkpoints(config, run.plan)
             state, data_state, notes = _restore(run)
             run.iterator.set_state(data_state)
@@ -301,7 +324,8 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
         with startup.phase(f"reading the initial parameters from transformers checkpoint {hf_dir}" if hf_dir
                            else "initialising the parameters"):
             state = _initial_state(run)
-    start = run.iterator.step
+    start = run.start = run.step = run.iterator.step
+    run.state = state
     signals.check("restore" if resuming else "init", resuming)
     if start >= train_cfg.steps:
         startup.say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
@@ -316,7 +340,7 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     run.guard = NonFiniteGuard(train_cfg, skipped_before=int(jax.device_get(state.loss_scale.skipped_steps)))
     run.progress = Progress(train_cfg.steps, start, train_cfg.log_every, enabled=run.show_progress and jax.process_index() == 0)
     history = []
-    with signals.deferred():
+    with signals.deferred(), _data_errors(run):
         for step in range(start + 1, train_cfg.steps + 1):
             batch = to_global(next(run.iterator), program.batch_sharding)
             with run.observer.step(step):  # the profile window, if this step is in it
@@ -324,15 +348,46 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
                 state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
                 seconds = time.perf_counter() - started
+            run.step, run.state = step, state
             record = _record(step, metrics, config, run.observer.throughput(step, seconds))
             history.append(record)
             _after_step(run, step, state, record, metrics, signals)
         if run.evaluator is not None and run.evaluated != train_cfg.steps:
-            _evaluate(run, train_cfg.steps, state)
+            _save(run, train_cfg.steps, state, force=True)  # the trained state is safe before the final eval reads data
+            if not _evaluate(run, train_cfg.steps, state):
+                run.checkpoints.wait()
+                raise _interrupted(run, f"during the final evaluation after step {train_cfg.steps}")
     _save(run, train_cfg.steps, state, force=True)
     run.checkpoints.wait()
     _let_go_once_proven(run)
     return history
+
+
+@contextlib.contextmanager
+def _data_errors(run: _Run | None):
+    """The one handler of data that fails to read once the run has started (before that, the preflight
+    names it): a `DataError` (one line naming the key and file) ends the run as a `DataFault` (exit 2),
+    after a checkpoint of the steps trained since the last one, so nothing trained is lost."""
+    try:
+        yield
+    except DataError as error:
+        raise DataFault(f"{error}; {_saved_before_fault(run)}") from None
+
+
+def _saved_before_fault(run: _Run | None) -> str:
+    if run is None or run.checkpoints is None or run.step <= run.start:
+        return "nothing was trained since the run started: fix the data and rerun"
+    _save(run, run.step, run.state, force=True)
+    run.checkpoints.wait()
+    _let_go_once_proven(run)
+    return f"the run stopped after step {run.step}; its state is saved in checkpoint {run.checkpoints.path(run.step)}"
+
+
+def _interrupted(run: _Run, when: str) -> Interrupted:
+    signum = run.signals.agreed()
+    name = signal.Signals(signum).name
+    path = run.checkpoints.path(run.step)
+    return Interrupted(signum, f"interrupted by {name} {when}: checkpoint {path} saved; rerun the same command to resume")
 
 
 def _amend(error: BaseException, note: str | None) -> None:
@@ -345,14 +400,18 @@ def _amend(error: BaseException, note: str | None) -> None:
         _say(note)
 
 
-def _evaluate(run: _Run, step: int, state) -> None:
-    """One evaluation on the eval set: its own metrics.jsonl record and TensorBoard scalars."""
-    record = run.evaluator.run(state.params, step)
+def _evaluate(run: _Run, step: int, state) -> bool:
+    """One evaluation on the eval set: its own metrics.jsonl record and TensorBoard scalars. False:
+    a signal stopped it between two batches (nothing is recorded)."""
+    record = run.evaluator.run(state.params, step, stop=run.signals.agreed)
+    if record is None:
+        return False
     run.evaluated = step
     run.metrics.write(record)
     run.observer.log(record)
     _say(f"eval at step {step}: loss {record['eval_loss']:.4f}, perplexity {record['eval_perplexity']:.2f} "
          f"over {record['eval_tokens']} tokens")
+    return True
 
 
 def _record(step: int, metrics: dict, config, timing: dict) -> dict:
@@ -381,14 +440,11 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
         _evaluate(run, step, state)
     _save(run, step, state)
     _let_go_once_proven(run)
-    signum = signals.agreed()
-    if signum is not None:
+    if signals.agreed() is not None:
         _save(run, step, state, force=True)
         run.checkpoints.wait()
         _let_go_once_proven(run)
-        path = run.checkpoints.path(step)
-        name = signal.Signals(signum).name
-        raise Interrupted(signum, f"interrupted by {name} after step {step}: checkpoint {path} saved; rerun the same command to resume")
+        raise _interrupted(run, f"after step {step}")
 
 
 def _save(run: _Run, step: int, state, *, force: bool = False) -> None:

@@ -97,7 +97,8 @@ def _earlier_run_files(workdir: str) -> list[str]:
 
 
 def lock_holder(workdir: str) -> str | None:
-    """"host H, pid P, since T" of a live run holding the workdir's lock, else None. Reads only."""
+    """"host H, pid P, since T" of a live run holding the lock of a workdir (or of a checkpoint
+    directory), else None. Reads only."""
     path = os.path.join(workdir, LOCK_FILE)
     if not os.path.isfile(path):
         return None
@@ -130,7 +131,9 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
     if problems:
         return None, problems
     if (holder := lock_holder(workdir)) is not None:
-        return None, [f"--workdir={workdir} is in use by another run ({holder}); wait for it or choose another --workdir"]
+        return None, [busy_line("--workdir", workdir, holder)]
+    if locks_checkpoint_dir(workdir, ckpt_dir) and (holder := lock_holder(ckpt_dir)) is not None:
+        return None, [busy_line("checkpoint.dir", ckpt_dir, holder)]
     # Interrupted saves are reported (and removed) by `jaxpar.checkpoint.Checkpoints` when it opens.
     notes = []
     steps = finished_steps(ckpt_dir)
@@ -239,11 +242,22 @@ def _corpus_changed(config, ckpt_dir: str, step: int) -> str | None:
     return corpus_changed_problem(os.path.join(ckpt_dir, str(step)), saved, now)
 
 
-class WorkdirLock:
-    """`flock` on WORKDIR/.lock for the lifetime of the run (see the module docstring)."""
+def busy_line(key: str, directory: str, holder: str) -> str:
+    return f"{key}={directory} is in use by another run ({holder}); wait for it or choose another {key}"
 
-    def __init__(self, workdir: str):
-        self.path = os.path.join(workdir, LOCK_FILE)
+
+def locks_checkpoint_dir(workdir: str, ckpt_dir: str) -> bool:
+    """Whether a run locks its checkpoint directory besides its workdir: a local one other than the
+    workdir itself (two runs of different workdirs may name one checkpoint.dir)."""
+    return not is_remote(ckpt_dir) and os.path.abspath(ckpt_dir) != os.path.abspath(workdir)
+
+
+class WorkdirLock:
+    """`flock` on DIRECTORY/.lock for the lifetime of the run (see the module docstring): the workdir's,
+    or the checkpoint directory's (`key` names it in messages)."""
+
+    def __init__(self, workdir: str, key: str = "--workdir"):
+        self.path, self.key = os.path.join(workdir, LOCK_FILE), key
         self._file = None
         self._made_workdir = False  # acquire created the workdir: release removes it if the run left it empty
         self.stale: str | None = None  # the previous holder, if the lock was left by a killed run
@@ -259,10 +273,8 @@ class WorkdirLock:
                 f.seek(0)
                 holder = _describe_holder(f.read())
                 f.close()
-                raise WorkdirBusy(
-                    f"--workdir={os.path.dirname(self.path)} is in use by another run ({holder}); "
-                    f"wait for it or choose another --workdir"
-                ) from None
+                self._remove_made_directory()
+                raise WorkdirBusy(busy_line(self.key, os.path.dirname(self.path), holder)) from None
             if _names(self.path, f):
                 break
             f.close()  # the run before removed the file between our open and our lock: lock the path's new file
@@ -285,7 +297,7 @@ class WorkdirLock:
             return open(self.path, "a+")
         except OSError as e:
             raise WorkdirError(
-                f"--workdir={workdir}: cannot create its lock file {self.path} ({type(e).__name__}: {e.strerror or e}); "
+                f"{self.key}={workdir}: cannot create its lock file {self.path} ({type(e).__name__}: {e.strerror or e}); "
                 f"choose a writable directory"
             ) from None
 
@@ -299,6 +311,9 @@ class WorkdirLock:
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
         self._file = None
+        self._remove_made_directory()
+
+    def _remove_made_directory(self) -> None:
         if self._made_workdir:
             with contextlib.suppress(OSError):  # only an empty directory: a run refused before writing anything
                 os.rmdir(os.path.dirname(self.path))

@@ -183,7 +183,7 @@ CASES = [
                                            + [f"--config.data.tokenizer={t.tokenizer()}", "--config.model.vocab_size=16"],
                                            "more than model.vocab_size=16")),
     ("mixture_weight_zero", lambda t: ([f"--config.data.mixture={t.jsonl()}:2,{t.jsonl()}:0", "--config.data.source=text"],
-                                       "data.mixture[1].weight=0.0 must be a number > 0")),
+                                       "data.mixture[1].weight=0.0 must be a finite number > 0")),
     ("eval_missing", lambda t: (data("text", t.jsonl()) + [f"--config.eval.path={t.root / 'noeval.jsonl'}"],
                                 "noeval.jsonl' does not exist")),
     ("eval_too_short", lambda t: (data("text", t.jsonl())
