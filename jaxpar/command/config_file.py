@@ -1,10 +1,11 @@
 """`--config=FILE[:ARG]` and `--config.KEY=VALUE`: a config file's `get_config()` and the overrides
-typed by the key they replace (bool, int, float, str; "None" for optional keys). Every problem is a
-`UsageError` line naming the flag, the file (with the line that raised) or the key (with the nearest
-known key for a typo)."""
+typed by the key they replace (bool, int, float, str, lists as `[1, 2]` or `1,2`; "None" for
+optional keys). Every problem is a `UsageError` line naming the flag, the file (with the line that
+raised) or the key (with the nearest known key for a typo)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import sys
@@ -61,6 +62,38 @@ def load_config(spec: str) -> ConfigDict:
     return config
 
 
+def _list_value(flag: str, text: str) -> list:
+    """A list key's value: a Python / JSON list literal (`[7]`, `[1, 2]`, `[]`), or comma-separated
+    words (`7`, `1,2`), each an int, a float or else the word itself."""
+    text = text.strip()
+    if text.startswith(("[", "(")):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise UsageError(f"{flag}={text!r} is not a list; write it as [1, 2] or 1,2") from None
+        if not isinstance(value, (list, tuple)):
+            raise UsageError(f"{flag}={text!r} is not a list; write it as [1, 2] or 1,2")
+        return list(value)
+    return [_word(w.strip()) for w in text.split(",") if w.strip()]
+
+
+def _word(word: str):
+    for kind in (int, float):
+        try:
+            return kind(word)
+        except ValueError:
+            pass
+    return word.strip("'\"")
+
+
+def _value(flag: str, text: str, kind, current):
+    """`text` as the value of a key of type `kind` now holding `current`: a list key (or one that
+    takes any value, now holding a list, or given a list literal) reads a list."""
+    if kind in (list, tuple) or (kind is object and (isinstance(current, (list, tuple)) or text.strip().startswith("["))):
+        return _list_value(flag, text)
+    return parse_value(flag, text, kind)
+
+
 def apply_overrides(config: ConfigDict, overrides: list[tuple[str, str]], known: list[str] | None = None) -> None:
     """Sets each `--config.KEY=VALUE`; raises UsageError listing every unknown key or bad value.
     `known`: the key names to suggest from (default: the config's own)."""
@@ -85,7 +118,7 @@ def apply_overrides(config: ConfigDict, overrides: list[tuple[str, str]], known:
         kind = node.get_type(leaf)
         try:
             # None is accepted anywhere here; preflight's type check refuses it where a key needs a value.
-            node[leaf] = None if text in ("None", "null") else parse_value(flag, text, kind)
+            node[leaf] = None if text in ("None", "null") else _value(flag, text, kind, node[leaf])
         except UsageError as e:
             problems.append(str(e))
         except (TypeError, ValueError) as e:
