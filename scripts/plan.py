@@ -38,9 +38,13 @@ def parse_mesh(text: str) -> dict:
     mesh = {}
     for part in filter(None, text.split(",")):
         name, _, size = part.partition("=")
-        if name not in MESH_AXES or not size.isdigit():
-            raise UsageError(f"--compare: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
+        if name not in MESH_AXES or not size.isdigit() or int(size) < 1:
+            raise UsageError(f"--compare: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)} and SIZE >= 1")
+        if name in mesh:
+            raise UsageError(f"--compare: {name} is given twice ({name}={mesh[name]}, {part}); give each axis once")
         mesh[name] = int(size)
+    if text and not mesh:
+        raise UsageError(f"--compare={text!r} names no axis; write it as tensor=4,pipeline=2")
     return mesh
 
 
@@ -48,13 +52,18 @@ def efficiency_of(text: str) -> float | None:
     if text == "achieved":
         return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise UsageError(f"--efficiency={text!r} is neither 'achieved' nor a number") from None
+    if not 0 < value <= 1:  # a fraction of peak FLOP/s (nan fails this too)
+        raise UsageError(f"--efficiency={text} must be 'achieved' or a fraction of peak in (0, 1]")
+    return value
 
 
 def checks(args) -> list[str]:
-    problems = []
+    from jaxpar.analysis.cost.hardware import PROFILES
+
+    problems = [] if args.hardware in PROFILES else [f"--hardware: unknown hardware {args.hardware!r}; known: {', '.join(PROFILES)}"]
     for check, value in ((parse_mesh, args.compare), (efficiency_of, args.efficiency)):
         try:
             check(value)
@@ -66,6 +75,7 @@ def checks(args) -> list[str]:
 def run(args, config) -> None:
     from jaxpar.analysis.cost.hardware import HardwareError
     from jaxpar.analysis.planner import report
+    from jaxpar.train.preflight import ConfigError
 
     if args.global_batch_size:
         config.train.global_batch_size = args.global_batch_size
@@ -78,6 +88,8 @@ def run(args, config) -> None:
         )
     except HardwareError as e:
         raise UsageError(f"--hardware: {e}") from None
+    except ConfigError as e:  # no layout could pass preflight: the config's own problems, one line each
+        raise UsageError(str(e)) from None
     print(text)
 
 

@@ -23,7 +23,7 @@ def test_plan_script_ranks_the_layouts_of_a_tiny_config():
     assert bad.returncode == 2 and bad.stderr.startswith("error: --hardware: unknown hardware 'b200x'"), bad.stderr[-3000:]
     bad = run_script("plan.py", "--config=configs/llama_tiny.py", "--compare=tensor=x", "--efficiency=fast")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
-        "error: --compare: 'tensor=x' is not AXIS=SIZE with AXIS one of data, pipeline, context, expert, tensor",
+        "error: --compare: 'tensor=x' is not AXIS=SIZE with AXIS one of data, pipeline, context, expert, tensor and SIZE >= 1",
         "error: --efficiency='fast' is neither 'achieved' nor a number",
     ], bad.stderr
 

@@ -18,22 +18,51 @@ by how much, and the smallest device count of that hardware on which some layout
 
 from __future__ import annotations
 
+import copy
+import math
 import re
 from collections.abc import Iterable
 
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.planner import plan_text
-from jaxpar.analysis.planner.candidates import set_keys
-from jaxpar.analysis.planner.search import plan_layouts, smallest_fitting_plan
+from jaxpar.analysis.planner.candidates import get_key, set_keys
+from jaxpar.analysis.planner.search import LAYOUT_KEYS, plan_layouts, smallest_fitting_plan
+from jaxpar.axes import MESH_AXES
+from jaxpar.train.preflight import ConfigError, check
 
 
 class PlanError(ValueError):
     """No layout fits (the message is one line starting `no mesh fits`)."""
 
 
+def refused_everywhere(config, fixed: Iterable[str] = ()) -> list[str]:
+    """Preflight's problems that no layout the planner may choose cures (a fixed mesh axis the heads
+    do not divide, a bad model key), found before any search: the config checked on the leanest
+    layout that keeps the `fixed` keys (the other mesh axes 1, ZeRO, sequence parallelism and
+    accumulation off, a pipeline 1F1B with one microbatch per stage), keeping the lines that name
+    no layout key the search may still change. Without this, a search over every device count
+    (`smallest_fitting_plan`) could run for minutes to find nothing."""
+    fixed = set(fixed)
+    leanest = {f"mesh.{axis}": max(int(get_key(config, f"mesh.{axis}")), 1) if f"mesh.{axis}" in fixed else 1
+               for axis in MESH_AXES}
+    leanest.update({"parallel.zero_stage": 0, "parallel.sequence_parallel": False, "train.grad_accum": 1})
+    if leanest["mesh.pipeline"] > 1:
+        leanest.update({"parallel.pipeline_schedule": "1f1b", "parallel.num_microbatches": leanest["mesh.pipeline"],
+                        "parallel.virtual_stages": 1})
+    config = set_keys(copy.deepcopy(config), {k: v for k, v in leanest.items() if k not in fixed})
+    try:
+        check(config, math.prod(leanest[f"mesh.{axis}"] for axis in MESH_AXES))
+    except ConfigError as e:
+        free = [key for key in LAYOUT_KEYS if key not in fixed]
+        return [line for line in str(e).splitlines() if not any(key in line for key in free)]
+    return []
+
+
 def best_plan(config, hardware, num_devices: int, *, fixed: Iterable[str] = (), efficiency: float | None = None):
     """The ranked `Plan` whose `best` fits; raises PlanError (one line, starting `no mesh fits`)
-    when nothing does."""
+    when nothing does, ConfigError when no layout could pass preflight (`refused_everywhere`)."""
+    if problems := refused_everywhere(config, fixed):
+        raise ConfigError("\n".join(problems))
     plan = plan_layouts(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
     if plan.best is None:
         bigger = smallest_fitting_plan(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
@@ -76,8 +105,10 @@ def command_line_keys(argv: Iterable[str]) -> set[str]:
 
 
 def report(config, hardware, num_devices: int, *, top: int = 5, compare: dict | None = None, fixed=(), efficiency=None) -> str:
-    """Everything `scripts/plan.py` prints."""
+    """Everything `scripts/plan.py` prints; ConfigError when no layout could pass preflight."""
     hardware = hw.get(hardware) if isinstance(hardware, str) else hardware
+    if problems := refused_everywhere(config, fixed):
+        raise ConfigError("\n".join(problems))
     plan = plan_layouts(config, hardware, num_devices, fixed=fixed, efficiency=efficiency)
     out = [plan_text.header(config, hardware, num_devices), ""]
     ranked = plan

@@ -299,7 +299,11 @@ def discuss_mesh(config, hardware: hw.Hardware, small: Plan, fit: Plan | None, m
     for profile in hw.PROFILES.values():
         pinned = config.copy_and_resolve_references()
         pinned.mesh.update(sizes)
-        plan = plan_layouts(pinned, profile, n, fixed=fixed)
+        try:
+            plan = plan_layouts(pinned, profile, n, fixed=fixed)
+        except hw.HardwareError as e:  # a profile without this compute dtype's peak: said here, not blamed on --hardware
+            lines.append(f"  on {n} x {profile.name}: not priced ({e})")
+            continue
         if plan.best is not None:
             lines.append(f"  on {n} x {profile.name}: fits; {plan.best.describe()}: {_s(plan.best.seconds)}/step, "
                          f"{memory_split(plan.best, plan.usable)}")
