@@ -22,6 +22,7 @@ Bad input: one line per problem on stderr, exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from jaxpar import command
@@ -62,8 +63,25 @@ def checks(args) -> list[str]:
         problems.append("--step applies to --workdir / --checkpoint, not --from_hf")
     if not (args.prompt or args.prompt_file or args.prompt_ids):
         problems.append("give a prompt: --prompt=TEXT, --prompt_file=FILE or --prompt_ids=1,2,3")
+    if args.prompt_file and not os.path.isfile(args.prompt_file):
+        problems.append(f"--prompt_file={args.prompt_file} is not a file")
+    problems += _output_problems(args.output)
     params = SamplingParams(args.temperature, args.top_k, args.top_p)
     return problems + [p for p in sampling_problems(params, vocab_size=1 << 31) if "top_k" not in p]
+
+
+def _output_problems(output: str) -> list[str]:
+    """--output must be writable before anything is generated (not found missing afterwards)."""
+    if not output:
+        return []
+    folder = os.path.dirname(os.path.abspath(output))
+    if os.path.isdir(output):
+        return [f"--output={output} is a folder; name a file"]
+    if not os.path.isdir(folder):
+        return [f"--output={output}: its folder {folder} does not exist"]
+    if not os.access(folder, os.W_OK) or (os.path.exists(output) and not os.access(output, os.W_OK)):
+        return [f"--output={output} is not writable"]
+    return []
 
 
 def prompt_ids(args, tokenizer) -> list[list[int]]:

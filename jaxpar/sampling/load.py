@@ -124,17 +124,54 @@ def checkpoint_directory(workdir: str = "", checkpoint: str = "") -> tuple[str, 
     return checkpoint_dir(config, workdir), f"--workdir={workdir}"
 
 
+# A run that rotates its checkpoints (checkpoint.keep) may delete the step being read: the newest
+# complete step that exists is tried again, this many times in all.
+ROTATION_TRIES = 5
+ROTATION_WAIT_S = 2.0  # how long a failed step is watched for its deletion to finish
+
+
 def from_checkpoint(directory: str, flag: str, step: int | None, requested: dict, devices) -> Loaded:
+    from jaxpar.checkpoint import CheckpointError
+    from jaxpar.checkpoint.listing import finished_steps
+
+    for _ in range(ROTATION_TRIES):
+        steps = finished_steps(directory)
+        if not steps:
+            raise SampleError(f"{flag}: {directory} holds no complete checkpoint")
+        if step is not None and step not in steps:
+            raise SampleError(f"--step={step}: {directory} has no complete checkpoint of that step (steps: {steps})")
+        chosen = steps[-1] if step is None else step
+        try:
+            return _load_step(directory, chosen, requested, devices)
+        except CheckpointError:
+            if not _rotated_away(directory, chosen):
+                raise  # still there: damaged, not deleted
+            if step is not None:
+                raise SampleError(f"--step={step}: checkpoint {os.path.join(directory, str(step))} was deleted while it was "
+                                  f"read (the run rotates its checkpoints: checkpoint.keep); choose a newer --step") from None
+    raise SampleError(f"{flag}: every checkpoint tried in {directory} was deleted while it was read ({ROTATION_TRIES} tries); "
+                      f"the run rotates its checkpoints faster than they can be read: raise its checkpoint.keep")
+
+
+def _rotated_away(directory: str, step: int) -> bool:
+    """Whether checkpoint `step` is (being) deleted: it leaves the complete steps within ROTATION_WAIT_S."""
+    import time
+
+    from jaxpar.checkpoint.listing import finished_steps
+
+    deadline = time.monotonic() + ROTATION_WAIT_S
+    while step in finished_steps(directory):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _load_step(directory: str, step: int, requested: dict, devices) -> Loaded:
     from jaxpar.checkpoint import Checkpoints, abstract_state
-    from jaxpar.checkpoint.listing import finished_steps, saved_config
+    from jaxpar.checkpoint.listing import saved_config
     from jaxpar.train.setup import build
 
-    steps = finished_steps(directory)
-    if not steps:
-        raise SampleError(f"{flag}: {directory} holds no complete checkpoint")
-    if step is not None and step not in steps:
-        raise SampleError(f"--step={step}: {directory} has no complete checkpoint of that step (steps: {steps})")
-    step = steps[-1] if step is None else step
     config = ConfigDict(saved_config(directory, step))
     mesh = sampling_mesh(config.model, requested, dict(config.mesh), devices)
     config.mesh = ConfigDict(dict(mesh.shape))
