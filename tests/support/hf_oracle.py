@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import save_file  # noqa: E402
 
 from jaxpar.interop import hf  # noqa: E402
-from tests.support.hf_models import QWEN_CASES, qwen_config, randomized  # noqa: E402
+from tests.support.hf_models import QWEN_CASES, deepseek_config, qwen_config, randomized  # noqa: E402
 
 
 def qwen_oracle_config(case: str):
@@ -36,19 +36,33 @@ MODELS = {
         vocab_size=300, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **BASE
     ),
     **{case: (lambda case=case: qwen_oracle_config(case)) for case in QWEN_CASES},
+    # MLA with a query latent, YaRN, interleaved RoPE; a dense layer, then group-limited routing with
+    # selection biases (transformers' DeepSeek-V3 has no load-balancing loss).
+    "deepseek_v3_q_lora_yarn_groups": lambda: deepseek_config("q_lora_yarn_groups", attn_implementation="eager"),
 }
 
 
 def hf_model(name):
     config = MODELS[name]()
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    return randomized(model).float().train()
+    model = randomized(transformers.AutoModelForCausalLM.from_config(config))
+    randomize_selection_biases(model)
+    return model.float().train()
+
+
+def randomize_selection_biases(model):
+    """DeepSeek-V3's `e_score_correction_bias` buffers (model state, not parameters) drawn N(0, 0.1²)
+    from torch's generator, so they change which experts are chosen."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
 
 
 def routes(model) -> bool:
-    """Whether a transformers model has routed experts (and so an aux loss with `output_router_logits`)."""
-    return getattr(model.config, "num_experts_per_tok", None) is not None
+    """Whether a transformers model has routed experts and a load-balancing loss (with `output_router_logits`)."""
+    config = model.config
+    return getattr(config, "num_experts_per_tok", None) is not None and getattr(config, "router_aux_loss_coef", None) is not None
 
 
 def as_jaxpar(model, tensors: dict, directory):
@@ -61,4 +75,12 @@ def as_jaxpar(model, tensors: dict, directory):
 
 
 def weights(model) -> dict:
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    """Every tensor of the checkpoint: the parameters and the persistent buffers (selection biases)."""
+    return {n: p.detach().numpy().copy() for n, p in model.state_dict().items()}
+
+
+def gradients(model) -> dict:
+    """The parameters' gradients, and zeros for the persistent buffers (model state: jaxpar's step
+    takes their gradient slots out, `jaxpar.models.state`)."""
+    params = dict(model.named_parameters())
+    return {n: params[n].grad.numpy() if n in params else np.zeros(t.shape, np.float32) for n, t in model.state_dict().items()}
