@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from tests.support import tiny
-from tests.support.reference import assert_matches_reference, run, single_device, synthetic_batches
+from tests.support.reference import assert_matches_reference, packed_batches, run, single_device, synthetic_batches
 from tests.support.tiers import slow_except
 
 STEPS = 3
 M = 4  # pipeline microbatches
 LOSS_FREE = dict(scoring_func="sigmoid", router_bias_update_rate=0.05)
+PIPELINED_DEEPSEEK = dict(first_k_dense_replace=0, num_nextn_predict_layers=0)
 
 # name: (tiny config maker, model overrides, mesh, parallel overrides)
 CASES = {
@@ -56,6 +57,31 @@ CASES = {
         tiny.qwen2_moe, {"num_hidden_layers": 3, "capacity_factor": 1.0}, {"pipeline": 2, "data": 2, "expert": 2},
         {"pipeline_schedule": "zb_h1"},
     ),
+    # DeepSeek-V3 (tests/support/tiny.py: MLA, YaRN, a dense layer, 16 experts in 4 groups, one MTP
+    # module trained with weight 0.3): MLA's heads and up-projections over tensor, its latents gathered
+    # along the sequence under SP; ZeRO-1 and 3; group-limited routing with 4 experts per expert rank
+    # and the selection bias moving (loss-free); every context implementation; the pipeline with
+    # every layer routed and no MTP (`jaxpar.models.deepseek_v3.checks`), DualPipeV included.
+    "deepseek_v3_data2_tensor2_zero1_sp": (
+        tiny.deepseek_v3, {}, {"data": 2, "tensor": 2}, {"zero_stage": 1, "sequence_parallel": True},
+    ),
+    "deepseek_v3_data2_expert4_zero3_loss_free": (
+        tiny.deepseek_v3, LOSS_FREE, {"data": 2, "expert": 4}, {"zero_stage": 3},
+    ),
+    "deepseek_v3_context2_tensor2_all_gather": (
+        tiny.deepseek_v3, {}, {"context": 2, "tensor": 2}, {"context_impl": "all_gather"},
+    ),
+    "deepseek_v3_context4_data2_ring": (tiny.deepseek_v3, {}, {"context": 4, "data": 2}, {"context_impl": "ring"}),
+    "deepseek_v3_context2_data2_expert2_all_to_all": (
+        tiny.deepseek_v3, {}, {"context": 2, "data": 2, "expert": 2}, {"context_impl": "all_to_all"},
+    ),
+    "deepseek_v3_dualpipev_p2_data2_expert2_4layers": (
+        tiny.deepseek_v3, {**PIPELINED_DEEPSEEK, "num_hidden_layers": 4}, {"pipeline": 2, "data": 2, "expert": 2},
+        {"pipeline_schedule": "dualpipev"},
+    ),
+    "deepseek_v3_1f1b_p2_data2_tensor2_3layers_sp": (
+        tiny.deepseek_v3, PIPELINED_DEEPSEEK, {"pipeline": 2, "data": 2, "tensor": 2}, {"sequence_parallel": True},
+    ),
 }
 
 
@@ -77,7 +103,7 @@ def router_biases(params):
 
 @pytest.mark.timeout(300)
 # Fast tier: Qwen3 over data, context and tensor (the MoE families' fast cases: tests/models/test_moe_degeneracy.py).
-@pytest.mark.parametrize("name", slow_except(CASES, "qwen3_data2_context2_tensor2_zero3_sp"))
+@pytest.mark.parametrize("name", slow_except(CASES, "qwen3_data2_context2_tensor2_zero3_sp", "deepseek_v3_data2_tensor2_zero1_sp"))
 def test_matches_single_device(name, shared_cache):
     config, mesh = case_config(name)
     expected = reference(shared_cache, config, mesh)
@@ -85,10 +111,27 @@ def test_matches_single_device(name, shared_cache):
     assert_matches_reference(result, expected)
     if "expert_fractions" in expected:
         np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)
+    if config.model.get("num_nextn_predict_layers", 0):
+        np.testing.assert_allclose(result["mtp_losses"], expected["mtp_losses"], rtol=1e-4)
     if config.model.get("router_bias_update_rate", 0) > 0:
         bias = router_biases(result["final_params"])
         np.testing.assert_array_equal(bias, router_biases(expected["final_params"]))
         assert np.abs(bias).max() > 0, "the bias should have moved"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_deepseek_v3_packed_documents_match_single_device(shared_cache):
+    """Packed documents (segments, positions restarting, padding) with the multi-token prediction
+    module, the sequence split over context (load-balanced: the tokens ahead are taken in text order
+    before the split) and the batch over data x expert."""
+    mesh = {"context": 2, "data": 2, "expert": 2}
+    config = tiny.with_overrides(tiny.deepseek_v3(), mesh, parallel={"context_impl": "all_gather"})
+    expected = single_device(shared_cache, config, STEPS, batches=packed_batches)
+    result = run(config, packed_batches(config, STEPS), math.prod(mesh.values()), expected["init_params"])
+    assert_matches_reference(result, expected)
+    np.testing.assert_allclose(result["mtp_losses"], expected["mtp_losses"], rtol=1e-4)
+    np.testing.assert_allclose(result["expert_fractions"], expected["expert_fractions"], atol=1e-6)
 
 
 @pytest.mark.slow

@@ -70,6 +70,8 @@ def run(config, batches, num_devices: int, init_params=None):
             result[key + "s"].append(float(metrics[key]))
         if "expert_fraction" in metrics:
             result.setdefault("expert_fractions", []).append(np.asarray(metrics["expert_fraction"]))
+        if "mtp_loss" in metrics:  # multi-token prediction, per depth
+            result.setdefault("mtp_losses", []).append(np.asarray(metrics["mtp_loss"]))
     result["final_params"] = jax.device_get(program.to_natural(state).params)
     return {k: np.array(v) if isinstance(v, list) else v for k, v in result.items()}
 
