@@ -66,7 +66,7 @@ class MoEFacts:
 @dataclasses.dataclass(frozen=True)
 class ModelFacts:
     family: str  # `model.model_type`
-    layers: int
+    layers: int  # decoder blocks a training step runs (with multi-token prediction's: one routed block per depth)
     hidden: int
     heads: int
     kv_heads: int
@@ -87,8 +87,14 @@ class ModelFacts:
     flops_mlp: float  # the dense MLP, or a MoE layer's shared expert and its gate (0 for a purely routed layer)
     flops_expert_row: float  # one routed row through one expert (0 dense)
     flops_router: float  # the router's projection in a routing layer (0 dense)
-    flops_head: float  # the LM head per token
+    flops_head: float  # the LM head per token (each multi-token prediction depth runs it once more)
     qk_norm: bool = False  # per-head RMSNorm of q and k (Qwen3): no matmul FLOPs, more saved activations
+    # Multi-head latent attention (DeepSeek-V3): its down-projections into the latents, which every
+    # tensor rank runs whole, and the latents' widths, where tensor parallelism reduces the
+    # attention's input gradients (instead of at the layer input, once per q / k / v projection).
+    flops_latent: float = 0.0
+    latent_widths: tuple = ()
+    table_uses: int = 1  # lookups of the embedding and uses of the LM head per token (multi-token prediction: 1 + depth)
 
     @property
     def is_moe(self) -> bool:
@@ -102,7 +108,7 @@ class ModelFacts:
         share = self.moe.layer_share if self.moe else 0.0
         experts = self.flops_expert_row * self.moe.routed_rows(seq_len) * share if self.moe else 0.0
         return float(
-            self.flops_q_o + self.flops_k_v + self.flops_attention_per_key * seq_len + self.flops_mlp
+            self.flops_q_o + self.flops_k_v + self.flops_latent + self.flops_attention_per_key * seq_len + self.flops_mlp
             + self.flops_router * share + experts
         )
 

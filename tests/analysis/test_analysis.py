@@ -51,7 +51,8 @@ from jaxpar.models.qwen3_moe import model_config as qwen3_moe_model_config
 from jaxpar.parallel.plan import ParallelPlan
 from jaxpar.train.loss import mean_cross_entropy
 from jaxpar.train.setup import build, bytes_per_device
-from tests.support.analysis_bounds import ABSENT, BOUNDS, FLOOR, MINOR
+from tests.support.analysis_bounds import BOUNDS, FLOOR
+from tests.support.fidelity_check import axis_failures, check_case
 from tests.support.tiers import slow_except
 from tests.support.tiny import with_overrides
 
@@ -253,38 +254,6 @@ def _fidelity(name):
     return compare(with_overrides(config, mesh, parallel=parallel))
 
 
-def axis_failures(rows: list[AxisBytes], bounds: dict, minor: float) -> list[str]:
-    """Mesh-axis sets whose predicted wire bytes miss the compiled ones by more than their bound
-    (`bounds`: {"data,expert": bound}, else `FLOOR`). A set counts when either side carries more
-    than `minor` of the step's compiled bytes: one the model predicts but the program lacks has
-    error +inf, one the program has but the model lacks -100%, and both fail."""
-    total = sum(r.compiled for r in rows)
-    failures = []
-    for row in rows:
-        if max(row.predicted, row.compiled) <= minor * total:
-            continue
-        bound = bounds.get(",".join(row.axes), FLOOR)
-        if not abs(row.error) <= bound:
-            failures.append(f"{','.join(row.axes)}: {row.error:+.2%} (bound {bound:.1%})")
-    return failures
-
-
-def _check(name: str, fidelity, *, flops: bool = True):
-    """`fidelity` within `BOUNDS[name]`: peak memory, wire bytes per mesh-axis set, matmul FLOPs
-    (`flops`); no collective the model does not plan carrying more than `MINOR` of the step's bytes
-    (0.5% at least), and none the model plans that the program lacks (but those in `ABSENT`)."""
-    bound, minor = BOUNDS[name], MINOR.get(name, 0.001)
-    report = fidelity.table()
-    print(report)
-    assert abs(fidelity.memory_error) <= bound.memory, report
-    failures = axis_failures(fidelity.axis_bytes(), bound.bytes, minor)
-    assert not failures, (failures, report)
-    assert not fidelity.unexpected(min_fraction=max(minor, 0.005)), report
-    assert not [p for p in fidelity.missing() if (p.kind, p.axes) not in ABSENT.get(name, ())], report
-    if flops:
-        assert abs(fidelity.flops_error) <= bound.flops, report
-
-
 def test_axis_check_fails_on_an_axis_one_side_lacks():
     """Positive control for `axis_failures` and `Fidelity.missing`, no compile: the model predicting
     an axis the program lacks fails, as does the reverse; so does an error past its bound."""
@@ -306,7 +275,7 @@ def test_axis_check_fails_on_an_axis_one_side_lacks():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", slow_except([n for n in CASES if not n.startswith(("pipeline", "context"))], "data8", "zero3_tensor4"))
 def test_model_matches_compiled_step(name):
-    _check(name, _fidelity(name))
+    check_case(name, _fidelity(name))
 
 
 @pytest.mark.timeout(300)
@@ -316,7 +285,7 @@ def test_pipeline_matches_compiled_step(name):
     # Stage work sits in `lax.switch` branches; the HLO count takes every branch every time
     # step, an upper bound, so FLOPs are only checked to stay below it. Collective bytes are
     # counted per rank from the schedule's branch runs (`fidelity.pipeline_branch_runs`).
-    _check(name, fidelity, flops=False)
+    check_case(name, fidelity, flops=False)
     assert fidelity.compiled.matmul_flops_upper_bound
     assert fidelity.estimate.flops_per_device < fidelity.compiled.hlo_matmul_flops
     if fidelity.estimate.layout.vocab_spread:
@@ -333,7 +302,7 @@ def test_pipeline_matches_compiled_step(name):
 @pytest.mark.timeout(300)
 def test_sequence_parallel_matches_compiled_step():
     config = with_overrides(llama(8), {"data": 2, "tensor": 4}, parallel={"sequence_parallel": True})
-    _check("tensor4_sp", compare(config))
+    check_case("tensor4_sp", compare(config))
 
 
 @pytest.mark.timeout(300)
@@ -431,7 +400,7 @@ def test_context_matches_compiled_step(name):
     fidelity = _fidelity(name)
     # The kernels skip fully masked chunk pairs by lax.cond; the HLO count takes both branches.
     # Priced without the skip, the model must match that count; with it, stay below.
-    _check(name, fidelity, flops=False)
+    check_case(name, fidelity, flops=False)
     layout, compiled = fidelity.estimate.layout, fidelity.compiled
     assert compiled.matmul_flops_upper_bound
     every_pair = flops_per_device(layout, skip_masked=False)

@@ -82,16 +82,18 @@ def test_model_flops_follow_the_peer_convention(name):
     model = CONFIGS[name]
     f, batch, seq = facts(model), 4, 32
     tokens = batch * seq
-    attention = 6 * model.num_hidden_layers * tokens * seq * model.num_attention_heads * f.head_dim
+    # A training step runs one more routed block per multi-token prediction depth (DeepSeek-V3's).
+    blocks = model.num_hidden_layers + models.prediction_depth(model)
+    attention = 6 * blocks * tokens * seq * model.num_attention_heads * f.head_dim
     assert f.model_flops_per_step(batch, seq) == pytest.approx(6 * f.params_active * tokens + attention)
     # The hardware FLOPs of a layer's matmuls: twice its active matmul weights per token (the
     # stacked weights of rank >= 3: no norm scales, q/k/v biases or router bias), plus attention over
     # every key; a mean over the layers when dense layers sit among MoE layers.
     matmul = 0
     for keys, size, ndim in _leaves(model):
-        if keys[0] in ("layers", "dense_layers") and ndim >= 3 and not keys[-1].endswith("bias"):
+        if keys[0] in ("layers", "dense_layers", "mtp") and ndim >= 3 and not keys[-1].endswith("bias"):
             matmul += size * f.moe.top_k // f.moe.experts if "experts" in keys else size
-    per_layer = matmul / model.num_hidden_layers
+    per_layer = matmul / blocks
     assert f.layer_flops(seq) == pytest.approx(2 * per_layer + 4 * model.num_attention_heads * f.head_dim * seq)
 
 

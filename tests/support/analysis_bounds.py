@@ -143,4 +143,15 @@ BOUNDS = {
     "plain_accum2_zero1_bfloat16": Bound(memory=0.111),
     # memory +2.56%
     "accum2_bfloat16_per_replica": Bound(memory=0.052),
+    # DeepSeek-V3 (tests/analysis/test_analysis_deepseek_v3.py).
+    # memory -1.6%, FLOPs -0.5%; bytes data +0.0%, data,expert -0.0%, expert -0.0%
+    "expert4_deepseek_v3": Bound(memory=0.032),
+    # memory -3.9%, FLOPs -0.4%; bytes data +0.0%, data,expert -0.0%, expert -0.0%
+    "expert4_deepseek_v3_mtp": Bound(memory=0.078),
+    # memory +10.9%, FLOPs -0.7%; bytes data -0.0%, tensor -0.0%
+    "tensor4_deepseek_v3_mtp": Bound(memory=0.218, flops=0.014),
+    # memory +12.4%, FLOPs +0.4%; bytes data -0.0%, tensor -2.7%
+    "tensor4_sp_deepseek_v3": Bound(memory=0.248, bytes={"tensor": 0.054}),
+    # memory -24.2%, FLOPs -0.1%; bytes data +2.9%
+    "zero3_remat_full_deepseek_v3": Bound(memory=0.484, bytes={"data": 0.058}),
 }

@@ -127,22 +127,32 @@ def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> lis
         passes = forward_passes + (0 if layout.remat == "none" else 1) + 1
         out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, routed * passes,
                            f"{tag}: expert partial sums per tile (XLA:CPU)", True))
+    widths = layout.facts.latent_widths
     if layout.sequence_parallel:
         scatter = _scatter(layout)
         # (Every layer's MLP-sized scatters, MoE or not, as measured; a shared expert's on top is
         # priced by analogy with the all-reduce case, not measured under SP.)
         bwd_scatters = (low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces) * L
         bwd_scatters += low.mlp_input_grad_all_reduces * shared_mlp
+        if widths:  # MLA gathers its latents, not the layer input, and scatters their gradients
+            latent = act * sum(widths) / layout.hidden
+            out += [
+                Planned(ALL_GATHER, axes, latent, forward_passes * L, f"{tag}: SP gathers MLA's latents (fwd)"),
+                Planned(scatter, axes, latent, L, f"{tag}: SP scatters MLA's latent gradients (bwd)"),
+            ]
+            fwd_gathers -= forward_passes * L
+            bwd_scatters -= low.attention_input_grad_all_reduces * L
         return out + [
             Planned(ALL_GATHER, axes, act, fwd_gathers, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
             Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
             Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
             Planned(scatter, axes, act, bwd_scatters, f"{tag}: SP scatters input gradients (bwd)"),
         ]
-    out += [
-        Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"),
-        Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"),
-    ]
+    out.append(Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"))
+    if widths:  # MLA: the up-projections' input gradients, one per latent, where the heads meet
+        out += [Planned(ALL_REDUCE, axes, act * w / layout.hidden, L, f"{tag}: MLA latent gradient (bwd)") for w in widths]
+    else:
+        out.append(Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"))
     if not layout.is_moe or mlp_grads:
         count = L if not layout.is_moe else mlp_grads
         out.append(Planned(ALL_REDUCE, axes, act, count * low.mlp_input_grad_all_reduces, f"{tag}: MLP input gradient (bwd)"))
@@ -165,10 +175,11 @@ def tensor_collectives(layout: Layout) -> list[Planned]:
             passes = 2 if layout.remat == "full" else 1
             out.append(Planned(ALL_GATHER, axes, act, 2 * passes * layout.layers_per_device, "SP: per-replica re-gathers", True))
     head_dx = layout.tokens * layout.hidden * 4
+    uses = layout.facts.table_uses  # multi-token prediction looks up and projects once more per depth
     out += [
-        Planned(ALL_REDUCE, axes, act, 1, "TP: vocab-parallel embedding lookup"),
-        Planned(ALL_REDUCE, axes, head_dx, 1, "TP: LM head input gradient (fp32)"),
-        Planned(ALL_REDUCE, axes, layout.tokens * 4, 3, "TP: vocab-parallel loss (max, sum, label logit)"),
+        Planned(ALL_REDUCE, axes, act, uses, "TP: vocab-parallel embedding lookup"),
+        Planned(ALL_REDUCE, axes, head_dx, uses, "TP: LM head input gradient (fp32)"),
+        Planned(ALL_REDUCE, axes, layout.tokens * 4, 3 * uses, "TP: vocab-parallel loss (max, sum, label logit)"),
     ]
     return out
 
@@ -222,6 +233,10 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         return out
     if not layout.zero.shard_optimizer_state:
         out.append(Planned(ALL_REDUCE, batch, grads, k, "DP: gradient all-reduce"))
+        extra = layout.facts.table_uses - 1
+        if extra and lowering_for(layout).table_grads_per_use:  # measured: MTP, data 2 x expert 4
+            tables = 4 * (counts.embedding + counts.head)
+            out.append(Planned(ALL_REDUCE, batch, tables, k * extra, "DP: table gradients of each further use, apart"))
         return out
     if spans_context(layout) and layout.zero.gathers_updated_params:  # ZeRO-1 over data x context
         reduced = context_reduced_with_data(layout)

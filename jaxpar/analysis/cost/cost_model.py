@@ -133,13 +133,15 @@ def _attention_factor(layout: Layout, skip_masked: bool = True) -> float:
 def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
     """Matmul FLOPs of one token's forward on one device, by part (layers' parts per layer): the
     model's FLOPs per part (`ModelFacts`) split as the plan shards them. Parts: `qo` (query and
-    output projections), `kv`, `attention` (the kernel's QK^T and PV), `mlp` (dense), `router`,
-    `experts` (the routed rows) and `head`."""
+    output projections), `kv`, `latent` (MLA's down-projections), `attention` (the kernel's QK^T
+    and PV), `mlp` (dense), `router`, `experts` (the routed rows) and `head`."""
     f, t = layout.facts, layout.t
     tk = t if layout.kv_sharded else 1
     parts = {
         "qo": f.flops_q_o / t,
         "kv": f.flops_k_v / tk,
+        # MLA's down-projections: every tensor rank runs them whole, on its own sequence shard under SP.
+        "latent": f.flops_latent / (t if layout.sequence_parallel else 1),
         "attention": f.flops_attention_per_key * layout.seq / t * _attention_factor(layout, skip_masked),
         "mlp": f.flops_mlp / t,
         "router": 0.0,
@@ -155,7 +157,7 @@ def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
     return parts
 
 
-LAYER_PARTS = ("qo", "kv", "attention", "mlp", "router", "experts")
+LAYER_PARTS = ("qo", "kv", "latent", "attention", "mlp", "router", "experts")
 
 
 def _recompute(layout: Layout, parts: dict) -> dict:

@@ -84,6 +84,7 @@ def part_shapes(layout: Layout) -> dict:
     shapes = {
         "qo": (m, layout.heads * layout.head_dim / t, d),
         "kv": (m, layout.kv_heads * layout.head_dim / tk, d),
+        "latent": (m, sum(layout.facts.latent_widths) or 1, d),
         "mlp": (m, layout.ffn / t, d),
         "head": (m, layout.vocab / layout.vocab_shards, d),
         "optimizer": (d, d, layout.ffn),  # Muon's Newton-Schulz: products of whole weight matrices

@@ -123,7 +123,8 @@ class MemoryEstimate:
 
 
 # The params' stacked layer trees (`jaxpar.models.decoder`).
-LAYER_STACKS = ("layers", "dense_layers")
+# Multi-token prediction's modules (`mtp`) are routed blocks a training step runs too (`ModelFacts.layers`).
+LAYER_STACKS = ("layers", "dense_layers", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)

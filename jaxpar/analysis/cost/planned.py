@@ -17,10 +17,11 @@ class XlaLowering:
     attention_input_grad_all_reduces: int  # per layer backward: q, k, v partials reduced apart
     mlp_input_grad_all_reduces: int  # gate and up
     sp_backward_gathers: int  # per layer, SP: output-gradient gathers (one per use on CPU)
+    table_grads_per_use: bool = False  # a table used twice (MTP's lookups and heads): each use's gradient reduced apart
 
 
 IDEAL = XlaLowering(False, 1, 1, 2)
-XLA_CPU = XlaLowering(True, 3, 2, 4)
+XLA_CPU = XlaLowering(True, 3, 2, 4, table_grads_per_use=True)
 
 
 def lowering_for(layout: Layout) -> XlaLowering:

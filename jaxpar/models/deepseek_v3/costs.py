@@ -3,12 +3,15 @@ down-projection and its norm, the per-head up-projection, the output), the block
 dense SwiGLU of `intermediate_size` (the first `first_k_dense_replace` layers) or the routed layer
 (router [D, E], its selection bias [E], E experts of which each token runs k, the shared experts);
 then `num_nextn_predict_layers` prediction modules (two norms, `eh_proj` [2D, D], a routed block and
-the head's norm), counted in the totals and the active parameters (they train on every token) but
-not in the per-layer FLOPs (`jaxpar.model_facts.ModelFacts`: per decoder layer).
+the head's norm). A training step runs each module's block as one more routed layer and the LM
+head once more: the facts count L + D blocks (their per-layer FLOPs are means over them, `eh_proj`
+with the latent down-projections, replicated like them) and D + 1 heads, so the cost model prices MTP as what it runs.
 
 The attention kernels run q, k and v at one head size, the larger of the query / key head
 (`qk_nope_head_dim + qk_rope_head_dim`) and the value head (`jaxpar.models.deepseek_v3.attention`):
-that is the facts' `head_dim`, and what the attention FLOPs per key count."""
+that is the facts' `head_dim`, and what the attention FLOPs per key count. The down-projections
+into the latents run whole on every tensor rank (`flops_latent`), and tensor parallelism reduces
+the attention's input gradients at the latents (`latent_widths`: q latent or x, kv latent, RoPE key)."""
 
 from jaxpar.model_facts import ModelFacts, MoEFacts, padded_vocab_size
 from jaxpar.models.costs import swiglu_params
@@ -51,9 +54,12 @@ def facts(model) -> ModelFacts:
     active = routed * (moe_layer + k * expert) + dense * (base + dense_mlp) + depth * (module + moe_layer + k * expert)
     table = vocab * d
     qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+    rank, rope, q_rank = model.kv_lora_rank, model.qk_rope_head_dim, model.q_lora_rank
+    blocks = layers + depth  # what a training step runs
+    down = d * (rank + rope) + (d * q_rank if q_rank is not None else 0)
     return ModelFacts(
         family=model.model_type,
-        layers=layers,
+        layers=blocks,
         hidden=d,
         heads=h,
         kv_heads=model.num_key_value_heads,
@@ -64,15 +70,18 @@ def facts(model) -> ModelFacts:
         tied_embeddings=bool(model.tie_word_embeddings),
         moe=MoEFacts(
             experts=experts, top_k=k, capacity_factor=float(model.capacity_factor), expert_ffn=f,
-            layer_share=routed / layers, shared_ffn=shared_ffn,
+            layer_share=(routed + depth) / blocks, shared_ffn=shared_ffn,
         ),
         params_total=total + table + d + (0 if model.tie_word_embeddings else table),
         params_active=active + d + table,
-        flops_q_o=2.0 * (query_params(model) - (model.q_lora_rank or 0) + h * model.v_head_dim * d),
-        flops_k_v=2.0 * (key_value_params(model) - model.kv_lora_rank),
+        flops_q_o=2.0 * (query_params(model) - (q_rank or 0) - (d * q_rank if q_rank is not None else 0) + h * model.v_head_dim * d),
+        flops_k_v=2.0 * (key_value_params(model) - rank - d * (rank + rope)),
         flops_attention_per_key=4.0 * h * max(qk, model.v_head_dim),
-        flops_mlp=2.0 * (dense * dense_mlp + routed * shared) / layers,
+        flops_mlp=2.0 * (dense * dense_mlp + (routed + depth) * shared) / blocks,
         flops_expert_row=2.0 * expert,
         flops_router=2.0 * d * experts,
-        flops_head=2.0 * d * vocab,
+        flops_head=2.0 * d * vocab * (1 + depth),
+        flops_latent=2.0 * (down + depth * 2 * d * d / blocks),  # eh_proj [2D, D] is replicated too
+        latent_widths=(d if q_rank is None else q_rank, rank, rope),
+        table_uses=1 + depth,
     )
