@@ -150,7 +150,7 @@ def record_text(line: bytes, field: str, where: str) -> str:
     try:
         record = json.loads(decoded)
     except (ValueError, RecursionError) as e:
-        detail = f" ({e.msg} at column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        detail = f" ({e.msg}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise DataError(f"{where} is not a JSON record{detail}") from None
     if not isinstance(record, dict) or field not in record or record[field] is None:
         raise DataError(f"{where} has no {field!r} field; set data.text_field")

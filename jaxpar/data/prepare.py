@@ -368,7 +368,8 @@ def token_file_problems(path: str, token_dtype: str, vocab_size: int, key: str =
     problems = []
     if saved_dtype != token_dtype:
         problems.append(
-            f"data.token_dtype={token_dtype!r} but {side} says the file holds {saved_dtype}; set data.token_dtype={saved_dtype!r}"
+            f"data.token_dtype={token_dtype!r} but {side} says {key}={path!r} holds {saved_dtype}; "
+            f"set data.token_dtype={saved_dtype!r}"
         )
     if saved_vocab > vocab_size:
         problems.append(

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import os
+import re
 from dataclasses import dataclass
 
 from ml_collections import ConfigDict
@@ -171,7 +173,38 @@ def _config_problems(
         errors.append(f"train.seq_len={train.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}")
     errors += validate_data_config(config)
     errors += observe.checks(config)
-    return list(dict.fromkeys(errors)), mesh, sane
+    if not keys_checked:  # a planner candidate changes layout keys only (ints, strings)
+        errors += _nonfinite_problems(config, errors)
+    return without_cascades(errors), mesh, sane
+
+
+def _nonfinite_problems(config, errors: list[str]) -> list[str]:
+    """nan / inf in any float key no other check named (a learning rate of inf passes `> 0`)."""
+    found = []
+    for key in flat_keys(config):
+        value = config
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, float) and not math.isfinite(value) and not any(f"{key}=" in line for line in errors):
+            found.append(f"{key}={value!r} must be a finite number")
+    return found
+
+
+# "KEY=VALUE must be ...": the value itself is wrong, so any later line that computed with it is its cascade.
+_RANGE_LINE = re.compile(r"^([\w.\[\]]+=[^ ]+) must be")
+
+
+def without_cascades(errors: list[str]) -> list[str]:
+    """`errors` once each, less the lines that repeat a value an earlier line refused outright (`model.vocab_size=0
+    must be >= 1` makes `model.vocab_size=0 is below the byte tokenizer's 256` its cascade): the first error, not its cascade."""
+    kept, refused = [], []
+    for line in dict.fromkeys(errors):
+        if any(re.search(re.escape(subject) + r"(?![\w.])", line) for subject in refused):
+            continue
+        kept.append(line)
+        if match := _RANGE_LINE.match(line):
+            refused.append(match.group(1))
+    return kept
 
 
 def check(config, num_devices: int, platform: str | None = None, *, keys_checked: bool = False) -> dict[str, int]:
@@ -207,7 +240,7 @@ def check_run(
     hf_dir = config.train.init_from_hf if sane else ""
     if hf_dir and os.path.isdir(hf_dir) and plan is not None and plan.resume_step is None:
         errors += hf_problems(hf_dir, config.model)
-    errors = list(dict.fromkeys(errors + workdir_problems))
+    errors = without_cascades(errors + workdir_problems)
     if errors:
         raise ConfigError("\n".join(errors))
     return Preflight(mesh, plan)
