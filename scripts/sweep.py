@@ -25,7 +25,7 @@ FLAGS = (
     Flag("global_batch_size", int, None, "override train.global_batch_size", at_least=1),
     Flag("seq_len", int, None, "override train.seq_len", at_least=1),
     Flag("zero_stages", list, "0,1,3", "ZeRO stages to try where mesh.data > 1", choices=("0", "1", "3")),
-    Flag("remats", list, "", "remat policies to try (default: the config's)"),
+    Flag("remats", list, "", "remat policies to try (default: the config's)", choices=("auto", "none", "full", "save_dots")),
     Flag("limit", int, 0, "compile at most this many layouts (0: all)", at_least=0),
     Flag("microbatch_rows", int, 0, "rows per microbatch per data replica on every mesh (0: the config's accumulation keys)",
          at_least=0),
@@ -39,6 +39,10 @@ FLAGS = (
 
 
 def checks(args) -> list[str]:
+    from jaxpar.analysis.cost.hardware import PROFILES
+
+    if args.hardware not in PROFILES:
+        return [f"--hardware: unknown hardware {args.hardware!r}; known: {', '.join(PROFILES)}"]
     if args.reprice and not os.path.isfile(os.path.join(args.out, "compiled.pkl")):
         return [f"--reprice: {os.path.join(args.out, 'compiled.pkl')} does not exist (compile first, without --reprice)"]
     if (args.recompile_gradient or args.recompile_zero_over_context) and not args.reprice:

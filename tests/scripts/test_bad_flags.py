@@ -1,4 +1,4 @@
-"""The probe's script flags: scripts/plan.py, scripts/prepare_data.py and scripts/sample.py, each bad
+"""The probe's script flags: scripts/plan.py, sweep.py, prepare_data.py and sample.py, each bad
 flag through the script's `main` in this process. Each must exit 2 with one `error:` line naming the
 flag, before anything is written (prepare_data.py's output and sidecars, sample.py's --output) or
 searched (plan.py: a fixed key no layout can pass is answered at once, not after a search over every
@@ -52,6 +52,11 @@ CASES = [
     ("plan_fixed_zero_stage", lambda t: (plan("--config.parallel.zero_stage=2"), "parallel.zero_stage=2")),
     ("plan_config_missing", lambda t: (plan(config=str(t.root / "none.py")), "none.py does not exist")),
     ("plan_key_typo", lambda t: (plan("--config.mesh.tensr=2"), "did you mean --config.mesh.tensor?")),
+    # -- sweep.py (compiles every layout: its flags are checked before the first)
+    ("sweep_hardware", lambda t: (("sweep", [f"--config={TINY}", f"--out={t.root / 'sweep'}", "--hardware=z80"]),
+                                  "--hardware: unknown hardware 'z80'")),
+    ("sweep_remats", lambda t: (("sweep", [f"--config={TINY}", f"--out={t.root / 'sweep'}", "--remats=full,most"]),
+                                "--remats=most: not one of auto, none, full, save_dots")),
     # -- prepare_data.py
     ("prepare_output_is_input", lambda t: (prepare(t, f"--input={t.records('in.jsonl')}", f"--output={t.root / 'in.jsonl'}",
                                                    "--overwrite"), "would replace the --input file")),
