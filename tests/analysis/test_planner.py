@@ -202,7 +202,10 @@ def _stated_hardware(name: str) -> tuple[int, str]:
     return int(match.group(1)), match.group(2)
 
 
-@pytest.mark.parametrize("name", ["llama3_8b.py", "llama3_70b.py", "mixtral_8x7b.py", "qwen3_8b.py", "qwen3_30b_a3b.py"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama3_8b.py", "llama3_70b.py", "mixtral_8x7b.py", "qwen3_8b.py", "qwen3_30b_a3b.py", "deepseek_v3_16b.py", "deepseek_v3_671b.py"],
+)
 def test_shipped_configs_fit_their_stated_hardware(name):
     config = _load(name)
     n, hardware = _stated_hardware(name)

@@ -1,5 +1,5 @@
 """DeepSeek-V3's `config.model` keys and defaults: DeepseekV3Config's names and defaults (the 671B
-model) over the shared decoder keys, plus jaxpar's own MoE options (`jaxpar.models.moe.option_keys`,
+model, but for the optional `q_lora_rank`: None) over the shared decoder keys, plus jaxpar's own MoE options (`jaxpar.models.moe.option_keys`,
 scoring "sigmoid" as DeepSeek-V3 routes).
 
 Multi-head latent attention replaces the shared `head_dim` (there is none: queries and keys have
@@ -11,7 +11,8 @@ prediction modules follow the last layer.
 
 import dataclasses
 
-from ml_collections import ConfigDict, FieldReference
+from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
 
 from jaxpar.models import moe
 from jaxpar.models.schema import decoder_config
@@ -42,7 +43,8 @@ def model_config(**overrides):
     )
     model.update(
         dict(
-            q_lora_rank=FieldReference(1536, field_type=int),  # None: queries projected directly
+            # None: queries projected directly. An optional key, so its default is None (DeepseekV3Config's: 1536).
+            q_lora_rank=placeholder(int),
             kv_lora_rank=512,
             qk_rope_head_dim=64,
             qk_nope_head_dim=128,
