@@ -4,10 +4,10 @@
 and their weights (finite, > 0), eval keys.
 `corpus_problems` — opens every source: token files' sidecars, offsets and id ranges (against
 `model.vocab_size` and the vocabulary the sidecar records), the tokenizer and its vocabulary, the
-records of every record file (the first `PREFLIGHT_RECORDS` of each training file, every record of
-the eval set: valid UTF-8 JSON with text in `data.text_field`), enough tokens for one global batch
-(where the size is known without tokenizing), a first usable document for training, and an eval set
-long enough for `eval.steps`.
+records of every record file (the first `PREFLIGHT_RECORDS` of each training source, spread over
+its files; every record of the eval set: valid UTF-8 JSON with text in `data.text_field`), enough
+tokens for one global batch (where the size is known without tokenizing), a first usable document
+for training, and an eval set long enough for `eval.steps`.
 One line per problem, each naming the key (and the file and line where one is at fault); a
 `DataError` met while reading is such a line. What the preflight does not read (a bad record deep in
 a large shard) is found by the run, which ends in the same one line (`jaxpar.train.loop`).
@@ -39,7 +39,8 @@ from jaxpar.data.tokenizer import ByteTokenizer, TokenizerError, vocab_size_fix
 from jaxpar.extras import installed, missing_line
 from jaxpar.ranges import at_least, one_of, within
 
-# Records of each training file the preflight reads (a bad one further in is found by the run).
+# Records of each training source the preflight reads, spread over its files (at least the first of
+# each): a bad one further in is found by the run. Bounded so a corpus of many shards starts quickly.
 PREFLIGHT_RECORDS = 1000
 
 
@@ -101,8 +102,8 @@ def validate_data_config(config) -> list[str]:
 
 
 def record_problems(src: Source, limit: int | None) -> list[str]:
-    """The first problem among the records of a record source's files: the first `limit` records of
-    each file (None: every record)."""
+    """The first problem among the records of a record source's files: `limit` records in all
+    (None: every record), spread evenly over the files from the start of each, at least one each."""
     try:
         if src.source == "datasets":
             if not installed("datasets"):
@@ -112,8 +113,9 @@ def record_problems(src: Source, limit: int | None) -> list[str]:
             files = [f for f in text_files(src.path) if f.endswith(".jsonl")]
         else:
             return []
+        per_file = None if limit is None else max(1, limit // max(len(files), 1))
         for path in files:
-            count = _file_records(path, src, limit)
+            count = _file_records(path, src, per_file)
             if count == 0 and src.source == "datasets":  # `datasets` cannot infer the schema of an empty file
                 return [f"{src.key}: {path} holds no record; fill it or leave it out"]
     except DataError as e:
