@@ -1,15 +1,18 @@
 """The training loop: preflight, lock, build, compile and fit check, resume or init, then step, record, save.
 
 Order matters for never losing data: everything a run reads is checked first (`preflight.check_run`,
-no writes); then the workdir is locked; the program is built and its step compiled on abstract inputs
+no writes); then the workdir and the checkpoint directory are locked; the program is built and its step compiled on abstract inputs
 and checked against the devices' memory (`jaxpar.train.fit`, before any data is read or state
 allocated), then the data loaded and the state restored (newest complete checkpoint that fits) or
 initialised. Only then — the run is known to start — is anything of an earlier run touched:
 `--overwrite` moves it aside (`jaxpar.train.aside`: deleted at this run's first complete checkpoint,
 put back if this run fails before), or a resumed `metrics.jsonl` is cut back to the restored step. A
 signal during start-up stops the run at the end of its phase (`StopSignals.check`), one in the loop
-after the step with a final checkpoint. Each step's bookkeeping is its own function (`_record`,
-`_after_step`), so the loop body stays a short list of calls.
+after the step with a final checkpoint (during an evaluation: between two of its batches). Data that
+fails to read once the run started (a bad record the preflight did not reach) ends it in one line
+through one handler (`_data_errors`), after a checkpoint of the steps trained since the last one;
+the final checkpoint is saved before the final evaluation. Each step's bookkeeping is its own
+function (`_record`, `_after_step`), so the loop body stays a short list of calls.
 
 Checkpoint step numbers count the batches consumed, which is also the `step` field of
 metrics.jsonl; `state.step` counts applied updates (it lags on skipped steps). Each checkpoint

@@ -20,7 +20,10 @@ one-line error naming the first's host and pid. A run that ends — done, refuse
 `.lock` while still holding it, so a finished workdir holds only the run's files; a run that opened
 the file just before that finds, once it has the lock, that the path no longer names its file, and
 locks the path's new file instead (two runs never hold locks on two different files). Only process
-0 of a multi-process run locks.
+0 of a multi-process run locks. A local checkpoint directory is locked the same way (its own
+`.lock`): two runs of different workdirs naming one `checkpoint.dir` would otherwise resume from and
+train into the same checkpoints. A directory a lock created is removed at release if the run left
+it empty (a run refused after locking writes nothing).
 
 `MetricsLog` appends one strict-JSON line per step (non-finite floats become null); on resume it
 first keeps only the lines up to the restored step, replacing the file atomically, so the log
