@@ -3,9 +3,10 @@
   python scripts/train.py --config=configs/llama_tiny.py --workdir=/tmp/run \\
       [--config.train.steps=50 ...] [--cpu_devices=8] [--overwrite] [--plan=a100-80g]
 
-Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written), one line per
-problem on stderr, or a step that does not fit the devices' memory (checked before anything is
-allocated: needed vs available per device, the largest term, the planner's best layout that fits);
+Exit codes: 0 done; 2 bad input (flags, config, data, workdir; nothing was written, except for a bad
+record found in the data after training started: a checkpoint first), one line per problem on stderr,
+or a step that does not fit the devices' memory (checked before anything is allocated: needed vs
+available per device, the largest term, the planner's best layout that fits);
 1 a checkpoint could not be written or read (a full disk included); 3 stopped for non-finite values;
 4 another process of a multi-process run was lost (`jaxpar.peers`); 130 / 143 interrupted by
 SIGINT / SIGTERM (during start-up: nothing changed; in the loop: after a final checkpoint; a second
