@@ -3,7 +3,7 @@
   python scripts/bench.py step [--model=llama|mixtral] [--steps=6] [--repeats=1] [--peer] [--remat=full] [--profile=DIR]
   python scripts/bench.py generate [--new_tokens=256] [--batch=4] [--prompt_len=32] [--repeats=1]
   python scripts/bench.py mesh [--mesh=fsdp8,dp8,tp2dp4,pp2dp4] [--remat=full,none] [--repeats=3] [--maxtext]
-  python scripts/bench.py moe [--experts=64] [--top_k=8] [--expert_ffn=128] [--steps=4] [--repeats=3]
+  python scripts/bench.py moe [--experts=64] [--top_k=8] [--expert_ffn=128] [--shape=qwen3_moe|deepseek_v3] [--steps=4] [--repeats=3]
   python scripts/bench.py packing [--model=llama|mixtral] [--steps=10] [--repeats=3] [--attention=jaxpar_xla,xla]
 
 Each times the step through `jaxpar.train.harness` (warm-up excluded); what each prints is in the
@@ -112,7 +112,8 @@ def run_moe(args, _):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     from jaxpar.bench import moe
 
-    moe.bench(args.experts, args.top_k, args.expert_ffn, args.steps, args.repeats, [int(e) for e in args.a2a_experts], args.a2a_dir)
+    moe.bench(args.experts, args.top_k, args.expert_ffn, args.steps, args.repeats, [int(e) for e in args.a2a_experts], args.a2a_dir,
+              args.shape)
 
 
 @refusing_bad_configs
@@ -178,6 +179,8 @@ COMMANDS = (
         Flag("repeats", int, 3, "alternating blocks per model", at_least=1),
         Flag("a2a_experts", list, "", "expert counts to profile on data 2 x expert 4 (8 devices)"),
         Flag("a2a_dir", str, os.path.join(tempfile.gettempdir(), "bench_moe_profiles"), "where the a2a profiles go"),
+        Flag("shape", str, "qwen3_moe", "the MoE model: qwen3_moe, or deepseek_v3 (MLA, sigmoid group-limited routing, a shared expert)",
+             choices=("qwen3_moe", "deepseek_v3")),
     ), devices=False, checks=lambda args: _positive_ints("a2a_experts", args.a2a_experts)),
     Command("packing", "the bench config's step on packed documents beside one sequence per row", run_packing, flags=(
         MODEL, Flag("steps", int, 10, "timed steps per block, after warm-up", at_least=1),
