@@ -133,6 +133,7 @@ def test_prediction_loss_and_gradients_equal_torch(tmp_path):
     compare(reference, loss, depths, metrics, grads, tmp_path / "grads")
 
 
+@pytest.mark.slow
 def test_packed_prediction_never_crosses_a_document(tmp_path):
     reference = Reference().train()
     rng = np.random.default_rng(2)
