@@ -1,6 +1,6 @@
 """DeepSeek-V3's `config.model` keys and defaults: DeepseekV3Config's names and defaults (the 671B
-model, but for the optional `q_lora_rank`: None) over the shared decoder keys, plus jaxpar's own MoE options (`jaxpar.models.moe.option_keys`,
-scoring "sigmoid" as DeepSeek-V3 routes).
+model, but for the optional `q_lora_rank`: None) over the shared decoder keys, plus jaxpar's own MoE
+options (`jaxpar.models.moe.option_keys`, scoring "sigmoid" as DeepSeek-V3 routes).
 
 Multi-head latent attention replaces the shared `head_dim` (there is none: queries and keys have
 `qk_nope_head_dim + qk_rope_head_dim` per head, values `v_head_dim`), and RoPE has DeepSeek-V3's own
