@@ -73,6 +73,15 @@ def _emulate(count: int) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
+def _baseline_problems(args) -> list[str]:
+    """The baseline spreads the pipeline's global batch over stages x data replicas: its rows must divide."""
+    rows = args.microbatches * args.microbatch_rows
+    if args.baseline and rows % args.stages:
+        return [f"--microbatches={args.microbatches} x --microbatch_rows={args.microbatch_rows} = {rows} rows per data replica do not "
+                f"divide over the --baseline run's --stages={args.stages} data replicas; change one, or pass --nobaseline"]
+    return []
+
+
 @refusing_bad_configs
 def run_report(args, _):
     from jaxpar.bench.pipeline_report import Report, report
@@ -135,7 +144,7 @@ COMMANDS = (
         Flag("vocab_size", int, 256, "vocab size", at_least=1),
         Flag("schedules", list, "", "schedules to run (default: every one)", choices=SCHEDULE_NAMES),
         Flag("baseline", bool, True, "also run the same global batch without a pipeline"),
-    ), devices=False),
+    ), devices=False, checks=lambda args: _baseline_problems(args)),
     Command("balance", "equal against cost-balanced stage splits, modelled and measured", run_balance, flags=(
         Flag("stages", int, 2, "pipeline ranks p (one emulated device each)", at_least=1),
         Flag("microbatches", int, 4, "microbatches m per step", at_least=1),

@@ -82,10 +82,11 @@ def mesh_problems(model_config, sizes: dict, prefix: str = "mesh.") -> list[str]
         if sizes.get(axis, 1) > 1
     ]
     record = family(model_config.model_type)
-    errors += record.ranges(model_config) or record.checks(model_config, sizes)
-    if not errors:
-        errors += tensor.checks(sampling_config(model_config, sizes), sizes)
-    return errors
+    shared = record.ranges(model_config) or record.checks(model_config, sizes)
+    if not errors and not shared:
+        shared = tensor.checks(sampling_config(model_config, sizes), sizes)
+    # The shared checks name the config's mesh keys; say them as the caller's user typed them.
+    return errors + [line.replace("mesh.", prefix) for line in shared]
 
 
 @dataclass

@@ -95,7 +95,7 @@ def test_from_hf_with_samples_and_seed(capsys, tmp_path):
         (["--prompt_ids=1", "--temperature=-1"], "--temperature=-1.0 must be >= 0"),
         (["--prompt_ids=" + ",".join(["1"] * 65)], "longer than model.max_position_embeddings=64"),
         # one line per problem: heads, KV heads, MLP, vocab
-        (["--prompt_ids=1", "--tensor=3"], "model.num_attention_heads=8 is not divisible by mesh.tensor=3"),
+        (["--prompt_ids=1", "--tensor=3"], "model.num_attention_heads=8 is not divisible by --tensor=3"),
         (["--prompt_ids=1", "--pipeline=2"], "--pipeline=2: sampling does not split the model over pipeline"),
         (["--prompt_ids=1", "--step=7"], "--step=7: "),
         (["--prompt_ids=1,x"], "--prompt_ids: '1,x' is not comma-separated integers"),
