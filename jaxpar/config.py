@@ -96,6 +96,7 @@ def base_config() -> ConfigDict:
             context_impl="all_gather",  # the context keys are read when mesh.context > 1
             context_load_balance=True,
             context_block_size=512,
+            context_latent=True,
             pipeline_stage_layers=FieldReference("auto", field_type=object),  # a list, or a string
             pipeline_vocab="spread",
         )
@@ -210,6 +211,8 @@ MEANINGS = {
     "attention costs every rank the same (else contiguous slices)",
     "parallel.context_block_size": "query / key chunk of the flash-style context attention (bounds its temporary "
     "memory)",
+    "parallel.context_latent": "with context_impl all_gather, a model with latent attention (DeepSeek-V3's MLA) gathers "
+    "each token's latent and RoPE key and up-projects them on every rank, instead of gathering keys and values",
     "train.steps": "optimizer updates of the run",
     "train.global_batch_size": "sequences per step, over all devices",
     "train.seq_len": "tokens per sequence",

@@ -95,6 +95,7 @@ class ModelFacts:
     flops_latent: float = 0.0
     latent_widths: tuple = ()
     table_uses: int = 1  # lookups of the embedding and uses of the LM head per token (multi-token prediction: 1 + depth)
+    kv_latent_width: int = 0  # numbers per token the keys and values are expanded from (MLA: kv latent + RoPE key); 0: none
 
     @property
     def is_moe(self) -> bool:

@@ -106,7 +106,7 @@ def make_plan(config, mesh: dict, facts, backend: str | None = None) -> Parallel
         zero=zero,
         tensor=tensor_plan(config, mesh),
         pipeline=pipeline,
-        context=context_plan(config, mesh),
+        context=context_plan(config, mesh, facts),
         remat=resolve_remat(config.parallel.remat, backend),
         attention=resolve_attention(config.parallel.attention_impl, config.train.compute_dtype, backend),
     )

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpar.analysis.cost.cost_model import flops_per_device
+from jaxpar.analysis.program.hlo import ALL_GATHER, REDUCE_SCATTER
 from jaxpar.analysis.reports.fidelity import compare
 from jaxpar.config import base_config
 from jaxpar.models.deepseek_v3 import model_config
+from tests.support.analysis_bounds import BOUNDS
 from tests.support.fidelity_check import check_case
 from tests.support.tiers import slow_except
 from tests.support.tiny import with_overrides
@@ -29,10 +32,10 @@ MODEL = dict(
 )
 
 
-def deepseek_v3(**model):
+def deepseek_v3(seq: int = 64, **model):
     c = base_config()
     c.model = model_config(**{**MODEL, **model})
-    c.train.update(global_batch_size=16, seq_len=64, warmup_steps=0)
+    c.train.update(global_batch_size=16, seq_len=seq, warmup_steps=0)
     c.parallel.remat = "none"
     return c
 
@@ -51,3 +54,64 @@ CASES = {
 def test_model_matches_compiled_step(name):
     config, mesh, parallel = CASES[name]
     check_case(name, compare(with_overrides(config, mesh, parallel=parallel)))
+
+
+# all_gather context parallelism moving MLA's latents (`parallel.context_latent`, the default), or the
+# expanded K and V; seq 128, 64 tokens of each row per device.
+CONTEXT_CASES = {
+    "context2_latent_deepseek_v3": (deepseek_v3(seq=128), {"data": 4, "context": 2}, {"context_impl": "all_gather"}),
+    "context2_expanded_deepseek_v3": (
+        deepseek_v3(seq=128), {"data": 4, "context": 2}, {"context_impl": "all_gather", "context_latent": False},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def context_fidelity():
+    found = {}
+
+    def get(name):
+        if name not in found:
+            config, mesh, parallel = CONTEXT_CASES[name]
+            found[name] = compare(with_overrides(config, mesh, parallel=parallel))
+        return found[name]
+
+    return get
+
+
+def exchange_bytes(fidelity, priced: bool) -> float:
+    """Wire bytes per device over context of the attention exchange (all-gathers and reduce-scatters;
+    the gradients' all-reduce over context is the same for both paths)."""
+    if priced:
+        rows = [p for p in fidelity.estimate.collectives if p.axes == ("context",) and p.kind in (ALL_GATHER, REDUCE_SCATTER)]
+        return sum(p.wire_bytes(fidelity.estimate.layout.mesh) for p in rows)
+    return sum(t.wire_bytes for t in fidelity.compiled_totals() if t.axes == ("context",) and t.kind in (ALL_GATHER, REDUCE_SCATTER))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(CONTEXT_CASES))
+def test_context_matches_compiled_step(name, context_fidelity):
+    fidelity = context_fidelity(name)
+    # As tests/analysis/test_analysis.py's context cases: the HLO count takes both branches of each
+    # masked-pair skip, so FLOPs are compared priced without the skip.
+    check_case(name, fidelity, flops=False)
+    every_pair = flops_per_device(fidelity.estimate.layout, skip_masked=False)
+    assert every_pair == pytest.approx(fidelity.compiled.hlo_matmul_flops, rel=BOUNDS[name].flops), fidelity.table()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gathering_latents_moves_what_the_model_says(context_fidelity):
+    """The compiled programs' exchange over context: the latents (kv_lora_rank + qk_rope_head_dim = 80
+    numbers per token) against K and V (8 heads x 48 each, padded), both priced within 10%; the latent
+    path moves about a tenth of the bytes for 2 x (c - 1) / c more up-projection FLOPs."""
+    latent, expanded = context_fidelity("context2_latent_deepseek_v3"), context_fidelity("context2_expanded_deepseek_v3")
+    moved = {name: exchange_bytes(f, priced=False) for name, f in (("latent", latent), ("expanded", expanded))}
+    priced = {name: exchange_bytes(f, priced=True) for name, f in (("latent", latent), ("expanded", expanded))}
+    print(f"context exchange per device: latent {moved['latent'] / 1e6:.3f} MB (priced {priced['latent'] / 1e6:.3f}), "
+          f"expanded {moved['expanded'] / 1e6:.3f} MB (priced {priced['expanded'] / 1e6:.3f})")
+    for name in moved:
+        assert priced[name] == pytest.approx(moved[name], rel=0.15), name
+    assert moved["latent"] < moved["expanded"] / 5
+    assert latent.compiled.hlo_matmul_flops > expanded.compiled.hlo_matmul_flops

@@ -60,16 +60,24 @@ CASES = {
     # DeepSeek-V3 (tests/support/tiny.py: MLA, YaRN, a dense layer, 16 experts in 4 groups, one MTP
     # module trained with weight 0.3): MLA's heads and up-projections over tensor, its latents gathered
     # along the sequence under SP; ZeRO-1 and 3; group-limited routing with 4 experts per expert rank
-    # and the selection bias moving (loss-free); every context implementation; the pipeline with
-    # every layer routed and no MTP (`jaxpar.models.deepseek_v3.checks`), DualPipeV included.
+    # and the selection bias moving (loss-free); every context implementation (all_gather moving the
+    # latents, also inside pipeline stages, or the expanded K / V); the pipeline with every layer
+    # routed and no MTP (`jaxpar.models.deepseek_v3.checks`), DualPipeV included.
     "deepseek_v3_data2_tensor2_zero1_sp": (
         tiny.deepseek_v3, {}, {"data": 2, "tensor": 2}, {"zero_stage": 1, "sequence_parallel": True},
     ),
     "deepseek_v3_data2_expert4_zero3_loss_free": (
         tiny.deepseek_v3, LOSS_FREE, {"data": 2, "expert": 4}, {"zero_stage": 3},
     ),
-    "deepseek_v3_context2_tensor2_all_gather": (
+    # all_gather moves MLA's latents (parallel.context_latent, the default) or the expanded K and V.
+    "deepseek_v3_context2_tensor2_all_gather_latent": (
         tiny.deepseek_v3, {}, {"context": 2, "tensor": 2}, {"context_impl": "all_gather"},
+    ),
+    "deepseek_v3_context2_data2_all_gather_expanded": (
+        tiny.deepseek_v3, {}, {"context": 2, "data": 2}, {"context_impl": "all_gather", "context_latent": False},
+    ),
+    "deepseek_v3_1f1b_p2_context2_data2_all_gather_latent": (
+        tiny.deepseek_v3, PIPELINED_DEEPSEEK, {"pipeline": 2, "context": 2, "data": 2}, {"context_impl": "all_gather"},
     ),
     "deepseek_v3_context4_data2_ring": (tiny.deepseek_v3, {}, {"context": 4, "data": 2}, {"context_impl": "ring"}),
     "deepseek_v3_context2_data2_expert2_all_to_all": (

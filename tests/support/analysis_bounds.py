@@ -154,4 +154,9 @@ BOUNDS = {
     "tensor4_sp_deepseek_v3": Bound(memory=0.248, bytes={"tensor": 0.054}),
     # memory -24.2%, FLOPs -0.1%; bytes data +2.9%
     "zero3_remat_full_deepseek_v3": Bound(memory=0.484, bytes={"data": 0.058}),
+    # FLOPs against the HLO count priced without the masked-pair skip.
+    # memory -4.3%, FLOPs -0.1%; bytes context +1.1%, data -0.0%, data,context +0.0%
+    "context2_latent_deepseek_v3": Bound(memory=0.086, bytes={"context": 0.022}),
+    # memory -6.7%, FLOPs -0.1%; bytes context +5.3%, data -0.0%, data,context +0.0%
+    "context2_expanded_deepseek_v3": Bound(memory=0.134, bytes={"context": 0.106}),
 }

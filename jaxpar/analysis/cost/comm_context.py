@@ -32,7 +32,8 @@ def context_collectives(layout: Layout) -> list[Planned]:
     """Context parallelism (`jaxpar.parallel.context`), per layer on this device's layers, by
     `parallel.context_impl` (c = mesh.context; B = rows, Hkv / Hq heads per tensor rank; kv = B x
     S x Hkv x head_dim, one layer's whole-sequence K or V; measured on compiled HLO, data 4 x
-    context 2 and context 2 x tensor 2, every impl):
+    context 2 and context 2 x tensor 2, every impl; all_gather moving MLA's latents instead of K
+    and V when the plan says so, `ContextPlan.latent`):
       all_gather  forward: all-gathers of K and V (kv each, compute dtype); backward: the same
                   again (the kernel keeps only the local shards) and reduce-scatters of dK, dV
                   (kv each, fp32).
@@ -75,6 +76,14 @@ def context_collectives(layout: Layout) -> list[Planned]:
     passes = 2 if layout.p > 1 else 1
     fwd = 2 if layout.remat == "full" or layout.p > 1 else 1
     local = kv / c * cb  # one layer's local K (or V) with every head
+    if layout.context_latent:
+        # MLA's latents and RoPE keys (`parallel.context.latent`): gathered in the forward and again
+        # in the backward's recompute, their gradients reduce-scattered (fp32); replicated over tensor.
+        latents = layout.tokens * c * layout.facts.kv_latent_width
+        return [
+            Planned(ALL_GATHER, axes, latents * cb, L * (passes + 1), "CP latent all-gather: latents (fwd, and in the bwd)"),
+            Planned(REDUCE_SCATTER, axes, latents * 4, L, "CP latent all-gather: the latents' gradients (bwd, fp32)"),
+        ]
     if impl == "all_gather":
         out = [
             Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),

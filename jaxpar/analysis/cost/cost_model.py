@@ -139,7 +139,8 @@ def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
     tk = t if layout.kv_sharded else 1
     parts = {
         "qo": f.flops_q_o / t,
-        "kv": f.flops_k_v / tk,
+        # Gathering MLA's latents, every context rank expands every token's keys and values.
+        "kv": f.flops_k_v / tk * (layout.c if layout.context_latent else 1),
         # MLA's down-projections: every tensor rank runs them whole, on its own sequence shard under SP.
         "latent": f.flops_latent / (t if layout.sequence_parallel else 1),
         "attention": f.flops_attention_per_key * layout.seq / t * _attention_factor(layout, skip_masked),
@@ -178,6 +179,10 @@ def _recompute(layout: Layout, parts: dict) -> dict:
         # Context parallelism's blockwise kernel recomputes each score block in its backward:
         # five matmuls there for the forward's two, not four (measured, context 2).
         out["attention"] += parts["attention"] / 2
+    if layout.context_latent and layout.remat != "full":
+        # The latent gather's checkpoint re-runs the expansion and the attention forward in the backward.
+        out["kv"] += parts["kv"]
+        out["attention"] += parts["attention"]
     return out
 
 

@@ -234,6 +234,11 @@ class Layout:
         return self.plan.context.impl if self.plan.context is not None else None
 
     @property
+    def context_latent(self) -> bool:
+        """all_gather moves the latents keys and values are expanded from (`parallel.context.latent`)."""
+        return self.plan.context is not None and self.plan.context.latent
+
+    @property
     def replicas(self) -> int:
         return self.d * self.e
 
@@ -306,7 +311,7 @@ class Layout:
         spans = self.zero.stage and self.c > 1 and CONTEXT in self.zero.axes
         extra = [f"zero{self.zero.stage}" + ("@dxc" if spans else "") if self.zero.stage else "", "sp" if self.sequence_parallel else ""]
         if self.c > 1:
-            extra.append(f"cp={self.context_impl}")
+            extra.append(f"cp={self.context_impl}" + ("(latent)" if self.context_latent else ""))
         extra.append(f"remat={self.remat}")
         if self.p > 1:
             pipe = self.plan.pipeline

@@ -37,6 +37,7 @@ SCHEDULE_KEY = "parallel.pipeline_schedule"
 MICROBATCH_KEY = "parallel.num_microbatches"
 ACCUM_KEY = "train.grad_accum"
 CONTEXT_IMPL_KEY = "parallel.context_impl"
+CONTEXT_LATENT_KEY = "parallel.context_latent"
 ZERO_AXES_KEY = "parallel.zero_axes"
 
 
@@ -215,12 +216,16 @@ def _knobs(config, mesh: dict, space: Space) -> Iterator[dict]:
         layouts = [{ACCUM_KEY: a} for a in _accum_counts(rows)]
     else:
         layouts = [{ACCUM_KEY: train.grad_accum}]
-    for zero, remat, sp, impl, layout in itertools.product(zeros, remats, sps, impls, layouts):
-        keys = {"parallel.zero_stage": zero, "parallel.remat": remat, **layout}
+    # all_gather of a model with latents (MLA) moves them or the expanded K / V: both priced.
+    latents = space.context_impls is not None and mesh[CONTEXT] > 1 and facts(config.model).kv_latent_width > 0
+    contexts = [
+        {CONTEXT_IMPL_KEY: impl, **({CONTEXT_LATENT_KEY: latent} if latents and impl == "all_gather" else {})}
+        for impl in impls for latent in ((True, False) if latents and impl == "all_gather" else (None,))
+    ] if impls != (None,) else [{}]
+    for zero, remat, sp, context, layout in itertools.product(zeros, remats, sps, contexts, layouts):
+        keys = {"parallel.zero_stage": zero, "parallel.remat": remat, **layout, **context}
         if sp is not None:
             keys["parallel.sequence_parallel"] = sp
-        if impl is not None:
-            keys[CONTEXT_IMPL_KEY] = impl
         if mesh[CONTEXT] == 1 or not zero:
             yield keys
             continue

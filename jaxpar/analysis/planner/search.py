@@ -48,7 +48,7 @@ PLANNER_SPACE = Space(microbatch_options=3)
 LAYOUT_KEYS = tuple(f"mesh.{a}" for a in MESH_AXES) + (
     "parallel.zero_stage", "parallel.remat", "parallel.sequence_parallel", "parallel.pipeline_schedule",
     "parallel.num_microbatches", "parallel.virtual_stages", "train.grad_accum", "parallel.context_impl",
-    "parallel.zero_axes",
+    "parallel.zero_axes", "parallel.context_latent",
 )
 
 

@@ -35,6 +35,7 @@ from jaxpar.kernels.dense import project
 from jaxpar.models.deepseek_v3 import rope
 from jaxpar.models.layers import RMSNorm, causal_attention, normal_init
 from jaxpar.models.options import RunOptions
+from jaxpar.parallel.context.latent import latent_attention
 from jaxpar.parallel.context.sharded import model_attention
 from jaxpar.sharding import constrain
 
@@ -114,17 +115,39 @@ class LatentAttention(nnx.Module):
         out = project(heads, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence)
         return checkpoint_name(out, "o_proj")
 
+    def padded(self, k, v):
+        """k and v padded to the kernels' one head size (module docstring)."""
+        size = max(self.nope + self.rope, self.v_dim)
+        return _pad_last(k, size), _pad_last(v, size)
+
+    def expand_gathered(self, latents, kv_b):
+        """(k, v) at the kernels' head size from whole-sequence latents (latent, RoPE key) and `kv_b`:
+        the up-projection `jaxpar.parallel.context.latent` runs on every context rank."""
+        latent, rope_key = latents
+        kv = jnp.einsum("bsr,rhe->bshe", latent, kv_b)
+        k_nope = kv[..., : self.nope]
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, k_nope.shape[:-1] + (self.rope,))], axis=-1)
+        return self.padded(k, kv[..., self.nope :])
+
     def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         with jax.named_scope("attention"):
             q = self.queries(x, positions, inv_freq, opts)
-            k, v = self.expand(*self.latent(x, positions, inv_freq, opts), opts)
             size = max(self.nope + self.rope, self.v_dim)
             q = _pad_last(q * jnp.asarray(rope.softmax_scale(self.cfg) * math.sqrt(size), q.dtype), size)
-            k, v = _pad_last(k, size), _pad_last(v, size)
-            if opts.plan.context is not None:  # sequence split over devices: ring / all-gather / all-to-all
-                out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan, segment_ids=segment_ids)
+            context = opts.plan.context
+            if context is not None and context.latent:  # gather the latents, expand on every rank
+                latents = self.latent(x, positions, inv_freq, opts)
+                names = (("batch", "seq", None), ("batch", "seq", None, None))
+                out = latent_attention(
+                    q, latents, names, self.kv_b[...], ("latent", "heads", "head_dim"), self.expand_gathered, positions,
+                    rules=opts.rules, plan=opts.plan, segment_ids=segment_ids,
+                )
             else:
-                out = causal_attention(q, k, v, opts.plan.attention, segment_ids)
+                k, v = self.padded(*self.expand(*self.latent(x, positions, inv_freq, opts), opts))
+                if context is not None:  # sequence split over devices: ring / all-gather / all-to-all
+                    out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan, segment_ids=segment_ids)
+                else:
+                    out = causal_attention(q, k, v, opts.plan.attention, segment_ids)
             return self.output(out[..., : self.v_dim], opts)
 
     def cached(self, x, positions, inv_freq, kv_cache, write_at, mask, opts: RunOptions):

@@ -84,4 +84,5 @@ def facts(model) -> ModelFacts:
         flops_latent=2.0 * (down + depth * 2 * d * d / blocks),  # eh_proj [2D, D] is replicated too
         latent_widths=(d if q_rank is None else q_rank, rank, rope),
         table_uses=1 + depth,
+        kv_latent_width=rank + rope,
     )

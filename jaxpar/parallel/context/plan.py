@@ -20,13 +20,18 @@ class ContextPlan:
     impl: str = "all_gather"  # a key of IMPLS
     load_balance: bool = True  # 2c chunks, rank r holds r and 2c-1-r; else contiguous slices
     block: int = DEFAULT_BLOCK  # query / key chunk of the flash-style kernels
+    # all_gather moves the latents keys and values are expanded from (`latent.py`), not K and V.
+    latent: bool = False
 
 
-def context_plan(config, mesh: dict) -> ContextPlan | None:
+def context_plan(config, mesh: dict, facts=None) -> ContextPlan | None:
+    """`facts`: the model's (`jaxpar.model_facts.ModelFacts`): whether it has latents to gather."""
     if mesh[CONTEXT] == 1:
         return None
     parallel = config.parallel
+    latent = parallel.context_impl == "all_gather" and bool(parallel.context_latent) and bool(facts and facts.kv_latent_width)
     return ContextPlan(
+        latent=latent,
         size=mesh[CONTEXT],
         impl=parallel.context_impl,
         load_balance=bool(parallel.context_load_balance),
