@@ -133,3 +133,30 @@ def test_save_refuses_softmax_routing(tmp_path):
     with pytest.raises(ValueError, match=r"^model.scoring_func='softmax' has no transformers equivalent"):
         hf.save(tmp_path / "out", cfg, random_params(cfg))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(300)
+def test_sharded_import_of_deepseek_layout_equals_whole_tensor_load(tmp_path):
+    """`jaxpar.interop.sharded` reads MLA's per-head up-projections (q and k heads of 24, values of 16),
+    the experts and the MTP layer straight onto a data 2 x expert 2 x tensor 2 mesh with ZeRO-3, block
+    by block, bit-equal to `hf.load`; its preflight accepts the checkpoint for its own config and names
+    the MTP layer a config asks for when the checkpoint lacks it."""
+    from jaxpar.interop import sharded
+    from jaxpar.train.setup import build
+
+    cfg = tiny.deepseek_v3().model
+    hf.save(tmp_path / "hf", cfg, random_params(cfg), max_shard_bytes=150_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    config = tiny.with_overrides(tiny.deepseek_v3(), {"data": 2, "expert": 2, "tensor": 2}, parallel={"zero_stage": 3})
+    program = build(config)
+    loaded = sharded.load_params_onto(str(tmp_path / "hf"), cfg, program.state_shardings.params)
+    _, reference = hf.load(tmp_path / "hf")
+    for (path, got), want, sharding in zip(
+        jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(reference), jax.tree.leaves(program.state_shardings.params)
+    ):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
+        assert got.sharding == sharding
+    assert sharded.problems(str(tmp_path / "hf"), cfg) == []
+    deeper = tiny.deepseek_v3(num_nextn_predict_layers=2).model
+    (problem,) = sharded.problems(str(tmp_path / "hf"), deeper)
+    assert "model.num_nextn_predict_layers (checkpoint 1, config 2)" in problem
