@@ -30,7 +30,9 @@ from jaxpar.models.hf_adapter import (
 
 # What DeepSeek-V3 routes with; config.json names it (`scoring_func`, `topk_method`), transformers assumes it.
 ROUTING = {"scoring_func": "sigmoid"}
-SUPPORTED = {"hidden_act": "silu", "attention_bias": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+SUPPORTED = {
+    "hidden_act": "silu", "attention_bias": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+}
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 MLA = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 MOE = ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
@@ -115,9 +117,8 @@ def rope_from_hf(hf: dict) -> tuple[float, dict]:
     scaling = deepseek_v3_config().rope_scaling.to_dict()
     scaling["rope_type"] = rope_type
     if rope_type == "yarn":
-        for key in ("attention_factor", "truncate"):
-            if rope.get(key) not in (None, True if key == "truncate" else None):
-                raise ValueError(f"rope {key}={rope[key]!r} is not supported")
+        if rope.get("attention_factor") is not None or rope.get("truncate", True) is not True:
+            raise ValueError("rope attention_factor and truncate=False are not supported (YaRN's defaults only)")
         scaling.update(factor=float(field(rope, "factor")), beta_fast=float(rope.get("beta_fast") or 32.0),
                        beta_slow=float(rope.get("beta_slow") or 1.0))
         # Absent (None) and 0 alike: transformers then takes YaRN's default attention factor.
