@@ -10,7 +10,8 @@ checkpoints may change freely: restoring onto a different mesh is supported. Oth
 no longer equals an uninterrupted one. Both configs are compared with their derived defaults
 resolved (`jaxpar.config.resolve_derived`): `model.head_dim` None and the value it derives to are the
 same model. A config saved before keys moved is read in today's layout first (`jaxpar.config.upgrade`:
-`train.adam_b1` is `train.adamw.b1`), so a checkpoint written before the move resumes.
+`train.adam_b1` is `train.adamw.b1`), so a checkpoint written before the move resumes; a key added
+since it was saved is read as its default.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxpar.checkpoint.errors import CheckpointError
-from jaxpar.config import resolve_derived, upgrade
+from jaxpar.config import base_config, resolve_derived, upgrade
 from jaxpar.optim import DEFAULT_OPTIMIZER, OPTIMIZER_NAMES, resume_keys
 
 # Config sections (written as key prefixes) a resumed run must share with its checkpoint.
@@ -64,7 +65,12 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
     """Raises CheckpointError (one line) if the model or data sections differ; returns one-line notes
     for the other differing keys that change what an uninterrupted run would have done."""
     saved_flat, current_flat = (_flatten(resolve_derived(upgrade(as_dict(c)))) for c in (saved, current))
-    saved_flat.setdefault("train.optimizer", DEFAULT_OPTIMIZER)  # saved before the key existed: AdamW
+    # A key added after the checkpoint was saved defaults to what runs did before it existed
+    # (`train.optimizer`: AdamW; `train.mtp_loss_weight`: no model had such modules then).
+    defaults = _flatten(resolve_derived(as_dict(base_config().to_json_best_effort())))
+    for name in current_flat.keys() - saved_flat.keys():
+        if name in defaults:
+            saved_flat[name] = defaults[name]
     differing = sorted(
         n for n in saved_flat.keys() | current_flat.keys() if saved_flat.get(n, _ABSENT) != current_flat.get(n, _ABSENT)
     )
@@ -90,7 +96,7 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
 
 def _optimizer_change(saved: dict, current: dict, checkpoint: str) -> str | None:
     """One line if the run asks for another optimizer, or the same one with other hyperparameters."""
-    was, now = saved["train.optimizer"], current.get("train.optimizer", DEFAULT_OPTIMIZER)
+    was, now = saved.get("train.optimizer", DEFAULT_OPTIMIZER), current.get("train.optimizer", DEFAULT_OPTIMIZER)
     allowed = "the learning rate, schedule and its length may change"
     if was != now:
         return (

@@ -121,3 +121,15 @@ def test_it_resumes_bitwise_where_the_original_run_went_on(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         resumed = [json.loads(line) for line in f][2:]
     assert [{k: r[k] for k in expected[0]} for r in resumed] == expected
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        resumed = [r for r in map(json.loads, f) if "goodput" not in r][2:]
+    assert [{k: r[k] for k in expected[0]} for r in resumed] == expected
+
+
+def test_a_key_added_since_reads_as_its_default():
+    """`train.mtp_loss_weight` did not exist when the run was saved: at its default it is the same run,
+    set to something else it is noted (the saved run did not have it)."""
+    config = todays_config()
+    config.train.mtp_loss_weight = 0.5
+    (note,) = compare_configs(saved(), config.to_json_best_effort(), checkpoint="old")
+    assert "train.mtp_loss_weight (saved 0.3, now 0.5)" in note
