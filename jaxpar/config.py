@@ -13,7 +13,7 @@ import copy
 
 from ml_collections import ConfigDict, FieldReference
 
-from jaxpar import optim
+from jaxpar import optim, trackers
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.llama.schema import model_config as llama_model_config
 
@@ -133,11 +133,13 @@ def base_config() -> ConfigDict:
             profile_start=3,  # observability: `jaxpar.train.observe`
             profile_steps=0,
             tensorboard=True,
+            loggers="tensorboard",  # experiment trackers, comma-separated: `jaxpar.trackers`
             peak_flops_per_device=0.0,
             skip_fit_check=False,
             predicted_step_s=0.0,
         )
     )
+    c.train.update({key.name: key.default for key in trackers.KEYS})  # each tracker's own keys
     for section, keys in optim.SECTIONS.items():
         c.train[section] = ConfigDict(optim.hyperparameters.defaults(keys))
 
@@ -242,7 +244,10 @@ MEANINGS = {
     "train.init_from_hf": "a transformers checkpoint directory a fresh run starts from (ignored when resuming)",
     "train.profile_start": "the first profiled step (1-based)",
     "train.profile_steps": "steps traced by jax.profiler under WORKDIR/profile (0: none)",
-    "train.tensorboard": "write TensorBoard scalars under WORKDIR/tensorboard",
+    "train.tensorboard": "false: leave tensorboard out of train.loggers (the key from before train.loggers)",
+    "train.loggers": "experiment trackers the metrics records go to besides metrics.jsonl, comma-separated (a resumed run "
+    "continues the same tracked run)",
+    **{f"train.{key.name}": key.meaning for key in trackers.KEYS},
     "train.peak_flops_per_device": "one device's peak FLOP/s for MFU (0: a table per device kind, or on CPU a matmul "
     "measured once)",
     "train.skip_fit_check": "skip the check, before anything is allocated, that the compiled step fits the devices' "

@@ -22,6 +22,8 @@ EXTRAS = {
     "s3fs": ("[s3]", "s3fs"),  # s3:// checkpoint.dir
     "tensorboard": ("[tensorboard]", "tensorboard"),  # viewing a run's scalars (the run writes them without it)
     "torch": ("[test]", "torch"),  # transformers' models: the parity tests, scripts/bench.py generate's peer
+    "wandb": ("[trackers]", "wandb"),  # train.loggers=wandb
+    "mlflow": ("[trackers]", "mlflow"),  # train.loggers=mlflow
 }
 
 

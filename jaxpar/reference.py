@@ -67,6 +67,8 @@ def choices() -> dict[str, tuple]:
     from jaxpar.data.corpus import TEXT_DOCUMENTS
     from jaxpar.data.sources import SOURCES
     from jaxpar.dtypes import DTYPES
+    from jaxpar.trackers import NAMES as TRACKERS
+    from jaxpar.trackers import WANDB_MODES
     from jaxpar.train.checks import NONFINITE_POLICIES
 
     return {
@@ -85,6 +87,8 @@ def choices() -> dict[str, tuple]:
         "train.param_dtype": tuple(DTYPES),
         "train.compute_dtype": tuple(DTYPES),
         "train.on_nonfinite": NONFINITE_POLICIES,
+        "train.loggers": TRACKERS,
+        "train.wandb_mode": WANDB_MODES,
         "data.source": SOURCES,
         "data.text_documents": TEXT_DOCUMENTS,
     }

@@ -11,6 +11,15 @@ and why (killed by which signal, or what its exit code means), the others are te
 then SIGKILL after GRACE_S); the exit status is the first failure's (or 0; a signal N as the shell's
 128 + N).
 
+With `--max_restarts=N`, a failure a restart can mend relaunches every process, after `--backoff_s`
+seconds (doubled at each restart, at most MAX_BACKOFF_S), up to N times; each start of scripts/train.py
+resumes from the newest complete checkpoint and prints what the fault cost (`jaxpar.train.goodput`).
+The exit code decides (scripts/train.py's docstring): bad input (2) and a non-finite stop (3) fail again
+the same way, and an interrupt (130: a person's Ctrl-C) is a decision, so these end the launcher at
+once; anything else — a process killed (a lost node, kill -9, the OOM killer), a lost peer (4), JAX's
+fatal exit when process 0 died (134), a preemption's SIGTERM (143), a checkpoint that could not be
+written or read (1) — is retried.
+
 This is for trying multi-process runs, not for speed: the processes' collectives go through Gloo over
 TCP on one machine instead of within one process, so a step takes longer than in one process with all
 the devices (1.5-2x for configs/llama_tiny.py, 2 x 4 against 1 x 8 devices, on a shared 2-core host).
@@ -33,6 +42,9 @@ from jaxpar.command import Command, Flag
 # Kept equal to jaxpar.distributed's names, which would import JAX into this launcher.
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for the survivors of a failed run
+MAX_BACKOFF_S = 60.0
+# Exit codes a restart cannot mend: bad input, a non-finite stop, a person's Ctrl-C.
+NOT_RETRIED = (2, 3, 130)
 # scripts/train.py's exit codes (its docstring).
 EXIT_MEANINGS = {
     1: "a checkpoint could not be written or read",
@@ -170,16 +182,53 @@ def launch(command: list[str], processes: int, devices_per_process: int, env: di
     return status
 
 
+def shell_status(status: int) -> int:
+    return status if status >= 0 else 128 - status  # killed by signal N: the shell's 128 + N
+
+
+def retried(status: int) -> bool:
+    """Whether a run that ended with `status` (a process's return code) is relaunched."""
+    return status != 0 and shell_status(status) not in NOT_RETRIED
+
+
+def _say(line: str) -> None:
+    print(f"[launch_local] {line}", flush=True)
+
+
+def launch_with_restarts(command: list[str], processes: int, devices: int, max_restarts: int, backoff_s: float,
+                         sleep=time.sleep) -> int:
+    """`launch`, relaunched after each failure `retried` allows, at most `max_restarts` times."""
+    for restart in range(max_restarts + 1):
+        try:
+            if restart:
+                delay = min(backoff_s * 2 ** (restart - 1), MAX_BACKOFF_S)
+                _say(f"restart {restart} of {max_restarts} in {delay:g} s: every process again, from the newest complete checkpoint")
+                sleep(delay)
+            status = launch(command, processes, devices)
+        except KeyboardInterrupt:
+            return 130
+        if not retried(status):
+            if status and max_restarts:
+                _say(f"not restarting: exit {shell_status(status)} ({EXIT_MEANINGS.get(shell_status(status), 'failed')}) "
+                     f"would end the same way again")
+            return status
+    _say(f"no restart left ({max_restarts} used); the run is at its newest complete checkpoint")
+    return status
+
+
 def run(args, _) -> int:
     print(SLOWER.format(processes=args.processes, devices=args.processes * args.devices_per_process), file=sys.stderr, flush=True)
-    status = launch(args.rest, args.processes, args.devices_per_process)
-    return status if status >= 0 else 128 - status  # killed by signal N: the shell's 128 + N
+    status = launch_with_restarts(args.rest, args.processes, args.devices_per_process, args.max_restarts, args.backoff_s)
+    return shell_status(status)
 
 
 COMMANDS = (
     Command(None, "run one command as N cooperating JAX processes on this machine", run, flags=(
         Flag("processes", int, 2, "processes to start", at_least=1),
         Flag("devices_per_process", int, 4, "CPU devices of each process", at_least=1),
+        Flag("max_restarts", int, 0, "relaunch every process after a failure a restart can mend (not bad input, a "
+             "non-finite stop or Ctrl-C), at most this many times", at_least=0),
+        Flag("backoff_s", float, 1.0, "seconds before the first relaunch, doubled at each next one (at most 60)", at_least=0),
     ), devices=False, rest=True,
         checks=lambda args: [] if args.rest else ["give the command to run after --: launch_local.py --processes=N -- COMMAND ..."]),
 )

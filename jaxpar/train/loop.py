@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import time
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxpar import peers
@@ -46,7 +44,7 @@ from jaxpar.data.packing import Packer
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
 from jaxpar.train import aside as asides
-from jaxpar.train import preflight
+from jaxpar.train import goodput, preflight
 from jaxpar.train import workdir as workdirs
 from jaxpar.train.environment import report
 from jaxpar.train.eval import Evaluator, evaluator
@@ -54,8 +52,9 @@ from jaxpar.train.fit import compile_fitting
 from jaxpar.train.nonfinite import NonFiniteGuard, NonFiniteStop
 from jaxpar.train.observe import Observer, measures_peak
 from jaxpar.train.progress import Progress, StartupLog
-from jaxpar.train.setup import build, bytes_per_device
+from jaxpar.train.setup import build
 from jaxpar.train.signals import Interrupted, StopSignals
+from jaxpar.train.start import lock, memory_report, run_preflight, unlock
 
 # Metrics every step reports; anything else a model reports (MoE router stats) is logged as is.
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped_steps")
@@ -66,83 +65,6 @@ class DataFault(preflight.ConfigError):
     started: one line naming the key and file, after a checkpoint of what was trained (`_data_errors`)."""
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def memory_report(program) -> str:
-    abstract = jax.eval_shape(program.init)
-    shard = program.state_shardings
-    params = bytes_per_device(abstract.params, shard.params)
-    opt = bytes_per_device(abstract.opt_state, shard.opt_state)
-    return f"per device: params {_human(params)}, optimizer state {_human(opt)}"
-
-
-def _agree(ok: bool) -> list[int]:
-    """Indices of the processes where `ok` is False (every process gets the same list)."""
-    if jax.process_count() == 1:
-        return [] if ok else [0]
-    flags = np.asarray(multihost_utils.process_allgather(np.asarray([ok], np.int32), tiled=True))
-    return [i for i, flag in enumerate(flags) if not flag]
-
-
-def _run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.Preflight:
-    """check_run on every process (only process 0 decides about the workdir, which only it writes),
-    then one verdict for all: a process whose own checks passed still stops if another's failed."""
-    error = None
-    try:
-        run = preflight.check_run(
-            config, workdir, len(devices), devices[0].platform, overwrite=overwrite, owns_workdir=jax.process_index() == 0
-        )
-    except preflight.ConfigError as e:
-        error, run = e, None
-    failed = _agree(error is None)
-    if error is not None:
-        raise error
-    if failed:
-        raise preflight.ConfigError(f"process(es) {failed} refused the run; see their errors")
-    if jax.process_count() > 1:  # everyone follows process 0's decisions (it alone inspected the workdir)
-        plan = run.workdir
-        step = -1 if plan.resume_step is None else plan.resume_step
-        step, overwrite = (int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray([step, plan.overwrite], np.int64)))
-        run = dataclasses.replace(run, workdir=dataclasses.replace(plan, resume_step=None if step < 0 else step, overwrite=bool(overwrite)))
-    return run
-
-
-def _lock(workdir: str, checkpoint_dir: str, startup: StartupLog) -> list[workdirs.WorkdirLock]:
-    """Process 0 locks the workdir, then a local checkpoint directory (another run's workdir may name
-    it); released in reverse order by `_unlock`."""
-    locks, error = [], None
-    if jax.process_index() == 0:
-        targets = [(workdir, "--workdir")]
-        if workdirs.locks_checkpoint_dir(workdir, checkpoint_dir):
-            targets.append((checkpoint_dir, "checkpoint.dir"))
-        try:
-            for directory, key in targets:
-                locks.append(workdirs.WorkdirLock(directory, key).acquire())
-        except workdirs.WorkdirError as e:
-            error = e
-            _unlock(locks)
-    failed = _agree(error is None)
-    if error is not None:
-        raise error
-    if failed:
-        raise workdirs.WorkdirError(f"--workdir={workdir} could not be locked by process 0 (see its error)")
-    for lock in locks:
-        if lock.stale:
-            where = os.path.dirname(lock.path)
-            startup.say(f"took over the lock of {where} left by a run that ended without releasing it ({lock.stale})")
-    return locks
-
-
-def _unlock(locks: list[workdirs.WorkdirLock]) -> None:
-    for lock in reversed(locks):  # the checkpoint directory first: inside the workdir, it is removed first if empty
-        lock.release()
-
-
 def train(config, workdir: str, devices=None, *, overwrite: bool = False, progress: bool = True) -> list[dict]:
     """Trains to `config.train.steps` steps (resuming from WORKDIR's checkpoints when they fit);
     returns the metrics of the steps run here, which it also appends to WORKDIR/metrics.jsonl.
@@ -151,18 +73,21 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
     CheckpointError, NonFiniteStop or Interrupted (during start-up: nothing changed; in the loop:
     after a final checkpoint); each message is one line."""
     devices = list(jax.devices() if devices is None else devices)
-    startup = StartupLog(enabled=jax.process_index() == 0, open_lines=jax.process_count() == 1)
+    ledger = goodput.Ledger(writer=jax.process_index() == 0)  # the run's wall time starts here
+    startup = StartupLog(enabled=jax.process_index() == 0, open_lines=jax.process_count() == 1, clock=ledger)
     try:
         with StopSignals() as signals:  # from the first phase on: a signal never raises inside native code
             with startup.phase("checking the config, the data and the workdir"):
-                run = _run_preflight(config, workdir, devices, overwrite)
+                run = run_preflight(config, workdir, devices, overwrite)
             signals.check("preflight", run.workdir.resume_step is not None)
             peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
-            locks = _lock(workdir, run.workdir.checkpoint_dir, startup)
+            locks = lock(workdir, run.workdir.checkpoint_dir, startup)
             try:
+                if not overwrite and jax.process_index() == 0:  # earlier starts of this run: goodput accumulates
+                    ledger.read_earlier(workdir)
                 return _train(config, run, devices, signals, progress, startup)
             finally:
-                _unlock(locks)
+                unlock(locks)
     except (preflight.ConfigError, workdirs.WorkdirError, NonFiniteStop, Interrupted):
         raise  # one-line errors every process reaches together
     except CheckpointError:
@@ -193,6 +118,7 @@ class _Run:
     signals: StopSignals
     show_progress: bool
     startup: StartupLog  # process 0's start-up lines (also the lines said before the first step)
+    ledger: goodput.Ledger  # where the run's wall time goes (`startup.clock`)
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
@@ -251,6 +177,9 @@ def _start(run: _Run, resume_step: int | None) -> None:
     if writer:
         workdirs.write_config(run.plan.workdir, run.config)
     run.metrics = workdirs.MetricsLog(run.plan.workdir, resume_step, writer=writer)
+    run.ledger.open(run.plan.workdir, resume_step, run.start)
+    for line in goodput.restart_summary(run.ledger):
+        run.startup.say(line)
     _set_quit_note(run)
 
 
@@ -290,10 +219,10 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
     signals.check("build", resuming)
     # Compiled on abstract inputs and checked against the devices' memory before any data is read or
     # state allocated (`jaxpar.train.fit`: DoesNotFit, one line); the loop runs this executable.
-    with startup.phase("compiling the train step and checking that it fits the devices' memory"):
+    with startup.phase("compiling the train step and checking that it fits the devices' memory", kind="compile"):
         step_fn, compile_s = compile_fitting(program, config, devices, say=startup.say)
     signals.check("compile", resuming)
-    with startup.phase("opening the data"), _data_errors(None):
+    with startup.phase("opening the data", kind="input"), _data_errors(None):
         warnings = corpus_warnings(config.data)
         corpus = {workdirs.CORPUS_TOKENS: corpus_tokens(config.data), workdirs.CORPUS_FINGERPRINT: corpus_fingerprint(config.data)}
         packer = Packer(training_stream(config), train_cfg.global_batch_size, train_cfg.seq_len + 1, bool(config.data.packing))
@@ -302,11 +231,11 @@ def _train(config, pre: preflight.Preflight, devices, signals: StopSignals, prog
         startup.say(f"warning: {warning}")
     signals.check("loading data", resuming)
     check_free_space(plan.checkpoint_dir, state_bytes(jax.eval_shape(program.init)))  # before the state, not at the first save
-    run = _Run(config, plan, program, batches, None, corpus, signals, progress, startup)
+    run = _Run(config, plan, program, batches, None, corpus, signals, progress, startup, startup.clock)
     try:
         history = _run(run, resuming, step_fn, compile_s)
     except BaseException as error:
-        _amend(error, _finish(run, failed=True))
+        _amend(error, _finish(run, failed=True, error=error))
         raise
     _finish(run, failed=False)
     return history
@@ -316,7 +245,7 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     """Restore or initialise the state, then the steps (`step_fn`: the fit-checked executable)."""
     config, program, signals, train_cfg, startup = run.config, run.program, run.signals, run.config.train, run.startup
     if resuming:
-        with startup.phase(f"restoring the newest checkpoint of {run.plan.checkpoint_dir}"), _data_errors(run):
+        with startup.phase(f"restoring the newest checkpoint of {run.plan.checkpoint_dir}", kind="restore"), _data_errors(run):
             run.checkpoints = _open_checkpoints(config, run.plan)
             state, data_state, notes = _restore(run)
             run.iterator.set_state(data_state)
@@ -334,7 +263,7 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
         startup.say(f"nothing to do: the checkpoint is at step {start} and train.steps={train_cfg.steps}")
         return []
     if eval_enabled(config):
-        with startup.phase("compiling the evaluation step"):  # before anything is written
+        with startup.phase("compiling the evaluation step", kind="compile"):  # before anything is written
             run.evaluator = evaluator(config, program)
     _start(run, start if resuming else None)
     measuring = measures_peak(program.mesh.devices.flat[0], train_cfg.peak_flops_per_device)
@@ -345,8 +274,10 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     history = []
     with signals.deferred(), _data_errors(run):
         for step in range(start + 1, train_cfg.steps + 1):
-            batch = to_global(next(run.iterator), program.batch_sharding)
+            with run.ledger.timed("input"):
+                batch = to_global(next(run.iterator), program.batch_sharding)
             with run.observer.step(step):  # the profile window, if this step is in it
+                run.ledger.begin_step()
                 started = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 metrics = jax.device_get(metrics)  # waits for the step, so the timing below is honest
@@ -358,10 +289,10 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
         if run.evaluator is not None and run.evaluated != train_cfg.steps:
             _save(run, train_cfg.steps, state, force=True)  # the trained state is safe before the final eval reads data
             if not _evaluate(run, train_cfg.steps, state):
-                run.checkpoints.wait()
+                _wait(run)
                 raise _interrupted(run, f"during the final evaluation after step {train_cfg.steps}")
     _save(run, train_cfg.steps, state, force=True)
-    run.checkpoints.wait()
+    _wait(run)
     _let_go_once_proven(run)
     return history
 
@@ -381,7 +312,7 @@ def _saved_before_fault(run: _Run | None) -> str:
     if run is None or run.checkpoints is None or run.step <= run.start:
         return "nothing was trained since the run started: fix the data and rerun"
     _save(run, run.step, run.state, force=True)
-    run.checkpoints.wait()
+    _wait(run)
     _let_go_once_proven(run)
     return f"the run stopped after step {run.step}; its state is saved in checkpoint {run.checkpoints.path(run.step)}"
 
@@ -406,7 +337,8 @@ def _amend(error: BaseException, note: str | None) -> None:
 def _evaluate(run: _Run, step: int, state) -> bool:
     """One evaluation on the eval set: its own metrics.jsonl record and TensorBoard scalars. False:
     a signal stopped it between two batches (nothing is recorded)."""
-    record = run.evaluator.run(state.params, step, stop=run.signals.agreed)
+    with run.ledger.timed("eval"):
+        record = run.evaluator.run(state.params, step, stop=run.signals.agreed)
     if record is None:
         return False
     run.evaluated = step
@@ -436,6 +368,7 @@ def _record(step: int, metrics: dict, config, timing: dict) -> dict:
 def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signals: StopSignals) -> None:
     """Log, then stop for non-finite values (before any save), save if due, stop if signalled."""
     run.metrics.write(record)
+    run.ledger.step(step, record["step_s"])  # after its line: a kill between leaves the step unaccounted, never lost twice
     run.observer.log(record)
     run.progress.update(record)
     run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
@@ -445,7 +378,7 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     _let_go_once_proven(run)
     if signals.agreed() is not None:
         _save(run, step, state, force=True)
-        run.checkpoints.wait()
+        _wait(run)
         _let_go_once_proven(run)
         raise _interrupted(run, f"after step {step}")
 
@@ -455,28 +388,41 @@ def _save(run: _Run, step: int, state, *, force: bool = False) -> None:
     if not run.checkpoints.should_save(step, force):
         return
     data_state = {**run.iterator.get_state(), **run.corpus}
-    # Checkpoints hold the layers in natural order (`TrainProgram.to_natural`), portable across layouts.
-    state = run.program.to_natural(state)
-    run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+    with run.ledger.timed("checkpoint"):
+        # Checkpoints hold the layers in natural order (`TrainProgram.to_natural`), portable across layouts.
+        state = run.program.to_natural(state)
+        saved = run.checkpoints.save(step, state, data_state=data_state, config=run.config.to_json_best_effort(), force=force)
+    if saved:
+        run.ledger.mark(step)
 
 
-def _finish(run: _Run, failed: bool) -> str | None:
+def _wait(run: _Run) -> None:
+    with run.ledger.timed("checkpoint"):
+        run.checkpoints.wait()
+
+
+def _finish(run: _Run, failed: bool, error: BaseException | None = None) -> str | None:
     """Closes what the run opened; after a failure, puts back an earlier run --overwrite moved aside
     if this run never completed a checkpoint. Returns a note on the earlier run's fate, if any."""
     run.iterator.close()  # the packing thread
+    close_error = None
+    if run.checkpoints is not None:
+        try:
+            with run.ledger.timed("checkpoint"):
+                run.checkpoints.close()  # waits for a save still being written
+        except CheckpointError as e:
+            close_error = None if failed else e  # after a failure, the error that ended the run is the one reported
+    ended = "done" if error is None and close_error is None else type(error or close_error).__name__
+    if run.ledger.opened:
+        _account(run, ended)
     if run.observer is not None:
-        run.observer.close()
+        run.observer.close(ended)
     if run.progress is not None:
         run.progress.close()
     if run.metrics is not None:
         run.metrics.close()
-    if run.checkpoints is not None:
-        try:
-            run.checkpoints.close()  # waits for a save still being written
-        except CheckpointError:
-            if not failed:
-                raise
-            # else: the error that ended the run is the one reported (often this same failed write)
+    if close_error is not None:
+        raise close_error
     if run.aside is None:
         return None
     aside, run.aside = run.aside, None
@@ -489,3 +435,14 @@ def _finish(run: _Run, failed: bool) -> str | None:
     except OSError as e:
         return f"the earlier run --overwrite replaces is kept in {where} (moving it back failed: {e})"
     return f"this run wrote no checkpoint, so the earlier run is back in {run.plan.workdir}"
+
+
+def _account(run: _Run, ended: str) -> None:
+    """The run's goodput at its end: a metrics.jsonl record (and the trackers'), the summary lines."""
+    record = goodput.record(run.ledger, run.step)
+    run.metrics.write(record)
+    if run.observer is not None:
+        run.observer.log(record)
+    for line in goodput.summary(run.ledger):
+        _say(line)
+    run.ledger.close(ended)

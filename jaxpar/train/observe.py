@@ -11,8 +11,9 @@
     time), `tokens_per_sec`, `mfu` (model FLOPs `ModelFacts.model_flops_per_step` / step time / peak FLOP/s of the
     devices), on the first step run `compile_s`, the ahead-of-time compile, and with
     `train.predicted_step_s` (set by `scripts/train.py --plan`) the planner's prediction beside them;
-  - `observer.log(record)` — every numeric field of the metrics record as a TensorBoard scalar under
-    `WORKDIR/tensorboard` (tensorboardX; list-valued MoE router statistics one scalar per expert).
+  - `observer.log(record)` — every numeric field of the metrics record to the trackers `train.loggers`
+    names (`jaxpar.trackers`: TensorBoard scalars under `WORKDIR/tensorboard` by default, W&B,
+    MLflow; list-valued MoE router statistics one scalar per expert).
 
 Peak FLOP/s (`peak_flops_per_device`): `train.peak_flops_per_device` if set, else a table of
 published dense peaks per accelerator kind and compute dtype, else (CPU) a matmul measured once.
@@ -27,8 +28,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxpar import trackers
 from jaxpar.models.families import facts
 
 # What a profile holds besides the trace: each step is annotated `STEP_ANNOTATION`
@@ -89,7 +90,7 @@ def peak_flops_per_device(device, compute_dtype: str, override: float = 0.0) -> 
 
 def checks(config) -> list[str]:
     """Bad observability settings, one line each naming the key."""
-    train, errors = config.train, []
+    train, errors = config.train, trackers.checks(config.train)
     if train.profile_steps < 0:
         errors.append(f"train.profile_steps={train.profile_steps} must be >= 0 (0: no profile)")
     if train.profile_steps > 0 and train.profile_start < 1:
@@ -114,7 +115,7 @@ TIMING_FIELDS = ("step_s", "tokens_per_sec", "mfu", "compile_s")
 
 
 class Observer:
-    """Per-step timing, MFU, TensorBoard scalars and the profile window of one training run.
+    """Per-step timing, MFU, the trackers' metrics and the profile window of one training run.
 
     The loop compiles the step ahead of time (`compiled`, taking `compile_s` seconds), so every
     step's wall time is execution only; the compile time is reported once, in the first record."""
@@ -133,11 +134,7 @@ class Observer:
         self._profiling = False
         self._compile_s = compile_s  # reported with the first step, then 0
         self.predicted_step_s = float(train.predicted_step_s)
-        self.writer = None
-        if train.tensorboard and jax.process_index() == 0:
-            from tensorboardX import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        self.trackers = trackers.Sessions(config, workdir) if jax.process_index() == 0 else None
 
     @contextlib.contextmanager
     def step(self, step: int):
@@ -170,26 +167,14 @@ class Observer:
         return record
 
     def log(self, record: dict):
-        """Every numeric field of `record` (with its `step`) as TensorBoard scalars."""
-        if self.writer is None:
-            return
-        step = int(record["step"])
-        for key, value in record.items():
-            if key == "step":
-                continue
-            values = np.asarray(value, dtype=np.float64) if isinstance(value, (int, float, list)) else None
-            if values is None or values.size == 0:
-                continue
-            if values.ndim == 0:
-                self.writer.add_scalar(key, float(values), step)
-            else:
-                for i, v in enumerate(values.ravel()):
-                    self.writer.add_scalar(f"{key}/{i}", float(v), step)
-        self.writer.flush()
+        """Every numeric field of `record` (with its `step`) to the trackers."""
+        if self.trackers is not None:
+            self.trackers.log(record)
 
-    def close(self):
+    def close(self, ended: str = "done"):
+        """`ended`: "done", or the name of the error that ended the run (trackers mark the run so)."""
         if self._profiling:  # the run ended inside the window: keep what was traced
             self._stop_profile()
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        if self.trackers is not None:
+            self.trackers.close(ended)
+            self.trackers = None

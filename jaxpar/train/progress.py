@@ -2,7 +2,9 @@
 
 Start-up (`StartupLog`): one line per phase — checking, building, compiling, reading data, restoring
 or initialising — begun when the phase begins, so a long compile says what is happening, and ended
-with its time: `compiling the train step ... 4.1 s`.
+with its time: `compiling the train step ... 4.1 s`. With a `clock` (`jaxpar.train.goodput.Ledger`)
+each phase's time is also charged to its `kind` (compile, input, restore, other) for the run's
+goodput: one timing for both.
 
 Steps: on a terminal, a tqdm bar with loss and tokens/s. Anywhere else (a SLURM log, a pipe, a
 file): one plain line every `train.log_every` steps, since carriage-return redraws turn such logs
@@ -36,8 +38,8 @@ class StartupLog:
     leaves a line open: `label ...` when the phase begins, `label: 1.2 s` when it ends. Disabled
     (processes other than 0): prints nothing."""
 
-    def __init__(self, enabled: bool = True, out=None, open_lines: bool = True):
-        self.enabled, self.out, self.open_lines = enabled, out, open_lines
+    def __init__(self, enabled: bool = True, out=None, open_lines: bool = True, clock=None):
+        self.enabled, self.out, self.open_lines, self.clock = enabled, out, open_lines, clock
         self._open: str | None = None  # the label of the phase whose line is unfinished
 
     def _print(self, text: str, end: str = "\n") -> None:
@@ -52,24 +54,31 @@ class StartupLog:
         self._print(line)
 
     @contextlib.contextmanager
-    def phase(self, label: str):
-        if not self.enabled:
-            yield
-            return
-        if self._open is not None:
-            self._print("")
-        self._print(f"{label} ...", end="" if self.open_lines else "\n")
-        self._open = label if self.open_lines else None
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            seconds = f"{time.perf_counter() - started:.1f} s"
-            if self._open == label:
-                self._print(f" {seconds}")
-            else:  # something was said meanwhile
-                self._print(f"{label}: {seconds}")
-            self._open = None
+    def phase(self, label: str, kind: str = "other"):
+        with self.clock.timed(kind) if self.clock is not None else _stopwatch() as elapsed:
+            if not self.enabled:
+                yield
+                return
+            if self._open is not None:
+                self._print("")
+            self._print(f"{label} ...", end="" if self.open_lines else "\n")
+            self._open = label if self.open_lines else None
+            try:
+                yield
+            finally:
+                seconds = f"{elapsed():.1f} s"
+                if self._open == label:
+                    self._print(f" {seconds}")
+                else:  # something was said meanwhile
+                    self._print(f"{label}: {seconds}")
+                self._open = None
+
+
+@contextlib.contextmanager
+def _stopwatch():
+    """Yields a function giving the seconds since the block began (the timer of a log without a clock)."""
+    started = time.perf_counter()
+    yield lambda: time.perf_counter() - started
 
 
 class Progress:

@@ -1,7 +1,8 @@
 """The run's working directory: what an earlier run left there, one run at a time, nothing clobbered.
 
-WORKDIR holds `config.json`, `metrics.jsonl`, `checkpoints/` (unless `checkpoint.dir` points
-elsewhere) and `.lock`. Before anything is written, `inspect` decides what a new run does with it:
+WORKDIR holds `config.json`, `metrics.jsonl`, `goodput.json` (`jaxpar.train.goodput`),
+`checkpoints/` (unless `checkpoint.dir` points elsewhere) and `.lock`. Before anything is
+written, `inspect` decides what a new run does with it:
 - nothing there (or no such directory): a fresh run;
 - complete checkpoints whose saved config fits (same model and data; mesh, parallel, steps may
   change — `jaxpar.checkpoint.compare_configs`): resume from the newest;
@@ -41,15 +42,18 @@ import socket
 import time
 from dataclasses import dataclass
 
+from jaxpar import trackers
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.storage import is_remote, remote_problem
 from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens
 from jaxpar.train import aside as asides
+from jaxpar.train.goodput import LEDGER_FILE
 
 CONFIG_FILE, METRICS_FILE, LOCK_FILE, CHECKPOINTS = "config.json", "metrics.jsonl", ".lock", "checkpoints"
-# A run's files and folders in its workdir besides checkpoints (the last two: jaxpar.train.observe's).
-RUN_FILES = (METRICS_FILE, CONFIG_FILE, "tensorboard", "profile")
+# A run's files and folders in its workdir besides checkpoints (profile: jaxpar.train.observe's; goodput.json:
+# jaxpar.train.goodput's ledger; the trackers' folders and run ids: jaxpar.trackers').
+RUN_FILES = (METRICS_FILE, CONFIG_FILE, LEDGER_FILE, "profile", trackers.IDS_FILE, *trackers.FOLDERS)
 OVERWRITE_HINT = (
     "pass --overwrite to replace it (it is kept aside until the new run's first checkpoint) or choose another --workdir"
 )

@@ -20,20 +20,8 @@ from tokenizers import Tokenizer
 
 from jaxpar.extras import EXTRAS
 from tests.support.documents import make_tokenizer, write_jsonl
-from tests.support.paths import REPO, ROOT
-
-
-def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess:
-    """`code` in a child Python in which `modules` cannot be imported."""
-    hide = f"import sys\nfor _name in {modules!r}:\n    sys.modules[_name] = None\n"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", hide + code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240)
-
-
-def train_without(modules: list[str], *args: str) -> subprocess.CompletedProcess:
-    argv = ["train.py", "--config=configs/llama_tiny.py", *args]
-    return run_without(modules, f"import runpy\nsys.argv = {argv!r}\nrunpy.run_path('scripts/train.py', run_name='__main__')")
-
+from tests.support.hidden_packages import run_without, train_without
+from tests.support.paths import REPO
 
 # ---------------------------------------------------------------- the extras hold what jaxpar imports
 

@@ -76,6 +76,10 @@ CASES = [
     ("profile_negative", ["--config.train.profile_steps=-1"], "train.profile_steps=-1"),
     ("peak_flops_negative", ["--config.train.peak_flops_per_device=-1"], "train.peak_flops_per_device=-1.0"),
     ("async_save_word", ["--config.checkpoint.async_save=later"], "async_save='later' must be true or false"),
+    # -- experiment trackers (jaxpar.trackers)
+    ("logger_unknown", ["--config.train.loggers=tensorboard,wandbb"], "train.loggers='tensorboard,wandbb': 'wandbb' is not one of"),
+    ("wandb_mode", ["--config.train.loggers=wandb", "--config.train.wandb_mode=cloud"], "train.wandb_mode='cloud' is not one of"),
+    ("wandb_project_empty", ["--config.train.loggers=wandb", "--config.train.wandb_project="], "train.wandb_project='' must name"),
 ]
 
 

@@ -49,14 +49,16 @@ def env():
 
 
 def lines(workdir) -> list[dict]:
+    """metrics.jsonl's step records (each start's goodput record left out)."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if "goodput" not in r]
 
 
 def complete_lines(workdir) -> list[dict]:
-    """metrics.jsonl's records, leaving out a last line a kill may have cut short."""
+    """metrics.jsonl's step records, leaving out a last line a kill may have cut short."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f.read().splitlines(keepends=True) if line.endswith("\n")]
+        records = [json.loads(line) for line in f.read().splitlines(keepends=True) if line.endswith("\n")]
+    return [r for r in records if "goodput" not in r]
 
 
 def kill_during_a_save(args, workdir, output) -> str | None:

@@ -99,4 +99,5 @@ def test_a_run_says_each_start_up_phase_before_its_first_step(tmp_path, capsys):
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/1"))
     assert max(i for i, line in enumerate(lines) if PHASE.match(line)) < first_step
     assert "1 process, 2 devices; device -> mesh coordinates (axes of size 1 left out):" in lines
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "config.json", "metrics.jsonl", "tensorboard"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "config.json", "goodput.json", "metrics.jsonl",
+                                                                     "tensorboard"]

@@ -42,6 +42,8 @@ def test_train_script_on_emulated_devices(tmp_path):
     config = json.loads((workdir / "config.json").read_text())
     assert config["train"]["steps"] == 4 and config["mesh"]["tensor"] == 2
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert "goodput" in lines[-1], "the run's goodput ends metrics.jsonl"
+    lines = lines[:-1]
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     for m in lines:
         assert {"loss", "grad_norm", "learning_rate", "tokens_per_sec"} <= set(m)
