@@ -20,6 +20,14 @@ once; anything else — a process killed (a lost node, kill -9, the OOM killer),
 fatal exit when process 0 died (134), a preemption's SIGTERM (143), a checkpoint that could not be
 written or read (1) — is retried.
 
+With `--hosts_file=FILE` the run is elastic: FILE holds how many processes may run now (what a
+cluster's scheduler knows as its healthy hosts; at most --processes). Every (re)launch reads it, so a
+restart after a lost process runs on the processes that are left; while a run goes on, a count that
+grows stops it at a checkpoint (SIGTERM: scripts/train.py saves and exits) and relaunches it on more.
+Growing back is not a fault and uses no restart. scripts/train.py resumes a checkpoint on another mesh:
+with `mesh.data=-1` (the default) the data axis takes the devices there are, with `--plan` the planner
+lays the run out again; the global batch is a config key and stays, so does the data position.
+
 This is for trying multi-process runs, not for speed: the processes' collectives go through Gloo over
 TCP on one machine instead of within one process, so a step takes longer than in one process with all
 the devices (1.5-2x for configs/llama_tiny.py, 2 x 4 against 1 x 8 devices, on a shared 2-core host).
@@ -42,6 +50,7 @@ from jaxpar.command import Command, Flag
 # Kept equal to jaxpar.distributed's names, which would import JAX into this launcher.
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for the survivors of a failed run
+GROW_GRACE_S = 600.0  # for a run stopped to grow: its final checkpoint must be written
 MAX_BACKOFF_S = 60.0
 # Exit codes a restart cannot mend: bad input, a non-finite stop, a person's Ctrl-C.
 NOT_RETRIED = (2, 3, 130)
@@ -127,11 +136,11 @@ def _pump(index: int, stream, lock: threading.Lock) -> None:
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace_s
     for p in alive:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -140,8 +149,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def launch(command: list[str], processes: int, devices_per_process: int, env: dict | None = None) -> int:
-    """Runs `command` as `processes` processes; returns the first nonzero exit status, or 0."""
+GROW = "grow"  # launch's status when more processes became available (`--hosts_file`)
+
+
+def launch(command: list[str], processes: int, devices_per_process: int, env: dict | None = None, grows=lambda: False):
+    """Runs `command` as `processes` processes; returns the first nonzero exit status, or 0, or GROW
+    once `grows()` is true (the processes then stopped with SIGTERM: they checkpoint and exit)."""
     base = dict(os.environ if env is None else env)
     port = free_port()
     lock = threading.Lock()
@@ -171,6 +184,11 @@ def launch(command: list[str], processes: int, devices_per_process: int, env: di
                     )
                 _stop(procs)
                 break
+            if grows():
+                _stop(procs, GROW_GRACE_S)
+                for t in pumps:
+                    t.join(timeout=5)
+                return GROW
             time.sleep(0.1)
     except KeyboardInterrupt:
         _stop(procs)
@@ -195,31 +213,87 @@ def _say(line: str) -> None:
     print(f"[launch_local] {line}", flush=True)
 
 
+def read_hosts(path: str) -> int:
+    """The process count a hosts file allows now (its first line, an integer >= 0)."""
+    with open(path) as f:
+        return int(f.readline().strip())
+
+
+def hosts_problem(path: str) -> str | None:
+    try:
+        count = read_hosts(path)
+    except (OSError, ValueError) as e:
+        return f"--hosts_file={path}: must hold the number of processes that may run ({type(e).__name__}: {e})"
+    return None if count >= 1 else f"--hosts_file={path} holds {count}: at least 1 process must be able to start"
+
+
+def allowed(processes: int, hosts_file: str, last: int) -> int:
+    """What the hosts file allows now, at most --processes (`last` while it cannot be read)."""
+    try:
+        return min(read_hosts(hosts_file), processes)
+    except (OSError, ValueError):
+        return last
+
+
+def available(processes: int, hosts_file: str, last: int, sleep=time.sleep) -> int:
+    """How many processes to launch: --processes, or what the hosts file allows (while it allows
+    none, wait: the scheduler is finding hosts)."""
+    if not hosts_file:
+        return processes
+    while (count := allowed(processes, hosts_file, last)) < 1:
+        sleep(1.0)
+    return count
+
+
+def _grows(processes: int, hosts_file: str, running: int):
+    """While `running` processes run: whether the hosts file allows more now."""
+    return lambda: bool(hosts_file) and allowed(processes, hosts_file, running) > running
+
+
 def launch_with_restarts(command: list[str], processes: int, devices: int, max_restarts: int, backoff_s: float,
-                         sleep=time.sleep) -> int:
-    """`launch`, relaunched after each failure `retried` allows, at most `max_restarts` times."""
-    for restart in range(max_restarts + 1):
+                         sleep=time.sleep, hosts_file: str = "") -> int:
+    """`launch`, relaunched after each failure `retried` allows, at most `max_restarts` times; with a
+    hosts file, on the processes it allows, and again on more when it allows more."""
+    restart, count = 0, processes
+    while True:
         try:
-            if restart:
-                delay = min(backoff_s * 2 ** (restart - 1), MAX_BACKOFF_S)
-                _say(f"restart {restart} of {max_restarts} in {delay:g} s: every process again, from the newest complete checkpoint")
-                sleep(delay)
-            status = launch(command, processes, devices)
+            was, count = count, available(processes, hosts_file, count, sleep)
+            if count != was:
+                _say(f"{count} process{'es' * (count > 1)} available (--hosts_file): the run continues on {count} x {devices} devices")
+            status = launch(command, count, devices, grows=_grows(processes, hosts_file, count))
         except KeyboardInterrupt:
             return 130
+        if status == GROW:
+            _say("more processes available (--hosts_file): stopping at a checkpoint to continue on them")
+            continue
         if not retried(status):
             if status and max_restarts:
                 _say(f"not restarting: exit {shell_status(status)} ({EXIT_MEANINGS.get(shell_status(status), 'failed')}) "
                      f"would end the same way again")
             return status
-    _say(f"no restart left ({max_restarts} used); the run is at its newest complete checkpoint")
-    return status
+        if restart == max_restarts:
+            _say(f"no restart left ({max_restarts} used); the run is at its newest complete checkpoint")
+            return status
+        restart += 1
+        delay = min(backoff_s * 2 ** (restart - 1), MAX_BACKOFF_S)
+        _say(f"restart {restart} of {max_restarts} in {delay:g} s: every process again, from the newest complete checkpoint")
+        try:
+            sleep(delay)
+        except KeyboardInterrupt:
+            return 130
 
 
 def run(args, _) -> int:
     print(SLOWER.format(processes=args.processes, devices=args.processes * args.devices_per_process), file=sys.stderr, flush=True)
-    status = launch_with_restarts(args.rest, args.processes, args.devices_per_process, args.max_restarts, args.backoff_s)
+    status = launch_with_restarts(args.rest, args.processes, args.devices_per_process, args.max_restarts, args.backoff_s,
+                                  hosts_file=args.hosts_file)
     return shell_status(status)
+
+
+def _checks(args) -> list[str]:
+    errors = [] if args.rest else ["give the command to run after --: launch_local.py --processes=N -- COMMAND ..."]
+    problem = args.hosts_file and hosts_problem(args.hosts_file)
+    return errors + ([problem] if problem else [])
 
 
 COMMANDS = (
@@ -229,8 +303,9 @@ COMMANDS = (
         Flag("max_restarts", int, 0, "relaunch every process after a failure a restart can mend (not bad input, a "
              "non-finite stop or Ctrl-C), at most this many times", at_least=0),
         Flag("backoff_s", float, 1.0, "seconds before the first relaunch, doubled at each next one (at most 60)", at_least=0),
-    ), devices=False, rest=True,
-        checks=lambda args: [] if args.rest else ["give the command to run after --: launch_local.py --processes=N -- COMMAND ..."]),
+        Flag("hosts_file", str, "", "elastic: a file holding how many processes may run now (at most --processes), read "
+             "at each launch; when it grows, the run stops at a checkpoint and continues on more"),
+    ), devices=False, rest=True, checks=_checks),
 )
 
 

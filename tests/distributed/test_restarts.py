@@ -197,7 +197,7 @@ def test_which_exits_are_retried(status, again):
 def test_restarts_back_off_and_stop_at_the_limit_or_at_a_final_exit(monkeypatch):
     launcher = script("launch_local")
     statuses, slept = iter([-signal.SIGKILL, 4, 134, 0]), []
-    monkeypatch.setattr(launcher, "launch", lambda *args: next(statuses))
+    monkeypatch.setattr(launcher, "launch", lambda *args, **kwargs: next(statuses))
     assert launcher.launch_with_restarts(["x"], 2, 1, max_restarts=5, backoff_s=1.5, sleep=slept.append) == 0
     assert slept == [1.5, 3.0, 6.0]
     statuses, slept = iter([4] * 10), []
@@ -206,3 +206,97 @@ def test_restarts_back_off_and_stop_at_the_limit_or_at_a_final_exit(monkeypatch)
     statuses, slept = iter([-signal.SIGKILL, 2, 0]), []
     assert launcher.launch_with_restarts(["x"], 2, 1, max_restarts=5, backoff_s=1, sleep=slept.append) == 2
     assert slept == [1], "bad input ends the launcher"
+
+
+def test_elastic_launches_on_what_the_hosts_file_allows_and_grows_back(tmp_path, monkeypatch):
+    """The launcher's side of `--hosts_file`, in closed form: a lost process with one host gone
+    relaunches on one process (a restart), a grown count stops the run and relaunches on two (no
+    restart used), a count of 0 waits."""
+    launcher, hosts = script("launch_local"), tmp_path / "hosts"
+    hosts.write_text("2\n")
+    launched, slept = [], []
+
+    def fake_launch(command, processes, devices, grows):
+        launched.append(processes)
+        if len(launched) == 1:
+            hosts.write_text("1\n")  # the scheduler drops the lost host
+            return -signal.SIGKILL
+        if len(launched) == 2:
+            assert not grows()
+            hosts.write_text("2\n")
+            assert grows()
+            return launcher.GROW
+        return 0
+
+    def sleep(seconds):
+        slept.append(seconds)
+        if hosts.read_text() == "0\n":
+            hosts.write_text("2\n")
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    assert launcher.launch_with_restarts(["x"], 2, 2, max_restarts=1, backoff_s=0.5, sleep=sleep, hosts_file=str(hosts)) == 0
+    assert launched == [2, 1, 2] and slept == [0.5], "one restart (the kill); growing back used none"
+    hosts.write_text("0\n")
+    launched.clear()
+    assert launcher.available(2, str(hosts), 2, sleep=sleep) == 2 and slept[-1] == 1.0, "no host: it waits"
+    assert launcher.hosts_problem(str(hosts)) is None and "at least 1" in launcher.hosts_problem(str(write(tmp_path / "z", "0")))
+    assert "must hold the number" in launcher.hosts_problem(str(tmp_path / "absent"))
+
+
+ELASTIC_CONFIG = f"""
+from tests.support import tiny
+def get_config():
+    return tiny.with_overrides(tiny.llama(vocab_size=256), {{"data": -1, "tensor": 2}}, data={{"max_corpus_bytes": 100_000}},
+                               train={{"steps": {STEPS}, "peak_flops_per_device": 1e12}}, checkpoint={{"every_steps": 3}})
+"""
+
+
+def start_launcher(tmp_path, name, config, *flags):
+    out = open(tmp_path / f"{name}.txt", "w")
+    process = subprocess.Popen(
+        [sys.executable, LAUNCH, "--processes=2", "--devices_per_process=2", "--backoff_s=0.5", *flags,
+         "--", sys.executable, TRAIN, f"--config={config}", f"--workdir={tmp_path / name}"],
+        stdout=out, stderr=subprocess.STDOUT, env=subprocess_environment(PYTHONPATH=ROOT), start_new_session=True)
+    return process, out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1500)
+def test_a_run_loses_a_host_continues_on_one_and_grows_back(tmp_path):
+    """2 processes x 2 devices (data 2 x tensor 2); one host is lost (SIGKILL, the hosts file says 1):
+    the run continues on 1 process (data 1 x tensor 2) from the newest checkpoint; the host returns
+    (the file says 2): the run stops at a checkpoint and continues on 2. Reference: the same run
+    uninterrupted; the losses within the cross-mesh tolerance (another data axis sums the gradients in
+    another order), every step once; growing back loses no step."""
+    config, hosts = write(tmp_path / "config.py", ELASTIC_CONFIG), tmp_path / "hosts"
+    hosts.write_text("2\n")
+    workdir = tmp_path / "run"
+    launcher, out = start_launcher(tmp_path, "run", config, f"--hosts_file={hosts}", "--max_restarts=1")
+    try:
+        until(lambda: True if any(r.get("step") == 4 for r in metrics(workdir)) else None, launcher, "step 4")
+        pids = until(lambda: children(launcher.pid) if len(children(launcher.pid)) == 2 else None, launcher, "2 processes")
+        hosts.write_text("1\n")
+        os.kill(pids[1], signal.SIGKILL)
+        resumed = until(lambda: in_start(workdir, 2), launcher, "start 2")[-1]["first_step"]
+        until(lambda: True if any(r.get("step") == resumed + 2 for r in metrics(workdir)) else None, launcher, "2 steps")
+        hosts.write_text("2\n")
+        assert launcher.wait(timeout=WAIT_S) == 0, (tmp_path / "run.txt").read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        out.close()
+    reference, out = start_launcher(tmp_path, "reference", config)
+    assert reference.wait(timeout=WAIT_S) == 0, (tmp_path / "reference.txt").read_text()[-4000:]
+    out.close()
+
+    output = (tmp_path / "run.txt").read_text()
+    meshes = [line.split("mesh: ", 1)[1] for line in output.splitlines() if line.startswith("[0]") and "mesh: " in line]
+    assert [m.split(" on ")[1] for m in meshes] == ["4 cpu devices", "2 cpu devices", "4 cpu devices"], meshes
+    assert output.count("restart 1 of 1") == 1 and "stopping at a checkpoint to continue on them" in output
+    final, expected = (untimed(metrics(tmp_path / n)) for n in ("run", "reference"))
+    assert [r["step"] for r in final if "loss" in r] == list(range(1, STEPS + 1)), "every step once, the data position exact"
+    for got, want in zip(final, expected, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), (got, want)
+    attempts = goodput.read(workdir)
+    assert len(attempts) == 3 and attempts[1]["seconds"].get("lost", 0.0) == 0.0, "stopping to grow lost nothing"
