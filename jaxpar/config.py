@@ -166,6 +166,10 @@ def base_config() -> ConfigDict:
             share=0.0,
             every_steps=0,
             steps=0,
+            harness_every_steps=0,  # lm-eval tasks in the loop: `jaxpar.downstream.harness`
+            harness_tasks="",
+            harness_include_path="",
+            harness_limit=0,
         )
     )
 
@@ -270,6 +274,10 @@ MEANINGS = {
     "eval.share": "or this share of the training documents, held out by a hash of their tokens",
     "eval.every_steps": "evaluate every this many steps (0: only at the end; always at the end)",
     "eval.steps": "batches of train.global_batch_size rows per evaluation (0: the whole eval set once)",
+    "eval.harness_every_steps": "run lm-eval tasks on the model every this many steps (0: off)",
+    "eval.harness_tasks": "the lm-eval task names, comma-separated",
+    "eval.harness_include_path": "a folder of lm-eval task YAML files (local data: dataset_path json, data_files)",
+    "eval.harness_limit": "documents per task in each harness evaluation (0: all)",
     "checkpoint.dir": "where checkpoints go; empty: WORKDIR/checkpoints; any path Orbax handles (local, NFS, gs://)",
     "checkpoint.every_steps": "save every this many steps (0: only at the end), and always at the end",
     "checkpoint.keep": "newest complete checkpoints kept (0: all)",

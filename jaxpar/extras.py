@@ -22,6 +22,7 @@ EXTRAS = {
     "s3fs": ("[s3]", "s3fs"),  # s3:// checkpoint.dir
     "tensorboard": ("[tensorboard]", "tensorboard"),  # viewing a run's scalars (the run writes them without it)
     "torch": ("[test]", "torch"),  # transformers' models: the parity tests, scripts/bench.py generate's peer
+    "lm_eval": ("[eval]", "lm_eval"),  # scripts/harness.py, eval.harness_every_steps (jaxpar.downstream)
     "wandb": ("[trackers]", "wandb"),  # train.loggers=wandb
     "mlflow": ("[trackers]", "mlflow"),  # train.loggers=mlflow
 }
