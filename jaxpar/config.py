@@ -156,6 +156,7 @@ def base_config() -> ConfigDict:
             eos_id=-1,
             packing=True,
             mixture=FieldReference("", field_type=object),  # a string, or a list of dicts
+            mixture_stages=FieldReference([], field_type=object),  # [[STEP, WEIGHTS], ...]
         )
     )
 
@@ -270,6 +271,8 @@ MEANINGS = {
     "data.packing": "pack documents into rows (false: one document per row, cut and padded)",
     "data.mixture": "weighted sources mixed document by document, \"PATH:WEIGHT,...\" (or in a config file a list of "
     "dicts); data.path is then unused",
+    "data.mixture_stages": "the mixture's weights by step, [[STEP, WEIGHTS], ...]: from train step STEP on, WEIGHTS "
+    "(one per data.mixture entry, or a dict by entry name); data.mixture's own weights hold before the first",
     "eval.path": "an eval corpus, read with data's settings",
     "eval.share": "or this share of the training documents, held out by a hash of their tokens",
     "eval.every_steps": "evaluate every this many steps (0: only at the end; always at the end)",

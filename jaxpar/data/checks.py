@@ -1,7 +1,7 @@
 """The data preflight: what a run reads, checked before anything is compiled or written.
 
 `validate_data_config` — the settings alone (paths stat-ed, nothing read): sources, mixture entries
-and their weights (finite, > 0), eval keys.
+and their weights (finite, > 0), the mixture's stages (`data.mixture_stages`), eval keys.
 `corpus_problems` — opens every source: token files' sidecars, offsets and id ranges (against
 `model.vocab_size` and the vocabulary the sidecar records), the tokenizer and its vocabulary, the
 records of every record file (the first `PREFLIGHT_RECORDS` of each training source, spread over
@@ -29,6 +29,7 @@ from jaxpar.data.corpus import (
     eval_enabled,
     eval_source,
     mixture_entries,
+    mixture_stages,
     open_stream,
     training_sources,
 )
@@ -83,7 +84,7 @@ def validate_data_config(config) -> list[str]:
     if entries and data.path:
         errors.append(f"data.path={data.path!r} and data.mixture are both set; use data.mixture alone (or data.path)")
     weights = [p for i, entry in enumerate(entries) if (p := _weight_problem(i, entry["weight"]))]
-    errors += weights
+    errors += weights + mixture_stages(data)[1]
     if not problems and not weights:
         for src in training_sources(data):
             errors += _source_settings_problems(src, vocab)

@@ -5,8 +5,9 @@ weight, the data settings for the rest, any of them overridable in a list-of-dic
 the eval source (`eval.path`, read with the data settings). Each opens as a collection of
 documents (`jaxpar.data.documents`) or, for "datasets", a `datasets` stream
 (`jaxpar.data.hf_stream`), and is read in training order (shuffled by the seed, endless) or eval
-order (in order, once). `training_stream` mixes the training sources (`jaxpar.data.mixture`),
-leaving out the held-out share (`eval.share`); `eval_stream` is `eval.path` or that share.
+order (in order, once). `training_stream` mixes the training sources (`jaxpar.data.mixture`), with
+weights that may change by step (`data.mixture_stages`, read by `mixture_stages`), leaving out the
+held-out share (`eval.share`); `eval_stream` is `eval.path` or that share.
 
 The checks of what these read, before a run starts, are `jaxpar.data.checks`.
 """
@@ -17,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 
@@ -44,8 +46,9 @@ from jaxpar.data.sources import load_tokens, source_tokens, stdlib_files, text_f
 from jaxpar.data.tokenizer import document_encoder
 
 TEXT_DOCUMENTS = ("file", "line")
-# What a list-of-dicts mixture entry may set besides path and weight.
+# What a list-of-dicts mixture entry may set besides path, weight and name (what stages call it).
 ENTRY_KEYS = ("source", "text_field", "text_documents", "token_dtype", "eos_id")
+STAGE_EXAMPLE = "[[1000, [1, 3]], [5000, [0, 1]]]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,19 +90,85 @@ def mixture_entries(value) -> tuple[list[dict], list[str]]:
         return entries, problems
     if not isinstance(value, (list, tuple)):
         return [], [f"data.mixture={value!r} must be 'PATH:WEIGHT,...' or a list of dicts with path and weight"]
-    entries, problems = [], []
+    entries, problems, names = [], [], {}
     for i, entry in enumerate(value):
         entry = dict(entry) if isinstance(entry, (Mapping, ConfigDict)) else entry
         if not isinstance(entry, dict) or "path" not in entry or "weight" not in entry:
             problems.append(f"data.mixture[{i}]={entry!r} must be a dict with path and weight")
             continue
-        unknown = sorted(set(entry) - {"path", "weight", *ENTRY_KEYS})
+        unknown = sorted(set(entry) - {"path", "weight", "name", *ENTRY_KEYS})
         if unknown:
-            problems.append(f"data.mixture[{i}] has unknown key(s) {', '.join(unknown)}; known: path, weight, "
+            problems.append(f"data.mixture[{i}] has unknown key(s) {', '.join(unknown)}; known: path, weight, name, "
                             f"{', '.join(ENTRY_KEYS)}")
             continue
+        name = entry.get("name")
+        if "name" in entry and (not isinstance(name, str) or not name):
+            problems.append(f"data.mixture[{i}].name={name!r} must be a non-empty string")
+        elif name in names:
+            problems.append(f"data.mixture[{i}].name={name!r} is also data.mixture[{names[name]}]'s; names are unique")
+        elif name is not None:
+            names[name] = i
         entries.append(entry)
     return entries, problems
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _stage_weights(i: int, weights, entries: list[dict]) -> tuple[list[float] | None, list[str]]:
+    """One stage's weights, one per entry in order: from a list by position or a dict by entry name."""
+    key = f"data.mixture_stages[{i}]"
+    if isinstance(weights, (Mapping, ConfigDict)):
+        names = [e.get("name") for e in entries]
+        unknown = [k for k in dict(weights) if k not in names]
+        if unknown:
+            known = ", ".join(repr(n) for n in names if n) or "none: name them with the key name in a list-of-dicts data.mixture"
+            return None, [f"{key} weighs {unknown[0]!r}, which names no data.mixture entry (names: {known})"]
+        if missing := [n for n in names if n not in weights]:
+            label = repr(missing[0]) if missing[0] else f"data.mixture[{names.index(missing[0])}] (unnamed)"
+            return None, [f"{key} leaves out {label}; give every entry a weight (0 leaves it out of the stage)"]
+        weights = [weights[n] for n in names]
+    elif not isinstance(weights, (list, tuple)):
+        return None, [f"{key}'s weights {weights!r} must be a list, one per data.mixture entry, or a dict by entry name"]
+    if len(weights) != len(entries):
+        return None, [f"{key} gives {len(weights)} weights for data.mixture's {len(entries)} entries; give one per entry"]
+    for j, w in enumerate(weights):
+        if not (_is_number(w) and math.isfinite(w) and w >= 0):
+            return None, [f"{key}: the weight {w!r} of data.mixture[{j}] must be a finite number >= 0"]
+    if not sum(weights) > 0:
+        return None, [f"{key} weighs every data.mixture entry 0; give one a weight > 0"]
+    return [float(w) for w in weights], []
+
+
+def mixture_stages(data) -> tuple[list[tuple[int, list[float]]], list[str]]:
+    """(stages, problems) of `data.mixture_stages`: [[STEP, WEIGHTS], ...], from train step STEP on
+    (steps count from 1) documents are drawn with WEIGHTS, a list with one weight per `data.mixture`
+    entry or a dict by entry name; data.mixture's own weights hold before the first stage."""
+    value = data.mixture_stages
+    if value in (None, "") or (isinstance(value, (list, tuple)) and not value):
+        return [], []
+    if not isinstance(value, (list, tuple)):
+        return [], [f"data.mixture_stages={value!r} must be a list of [STEP, WEIGHTS], e.g. {STAGE_EXAMPLE}"]
+    entries, problems = mixture_entries(data.mixture)
+    if problems:
+        return [], []  # named by data.mixture's own check
+    if not entries:
+        return [], ["data.mixture_stages is set but data.mixture is not; stages change the weights of a mixture's entries"]
+    stages, last = [], 1
+    for i, stage in enumerate(value):  # the first problem only: later stages are measured against it
+        if not isinstance(stage, (list, tuple)) or len(stage) != 2:
+            return [], [f"data.mixture_stages[{i}]={stage!r} must be [STEP, WEIGHTS], e.g. {STAGE_EXAMPLE}"]
+        step, weights = stage
+        if not (isinstance(step, int) and not isinstance(step, bool)) or step <= last:
+            where = "data.mixture's own weights hold from step 1 (give them the first weights)" if last == 1 else f"the stage before starts at step {last}"
+            return [], [f"data.mixture_stages[{i}] starts at step {step!r}; {where}, so give an integer step > {last}"]
+        weights, problems = _stage_weights(i, weights, entries)
+        if problems:
+            return [], problems
+        stages.append((step, weights))
+        last = step
+    return stages, []
 
 
 def training_sources(data) -> list[Source]:
@@ -167,7 +236,9 @@ def training_stream(config):
     keep = HoldOut(config.eval.share, eval=False) if config.eval.share > 0 else None
     sources = training_sources(config.data)
     streams = [open_stream(src, seq_len, seed, train=True, keep=keep) for src in sources]
-    return streams[0] if len(streams) == 1 else MixtureStream(streams, [src.weight for src in sources], seed)
+    if len(streams) == 1:
+        return streams[0]
+    return MixtureStream(streams, [src.weight for src in sources], seed, stages=mixture_stages(config.data)[0])
 
 
 def eval_stream(config):
@@ -243,6 +314,9 @@ def describe(config) -> str:
     total = sum(s.weight for s in sources)
     lines = [f"data: a mixture of {len(sources)} sources, drawn document by document ({packing}; {tokenizers}):"]
     lines += [f"  {where[s.key]}: weight {s.weight:g} ({s.weight / total:.0%} of documents)" for s in sources]
+    for step, weights in mixture_stages(config.data)[0]:
+        shares = ", ".join(f"{w:g} ({w / sum(weights):.0%})" for w in weights)
+        lines.append(f"  from step {step}, weights {shares}")
     return "\n".join(lines)
 
 

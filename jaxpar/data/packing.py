@@ -16,8 +16,13 @@ at the first document (or piece) that fits no row: it waits for the next batch.
 `data.packing=False`: one document per row, cut to S+1 tokens, padded.
 
 State: where the next batch starts — the stream's state before the waiting document and how far
-into it (a long document's next piece) — so a resumed run packs exactly the batches it would
-have. Documents of fewer than 2 tokens (no target) never reach the packer.
+into it (a long document's next piece) — and how many batches were packed, so a resumed run packs
+exactly the batches it would have. Documents of fewer than 2 tokens (no target) never reach the packer.
+
+A stream whose draws depend on the step (`StepStream`: a mixture whose weights change by stage) is
+told which batch is packed next; where its draws change, a whole document drawn for the batch before
+that waits (it did not fit) goes back and is drawn again, so every document that starts in a batch
+was drawn with that batch's weights.
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ from __future__ import annotations
 import numpy as np
 
 TOKENS, SEGMENTS = 0, 1  # the channels of a packed batch
+
+
+class StepStream:
+    """A document stream whose draws depend on the batch being packed (`jaxpar.data.mixture`)."""
+
+    def begin_batch(self, index: int) -> bool:
+        """Draw for batch `index` (from 0) from now on; True where the draws differ from the previous batch's."""
+        raise NotImplementedError
 
 
 class Packer:
@@ -35,6 +48,7 @@ class Packer:
             raise ValueError(f"packing needs rows >= 1 and width >= 2, got {rows} and {width}")
         self.stream, self.rows, self.width, self.packing = stream, int(rows), int(width), bool(packing)
         self.waiting = None  # (tokens, offset, stream state before reading them)
+        self.batches = 0  # batches packed: the index of the next one
 
     def _take(self):
         if self.waiting is not None:
@@ -49,6 +63,20 @@ class Packer:
     def __next__(self) -> np.ndarray:
         """The next batch; StopIteration once the stream is done and nothing waits (a last batch
         with rows left over is padded)."""
+        self._begin_batch()
+        batch = self._pack()
+        self.batches += 1
+        return batch
+
+    def _begin_batch(self) -> None:
+        if not isinstance(self.stream, StepStream) or not self.stream.begin_batch(self.batches):
+            return
+        if self.waiting is not None and self.waiting[1] == 0:  # a whole document, drawn with the old weights
+            before, self.waiting = self.waiting[2], None
+            self.stream.set_state(before)
+            self.stream.begin_batch(self.batches)
+
+    def _pack(self) -> np.ndarray:
         batch = np.zeros((self.rows, 2, self.width), np.int32)
         filled = np.zeros(self.rows, np.int64)  # tokens in each row
         segments = np.zeros(self.rows, np.int32)  # documents (pieces) in each row
@@ -88,13 +116,13 @@ class Packer:
 
     def get_state(self) -> dict:
         if self.waiting is None:
-            return {"stream": self.stream.get_state(), "offset": None}
+            return {"stream": self.stream.get_state(), "offset": None, "batches": self.batches}
         tokens, offset, before = self.waiting
-        return {"stream": before, "offset": offset}
+        return {"stream": before, "offset": offset, "batches": self.batches}
 
     def set_state(self, state: dict) -> None:
         self.stream.set_state(state["stream"])
-        self.waiting = None
+        self.waiting, self.batches = None, int(state.get("batches", 0))  # 0: a checkpoint from before the count
         if state["offset"] is not None:
             before = self.stream.get_state()
             self.waiting = (next(self.stream), int(state["offset"]), before)

@@ -1,4 +1,4 @@
-"""The probe's mixtures (`data.mixture`, flag and list forms) and eval sets (`eval.*`): each bad input
+"""The probe's mixtures (`data.mixture`, flag and list forms, and its stages) and eval sets (`eval.*`): each bad input
 through scripts/train.py's `main`, in this process, refused before anything is compiled or written
 with one line naming the key, the mixture entry (`data.mixture[i]`) or the eval file and its line
 (`tests/train/probe.py` checks the contract)."""
@@ -12,6 +12,12 @@ NOT_UTF8 = b'{"text": "caf\xe9"}'
 
 def mixture(value: str, *extra: str) -> tuple:
     return ("--config.data.source=text", f"--config.data.mixture={value}", *extra)
+
+
+def stages(t, value: str, named: bool = False) -> tuple:
+    """A mixture of two sources (named a and b, or unnamed) with `--config.data.mixture_stages=value`."""
+    entries = f"[{{'path': '{t.a()}', 'weight': 1, 'name': 'a'}}, {{'path': '{t.b()}', 'weight': 1, 'name': 'b'}}]"
+    return mixture(entries if named else f"{t.a()}:1,{t.b()}:2", f"--config.data.mixture_stages={value}")
 
 
 def with_eval(t, path: str, *extra: str) -> tuple:
@@ -36,6 +42,23 @@ CASES = [
                                    "data.mixture[1].source='web'")),
     ("not_a_list", lambda t: (mixture("[1, 2"), "--config.data.mixture='[1, 2' is not a list")),
     ("and_data_path", lambda t: (mixture(f"{t.a()}:1,{t.b()}:1", f"--config.data.path={t.a()}"), "data.mixture are both set")),
+    # -- stages (data.mixture_stages)
+    ("stages_at_step_one", lambda t: (stages(t, "[[1, [1, 2]]]"), "data.mixture_stages[0] starts at step 1; data.mixture's own")),
+    ("stages_not_increasing", lambda t: (stages(t, "[[10, [1, 2]], [10, [2, 1]]]"), "data.mixture_stages[1] starts at step 10; "
+                                                                                     "the stage before starts at step 10")),
+    ("stages_float_step", lambda t: (stages(t, "[[10.5, [1, 2]]]"), "data.mixture_stages[0] starts at step 10.5")),
+    ("stages_wrong_length", lambda t: (stages(t, "[[10, [1, 2, 3]]]"), "gives 3 weights for data.mixture's 2 entries")),
+    ("stages_negative", lambda t: (stages(t, "[[10, [1, -1]]]"), "the weight -1 of data.mixture[1] must be a finite number >= 0")),
+    ("stages_all_zero", lambda t: (stages(t, "[[10, [0, 0.0]]]"), "data.mixture_stages[0] weighs every data.mixture entry 0")),
+    ("stages_not_pairs", lambda t: (stages(t, "1000:1,3"), "data.mixture_stages[0]='1000:1' must be [STEP, WEIGHTS]")),
+    ("stages_unnamed_entries", lambda t: (stages(t, "[[10, {'web': 1}]]"), "data.mixture_stages[0] weighs 'web', which names no")),
+    ("stages_unknown_name", lambda t: (stages(t, "[[10, {'a': 1, 'web': 1}]]", named=True), "weighs 'web', which names no data.mixture "
+                                                                                            "entry (names: 'a', 'b')")),
+    ("stages_name_left_out", lambda t: (stages(t, "[[10, {'a': 1}]]", named=True), "data.mixture_stages[0] leaves out 'b'")),
+    ("stages_without_mixture", lambda t: (("--config.data.source=text", f"--config.data.path={t.a()}",
+                                           "--config.data.mixture_stages=[[10, [1]]]"), "data.mixture_stages is set but data.mixture")),
+    ("name_repeated", lambda t: (mixture(f"[{{'path': '{t.a()}', 'weight': 1, 'name': 'x'}}, {{'path': '{t.b()}', 'weight': 1, "
+                                         f"'name': 'x'}}]"), "data.mixture[1].name='x' is also data.mixture[0]'s")),
     # -- the sources of a mixture, each named by its entry
     ("entry_missing_file", lambda t: (mixture(f"{t.a()}:1,{t.root / 'gone.jsonl'}:1"), "data.mixture[1].path=")),
     ("entry_bad_record", lambda t: (mixture(f"{t.a()}:1,{t.records('b.jsonl', bad={9: NOT_UTF8})}:1"),
