@@ -23,13 +23,14 @@ from typing import Any
 from jaxpar.checkpoint.errors import CheckpointError
 from jaxpar.config import base_config, resolve_derived, upgrade
 from jaxpar.optim import DEFAULT_OPTIMIZER, OPTIMIZER_NAMES, resume_keys
+from jaxpar.trackers import KEYS as TRACKER_KEYS
 
 # Config sections (written as key prefixes) a resumed run must share with its checkpoint.
 MUST_MATCH = ("model.", "data.")
 FREE = (
     "mesh", "parallel", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
     "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf", "train.skip_fit_check",
-    "train.predicted_step_s",
+    "train.predicted_step_s", "train.loggers", "train.tensorboard", *(f"train.{key.name}" for key in TRACKER_KEYS),
 )
 _ABSENT = object()
 

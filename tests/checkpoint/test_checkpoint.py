@@ -246,7 +246,8 @@ def test_a_checkpoint_that_would_not_fit_is_refused_before_writing(tmp_path, mon
 def test_compare_configs():
     saved = source_config()
     assert compare_configs(saved.to_json_best_effort(), saved.to_json_best_effort(), checkpoint="/c/3") == []
-    relaid = with_overrides(saved, {"tensor": 8}, parallel={"zero_stage": 3}, train={"steps": 99})
+    relaid = with_overrides(saved, {"tensor": 8}, parallel={"zero_stage": 3},
+                            train={"steps": 99, "loggers": "tensorboard,mlflow", "mlflow_experiment": "other"})
     assert compare_configs(saved.to_json_best_effort(), relaid.to_json_best_effort(), checkpoint="/c/3") == []
     reseeded = with_overrides(saved, {"data": 2, "tensor": 4}, train={"seed": 1})
     (note,) = compare_configs(saved.to_json_best_effort(), reseeded.to_json_best_effort(), checkpoint="/c/3")
