@@ -161,7 +161,8 @@ def mixture_stages(data) -> tuple[list[tuple[int, list[float]]], list[str]]:
             return [], [f"data.mixture_stages[{i}]={stage!r} must be [STEP, WEIGHTS], e.g. {STAGE_EXAMPLE}"]
         step, weights = stage
         if not (isinstance(step, int) and not isinstance(step, bool)) or step <= last:
-            where = "data.mixture's own weights hold from step 1 (give them the first weights)" if last == 1 else f"the stage before starts at step {last}"
+            where = ("data.mixture's own weights hold from step 1 (give them the first weights)" if last == 1
+                     else f"the stage before starts at step {last}")
             return [], [f"data.mixture_stages[{i}] starts at step {step!r}; {where}, so give an integer step > {last}"]
         weights, problems = _stage_weights(i, weights, entries)
         if problems:
