@@ -46,6 +46,29 @@ def upgrade(config: dict) -> dict:
     return config
 
 
+def with_defaults(saved: dict) -> ConfigDict:
+    """A saved config (a plain nested dict) in today's layout (`upgrade`) with every key added since
+    it was saved at its default, which is what runs did before the key existed; the model section's
+    defaults are its family's. Restoring a checkpoint builds today's program from it."""
+    from jaxpar.models.families import FAMILIES  # the families import this module's neighbours
+
+    config = upgrade(saved)
+    defaults = base_config().to_dict()
+    model = config.get("model", {})
+    if isinstance(model, dict) and model.get("model_type") in FAMILIES:
+        defaults["model"] = FAMILIES[model["model_type"]].schema().to_dict()
+
+    def fill(node: dict, default: dict) -> dict:
+        for key, value in default.items():
+            if key not in node:
+                node[key] = copy.deepcopy(value)
+            elif isinstance(value, dict) and isinstance(node[key], dict):
+                fill(node[key], value)
+        return node
+
+    return ConfigDict(fill(config, defaults))
+
+
 def resolve_derived(config: dict) -> dict:
     """A config as a plain nested dict (e.g. saved JSON) with every derived default made explicit
     and every key its other keys leave unused dropped, so two configs that describe the same run
@@ -180,6 +203,9 @@ def base_config() -> ConfigDict:
             every_steps=100,
             keep=3,
             async_save=True,
+            local_dir="",  # the frequent tier: `jaxpar.checkpoint.tiers`
+            local_every_steps=0,
+            local_keep=2,
         )
     )
     return c
@@ -285,4 +311,9 @@ MEANINGS = {
     "checkpoint.every_steps": "save every this many steps (0: only at the end), and always at the end",
     "checkpoint.keep": "newest complete checkpoints kept (0: all)",
     "checkpoint.async_save": "write checkpoints in the background while training goes on",
+    "checkpoint.local_dir": "the frequent tier: fast storage every process sees (a node's disk, /dev/shm) a restart "
+    "resumes from when it is newer than checkpoint.dir's; empty: one tier",
+    "checkpoint.local_every_steps": "with checkpoint.local_dir: save there every this many steps (steps due in "
+    "checkpoint.dir go there only)",
+    "checkpoint.local_keep": "newest complete checkpoints the local tier keeps",
 }

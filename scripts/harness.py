@@ -78,14 +78,14 @@ def run_tasks(args, _) -> int:
 
     from jaxpar.checkpoint import CheckpointError
     from jaxpar.downstream import harness
-    from jaxpar.downstream.model import JaxparLM
+    from jaxpar.loading.lm_eval import JaxparRunLM
     from jaxpar.mesh import MeshError
     from jaxpar.sampling import SampleError
 
     if unknown := harness.unknown_tasks(args.tasks, args.include_path, key="--tasks"):
         raise command.UsageError("\n".join(unknown))
     try:
-        lm = JaxparLM(args.workdir, args.checkpoint, args.step, args.from_hf, batch_size=args.batch_size,
+        lm = JaxparRunLM(args.workdir, args.checkpoint, args.step, args.from_hf, batch_size=args.batch_size,
                       max_length=args.max_length, max_gen_toks=args.max_gen_toks,
                       **{axis: getattr(args, axis) for axis in MESH_FLAGS})
     except (SampleError, CheckpointError, MeshError, ValueError) as e:
@@ -112,7 +112,7 @@ def run_lm_eval(args, _) -> int:
     _lm_eval("scripts/harness.py lm_eval")
     from lm_eval.__main__ import cli_evaluate
 
-    import jaxpar.downstream.model  # noqa: F401 (registers --model jaxpar)
+    import jaxpar.loading.lm_eval  # noqa: F401 (registers --model jaxpar)
 
     sys.argv = ["lm_eval", *args.rest]
     cli_evaluate()

@@ -114,9 +114,9 @@ def run(args, _) -> int:
     import jax
 
     from jaxpar.checkpoint import CheckpointError
+    from jaxpar.loading import load as loading
     from jaxpar.mesh import MeshError
     from jaxpar.sampling import SampleError
-    from jaxpar.sampling import load as loading
     from jaxpar.sampling.filters import SamplingParams
 
     args.sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
@@ -124,7 +124,7 @@ def run(args, _) -> int:
     devices = jax.devices()
     try:
         if args.from_hf:
-            loaded = loading.from_hf(args.from_hf, requested, devices)
+            loaded = loading.from_hf_dir(args.from_hf, requested, devices)
         else:
             directory, flag = loading.checkpoint_directory(args.workdir, args.checkpoint)
             loaded = loading.from_checkpoint(directory, flag, None if args.step == -1 else args.step, requested, devices)

@@ -132,7 +132,7 @@ class Harness:
         eos = getattr(tokenizer, "eos_token_id", None)  # a byte run has none: data.eos_id, if set
         eos = eos if eos is not None else (int(config.data.eos_id) if config.data.eos_id >= 0 else None)
         self.loaded = Loaded(config.model, sampler, None, tokenizer, eos, "the training params")
-        self.lm = JaxparLM(loaded=self.loaded)
+        self.lm = JaxparLM(self.loaded)
         self.names = task_names(config.eval.harness_tasks)
 
     def due(self, step: int) -> bool:

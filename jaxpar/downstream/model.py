@@ -1,11 +1,10 @@
-"""jaxpar as an lm-eval model, registered as `jaxpar` when this module is imported.
+"""jaxpar as an lm-eval model, over params already on a mesh (`jaxpar.sampling.load.Loaded`).
 
-    lm = JaxparLM(workdir="runs/x")          # or checkpoint=DIR [step=N], or from_hf=DIR
-    lm = JaxparLM(loaded=Loaded(...))        # params already on a mesh (the training loop)
+    lm = JaxparLM(Loaded(...))               # the training loop's params, or `jaxpar.loading.load(...)`
     lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=TaskManager(include_path=...))
 
-From lm-eval's own command line: `--model jaxpar --model_args workdir=RUN,batch_size=16,tensor=2`
-(scripts/harness.py imports this module first; lm-eval itself cannot find it otherwise).
+Registered for lm-eval's own command line as `jaxpar` by `jaxpar.loading.lm_eval`, which loads a
+workdir, a checkpoint or a transformers directory first (`--model jaxpar --model_args workdir=RUN`).
 
 It subclasses lm-eval's `TemplateLM`, so a (context, continuation) pair is split into token ids by
 lm-eval's own code (trailing spaces moved to the continuation, an empty context replaced by the
@@ -19,35 +18,16 @@ Requests are not grouped by shared context (lm-eval's one-token-continuation cac
 
 from __future__ import annotations
 
-import jax
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from jaxpar.axes import DATA, EXPERT, MESH_AXES, TENSOR
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.downstream.scoring import Scorer, generate
 from jaxpar.sampling.filters import SamplingParams
 
 DEFAULT_ROWS = 16
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's transformers backend's
-
-
-def load(workdir: str = "", checkpoint: str = "", step: int = -1, from_hf: str = "", mesh: dict | None = None):
-    """`jaxpar.sampling.load.Loaded` for exactly one of workdir / checkpoint / from_hf, on a mesh of the
-    devices (`mesh`: axis sizes as scripts/sample.py takes them; 0 or absent: the defaults)."""
-    from jaxpar.sampling import SampleError
-    from jaxpar.sampling import load as loading
-
-    sources = [name for name, value in (("workdir", workdir), ("checkpoint", checkpoint), ("from_hf", from_hf)) if value]
-    if len(sources) != 1:
-        raise SampleError(f"jaxpar model_args: give exactly one of workdir=, checkpoint=, from_hf= (got {sources or 'none'})")
-    requested = {axis: int((mesh or {}).get(axis, 0)) for axis in MESH_AXES}
-    if from_hf:
-        return loading.from_hf(from_hf, requested, jax.devices())
-    directory, flag = loading.checkpoint_directory(workdir, checkpoint)
-    return loading.from_checkpoint(directory, flag, None if int(step) == -1 else int(step), requested, jax.devices())
 
 
 def _rows(batch_size) -> int:
@@ -58,14 +38,10 @@ def _rows(batch_size) -> int:
         return DEFAULT_ROWS
 
 
-@register_model("jaxpar")
 class JaxparLM(TemplateLM):
-    def __init__(self, workdir: str = "", checkpoint: str = "", step: int = -1, from_hf: str = "", *, loaded=None,
-                 batch_size=DEFAULT_ROWS, max_length: int = 0, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, data: int = 0,
-                 tensor: int = 0, expert: int = 0, **_lm_eval_extras):  # device, max_batch_size: lm-eval's, unused here
+    def __init__(self, loaded, *, batch_size=DEFAULT_ROWS, max_length: int = 0, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+                 **_lm_eval_extras):  # device, max_batch_size: lm-eval's, unused here
         super().__init__()
-        if loaded is None:
-            loaded = load(str(workdir), str(checkpoint), int(step), str(from_hf), {DATA: data, TENSOR: tensor, EXPERT: expert})
         if loaded.tokenizer is None:
             raise ValueError(f"{loaded.source} has no tokenizer; lm-eval's tasks are text")
         self.loaded, self.tokenizer = loaded, loaded.tokenizer

@@ -34,13 +34,15 @@ import jax
 from jax.experimental import multihost_utils
 
 from jaxpar import peers
-from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs
+from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state, check_shared_storage, compare_configs, tiers
 from jaxpar.checkpoint.listing import finished_steps
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes
+from jaxpar.checkpoint.tiers import Tiers
 from jaxpar.data.batches import DocumentBatches, to_global
 from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warnings, describe, eval_enabled, training_stream
 from jaxpar.data.documents import DataError
 from jaxpar.data.packing import Packer
+from jaxpar.downstream import harness as downstream
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
 from jaxpar.train import aside as asides
@@ -81,7 +83,7 @@ def train(config, workdir: str, devices=None, *, overwrite: bool = False, progre
                 run = run_preflight(config, workdir, devices, overwrite)
             signals.check("preflight", run.workdir.resume_step is not None)
             peers.set_hint(lambda: _resume_point(run.workdir.checkpoint_dir))
-            locks = lock(workdir, run.workdir.checkpoint_dir, startup)
+            locks = lock(workdir, run.workdir.checkpoint_dir, startup, tiers.local_dir(config))
             try:
                 if not overwrite and jax.process_index() == 0:  # earlier starts of this run: goodput accumulates
                     ledger.read_earlier(workdir)
@@ -113,7 +115,7 @@ class _Run:
     plan: workdirs.WorkdirPlan
     program: object
     iterator: DocumentBatches
-    checkpoints: Checkpoints | None
+    checkpoints: Tiers | None
     corpus: dict  # the corpus's identity (size, fingerprint), saved with every checkpoint
     signals: StopSignals
     show_progress: bool
@@ -122,6 +124,7 @@ class _Run:
     metrics: workdirs.MetricsLog | None = None
     progress: Progress | None = None
     guard: NonFiniteGuard | None = None
+    harness: downstream.Harness | None = None  # lm-eval tasks every eval.harness_every_steps
     observer: Observer | None = None
     evaluator: Evaluator | None = None
     evaluated: int = -1  # the last step evaluated
@@ -136,10 +139,20 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def _open_checkpoints(config, plan: workdirs.WorkdirPlan) -> Checkpoints:
-    section = config.checkpoint
+def _open_checkpoints(config, plan: workdirs.WorkdirPlan) -> Tiers:
+    """The persistent tier, and the local one when checkpoint.local_dir is set (`jaxpar.checkpoint.tiers`)."""
+    section, local = config.checkpoint, tiers.local_dir(config)
     keep = int(section.keep) or None  # 0: keep every checkpoint
-    return Checkpoints(plan.checkpoint_dir, every_steps=int(section.every_steps), keep=keep, async_save=bool(section.async_save))
+    persistent = Checkpoints(plan.checkpoint_dir, every_steps=int(section.every_steps), keep=keep, async_save=bool(section.async_save))
+    if not local:
+        return Tiers(persistent)
+    if plan.overwrite:  # the replaced run's cache of restarts goes with it
+        if jax.process_index() == 0:
+            tiers.clear(local)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxpar-local-tier-cleared")
+    return Tiers(persistent, Checkpoints(local, every_steps=int(section.local_every_steps), keep=int(section.local_keep),
+                                         async_save=bool(section.async_save)))
 
 
 def _restore(run: _Run):
@@ -265,6 +278,9 @@ def _run(run: _Run, resuming: bool, step_fn, compile_s: float) -> list[dict]:
     if eval_enabled(config):
         with startup.phase("compiling the evaluation step", kind="compile"):  # before anything is written
             run.evaluator = evaluator(config, program)
+    if downstream.enabled(config):
+        with startup.phase("preparing the lm-eval tasks", kind="eval"):
+            run.harness = downstream.Harness(config, list(program.mesh.devices.flat))
     _start(run, start if resuming else None)
     measuring = measures_peak(program.mesh.devices.flat[0], train_cfg.peak_flops_per_device)
     with startup.phase("timing a matmul: this host's FLOP/s, the peak MFU counts against") if measuring else contextlib.nullcontext():
@@ -374,6 +390,11 @@ def _after_step(run: _Run, step: int, state, record: dict, metrics: dict, signal
     run.guard.observe(step, metrics)  # NonFiniteStop: the bad step is logged, never saved
     if run.evaluator is not None and run.evaluator.due(step):
         _evaluate(run, step, state)
+    if run.harness is not None and run.harness.due(step):
+        with run.ledger.timed("eval"):  # every process: the programs are SPMD
+            record = run.harness.run(run.program.to_natural(state).params, step)  # the sampler reads natural layer order
+        run.metrics.write(record)
+        run.observer.log(record)
     _save(run, step, state)
     _let_go_once_proven(run)
     if signals.agreed() is not None:

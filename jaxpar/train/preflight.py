@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from ml_collections import ConfigDict
 
 from jaxpar.axes import MESH_AXES
+from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.data.checks import corpus_problems, validate_data_config
+from jaxpar.downstream import harness as downstream
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
@@ -173,6 +175,7 @@ def _config_problems(
         errors.append(f"train.seq_len={train.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}")
     errors += validate_data_config(config)
     errors += observe.checks(config)
+    errors += downstream.checks(config)
     if not keys_checked:  # a planner candidate changes layout keys only (ints, strings)
         errors += _nonfinite_problems(config, errors)
     return without_cascades(errors), mesh, sane
@@ -231,8 +234,10 @@ def check_run(
     """The whole run's preflight (module docstring); raises ConfigError with every problem.
     `owns_workdir=False` (processes other than 0, which never write it): the workdir is not inspected."""
     errors, mesh, sane = _config_problems(config, num_devices, platform)
+    errors += tiers.checks(config, workdirs.checkpoint_dir(config, workdir))
     if sane:
         errors += corpus_problems(config)
+        errors += downstream.task_problems(config)  # imports lm-eval only when the harness is on
     if owns_workdir:
         plan, workdir_problems = workdirs.inspect(config, workdir, overwrite=overwrite)
     else:

@@ -43,7 +43,7 @@ def transformers_results(setup):
 
 @pytest.fixture(scope="module")
 def jaxpar_one_device(setup):
-    from jaxpar.downstream.model import JaxparLM
+    from jaxpar.loading.lm_eval import JaxparRunLM as JaxparLM
 
     model, tasks = setup
     lm = JaxparLM(from_hf=model, data=1, batch_size=8)
@@ -98,7 +98,7 @@ def test_greedy_generations_equal_the_transformers_backend(transformers_results,
 
 
 def test_a_mesh_of_8_devices_gives_the_one_device_results(setup, jaxpar_one_device):
-    from jaxpar.downstream.model import JaxparLM
+    from jaxpar.loading.lm_eval import JaxparRunLM as JaxparLM
 
     model, tasks = setup
     lm = JaxparLM(from_hf=model, data=4, tensor=2, batch_size=8)
