@@ -304,17 +304,26 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint {self.path(step)} does not exist (complete steps: {self.all_steps()})")
         notes = []
         for candidate in candidates:
-            restored, reason = self._try_restore(candidate, abstract_state)
+            restored, message = self.try_step(candidate, abstract_state, set_aside=step is None)
             if restored is not None:
                 return dataclasses.replace(restored, notes=tuple(notes))
-            message = f"checkpoint {self.path(candidate)} is unreadable ({reason})"
             if step is not None:
                 raise CheckpointError(message)
-            if not self.read_only:
-                message += f"; moved it to {self._quarantine(candidate)}"
-            self._warn(message)
             notes.append(message)
         raise CheckpointError(f"no readable checkpoint in checkpoint.dir={self.directory}: " + " | ".join(notes))
+
+    def try_step(self, step: int, abstract_state, *, set_aside: bool = True) -> tuple[Restored | None, str]:
+        """(Restored, "") for a readable step, else (None, one line naming it and why); an unreadable
+        one is moved aside (unless read-only or `set_aside` is False) and reported."""
+        restored, reason = self._try_restore(step, abstract_state)
+        if restored is not None:
+            return restored, ""
+        message = f"checkpoint {self.path(step)} is unreadable ({reason})"
+        if set_aside and not self.read_only:
+            message += f"; moved it to {self._quarantine(step)}"
+        if set_aside:
+            self._warn(message)
+        return None, message
 
     def _try_restore(self, step: int, abstract_state) -> tuple[Restored | None, str]:
         path = self.path(step)

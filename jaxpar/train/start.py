@@ -67,14 +67,16 @@ def run_preflight(config, workdir: str, devices, overwrite: bool) -> preflight.P
     return run
 
 
-def lock(workdir: str, checkpoint_dir: str, startup: StartupLog) -> list[workdirs.WorkdirLock]:
+def lock(workdir: str, checkpoint_dir: str, startup: StartupLog, local_dir: str = "") -> list[workdirs.WorkdirLock]:
     """Process 0 locks the workdir, then a local checkpoint directory (another run's workdir may name
-    it); released in reverse order by `unlock`."""
+    it) and the local tier's (`jaxpar.checkpoint.tiers`); released in reverse order by `unlock`."""
     locks, error = [], None
     if jax.process_index() == 0:
         targets = [(workdir, "--workdir")]
         if workdirs.locks_checkpoint_dir(workdir, checkpoint_dir):
             targets.append((checkpoint_dir, "checkpoint.dir"))
+        if local_dir:
+            targets.append((local_dir, "checkpoint.local_dir"))
         try:
             for directory, key in targets:
                 locks.append(workdirs.WorkdirLock(directory, key).acquire())

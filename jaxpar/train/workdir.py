@@ -46,6 +46,7 @@ from jaxpar import trackers
 from jaxpar.checkpoint import CheckpointError, compare_configs
 from jaxpar.checkpoint.listing import converted_from, finished_steps, saved_config, saved_data_state
 from jaxpar.checkpoint.storage import is_remote, remote_problem
+from jaxpar.checkpoint.tiers import local_dir
 from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens
 from jaxpar.train import aside as asides
 from jaxpar.train.goodput import LEDGER_FILE
@@ -76,7 +77,7 @@ def checkpoint_dir(config, workdir: str) -> str:
 class WorkdirPlan:
     workdir: str
     checkpoint_dir: str
-    resume_step: int | None  # the newest complete checkpoint that fits the config; None: fresh run
+    resume_step: int | None  # the newest complete checkpoint (of either tier) that fits the config; None: fresh run
     overwrite: bool  # move the earlier run's files aside when the run starts (`jaxpar.train.aside`)
     notes: tuple[str, ...]  # one line each, printed at start
 
@@ -135,12 +136,17 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
         problems.append(p)
     if p := remote_problem(ckpt_dir):
         problems.append(p)
+    local = local_dir(config)
+    if local and (p := _directory_problem(local, "checkpoint.local_dir")):
+        problems.append(p)
     if problems:
         return None, problems
     if (holder := lock_holder(workdir)) is not None:
         return None, [busy_line("--workdir", workdir, holder)]
     if locks_checkpoint_dir(workdir, ckpt_dir) and (holder := lock_holder(ckpt_dir)) is not None:
         return None, [busy_line("checkpoint.dir", ckpt_dir, holder)]
+    if local and (holder := lock_holder(local)) is not None:
+        return None, [busy_line("checkpoint.local_dir", local, holder)]
     # Interrupted saves are reported (and removed) by `jaxpar.checkpoint.Checkpoints` when it opens.
     notes = []
     steps = finished_steps(ckpt_dir)
@@ -157,31 +163,34 @@ def inspect(config, workdir: str, *, overwrite: bool) -> tuple[WorkdirPlan | Non
         f"checkpoint; move its files back to resume it, or delete it" for folder in asides.leftovers(workdir, ckpt_dir)
     ]
     replacing = "is moved aside when this run starts, deleted at its first checkpoint and restored if it fails before"
+    local_steps = [s for s in finished_steps(local) if s not in steps] if local else []
     if overwrite:
-        if steps or earlier:
-            notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) {replacing}")
-        return WorkdirPlan(workdir, ckpt_dir, None, bool(steps or earlier), tuple(notes)), []
+        if steps or earlier or local_steps:
+            local_note = f" and the local tier's checkpoints {local_steps} are deleted" if local_steps else ""
+            notes.append(f"--overwrite: the earlier run in {workdir} (checkpoints {steps or 'none'}) {replacing}{local_note}")
+        return WorkdirPlan(workdir, ckpt_dir, None, bool(steps or earlier or local_steps), tuple(notes)), []
     current = json.loads(config.to_json_best_effort())
-    for step in reversed(steps):
+    # Newest first over both tiers (`jaxpar.checkpoint.tiers`), the persistent one's step before the local one's.
+    for step, directory in sorted([(s, ckpt_dir) for s in steps] + [(s, local) for s in local_steps], reverse=True):
         try:
-            saved = saved_config(ckpt_dir, step)
+            saved = saved_config(directory, step)
         except CheckpointError as e:
             notes.append(f"{e}; trying an older checkpoint")
             continue
         try:
-            notes += compare_configs(saved, current, checkpoint=os.path.join(ckpt_dir, str(step)))
-            corpus_problem = _corpus_changed(config, ckpt_dir, step)
+            notes += compare_configs(saved, current, checkpoint=os.path.join(directory, str(step)))
+            corpus_problem = _corpus_changed(config, directory, step)
         except CheckpointError as e:
-            return None, [f"{e}; {_refusal_hint(ckpt_dir, step, converted)}"]
+            return None, [f"{e}; {_refusal_hint(directory, step, converted)}"]
         if corpus_problem:
-            return None, [f"{corpus_problem}; {_refusal_hint(ckpt_dir, step, converted)}"]
+            return None, [f"{corpus_problem}; {_refusal_hint(directory, step, converted)}"]
         if config.train.init_from_hf:
             notes.append(
                 f"train.init_from_hf={config.train.init_from_hf} is ignored: this run resumes from checkpoint "
-                f"{os.path.join(ckpt_dir, str(step))}"
+                f"{os.path.join(directory, str(step))}"
             )
         return WorkdirPlan(workdir, ckpt_dir, step, False, tuple(notes)), []
-    if steps:
+    if steps or local_steps:
         return None, [f"checkpoint.dir={ckpt_dir} holds checkpoints {steps} but none with a readable config; {OVERWRITE_HINT}"]
     if earlier:
         if _same_run_without_checkpoint(workdir, current):
