@@ -175,6 +175,7 @@ def base_config() -> ConfigDict:
             max_corpus_bytes=4_000_000,
             tokenizer="",
             text_field="text",
+            format="text",
             text_documents="file",
             eos_id=-1,
             packing=True,
@@ -292,6 +293,8 @@ MEANINGS = {
     "data.max_corpus_bytes": "cap on the built-in stdlib corpus",
     "data.tokenizer": "a local transformers tokenizer folder (stdlib, text, datasets); empty: bytes are the tokens",
     "data.text_field": "the field of a jsonl / json / parquet / arrow record that holds its text",
+    "data.format": "what a record holds: text (data.text_field, every token counts), chat (messages rendered by "
+    "data.tokenizer's chat template, the assistant's tokens count) or prompt_completion (the completion's tokens count)",
     "data.text_documents": "text files: a document per file or per line",
     "data.eos_id": "tokens without an offsets sidecar: a document ends after each eos_id; -1: no boundaries",
     "data.packing": "pack documents into rows (false: one document per row, cut and padded)",

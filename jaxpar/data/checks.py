@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 from jaxpar.data import hf_stream
+from jaxpar.data.chat import RecordError, has_generation_markers, prefix_mask
 from jaxpar.data.corpus import (
     TEXT_DOCUMENTS,
     Source,
@@ -28,15 +29,17 @@ from jaxpar.data.corpus import (
     eval_batches,
     eval_enabled,
     eval_source,
+    format_of,
     mixture_entries,
     mixture_stages,
     open_stream,
     training_sources,
 )
-from jaxpar.data.documents import DataError, HoldOut, offsets_path, record_text
+from jaxpar.data.documents import DataError, HoldOut, offsets_path, parse_record, record_text
+from jaxpar.data.formats import FORMATS, MASKED_FORMATS
 from jaxpar.data.prepare import sidecar_vocab, token_file_problems
 from jaxpar.data.sources import SOURCES, TEXT_SOURCES, TOKEN_DTYPES, source_problems, source_tokens, text_files, token_range_problems
-from jaxpar.data.tokenizer import ByteTokenizer, TokenizerError, vocab_size_fix
+from jaxpar.data.tokenizer import ByteTokenizer, TextTokenizer, TokenizerError, vocab_size_fix
 from jaxpar.extras import installed, missing_line
 from jaxpar.ranges import at_least, one_of, within
 
@@ -52,6 +55,7 @@ def _source_settings_problems(src: Source, vocab: int) -> list[str]:
         return errors
     errors += source_problems(src, key=src.key)
     errors += one_of("data.text_documents", src.text_documents, TEXT_DOCUMENTS)
+    errors += _format_settings_problems(src)
     if not src.text_field:
         errors.append("data.text_field is empty; name the field of each record that holds its text")
     errors += within("data.eos_id", src.eos_id, -1, vocab - 1)
@@ -63,6 +67,55 @@ def _source_settings_problems(src: Source, vocab: int) -> list[str]:
             f"(data.source={src.source!r}, data.tokenizer=''); set model.vocab_size >= 256 or data.tokenizer"
         )
     return errors
+
+
+def _format_key(src: Source) -> str:
+    return "data.format" if src.key in ("data.path", "eval.path") else src.key.replace(".path", ".format")
+
+
+def _format_settings_problems(src: Source) -> list[str]:
+    """A masked `data.format` needs records (the text source's .jsonl files, or the datasets source),
+    and chat a tokenizer (its template renders the conversations)."""
+    key = _format_key(src)
+    errors = one_of(key, src.format, FORMATS)
+    if errors or src.format not in MASKED_FORMATS:
+        return errors
+    if src.source not in ("text", "datasets"):
+        return [f"{key}={src.format!r} reads records, but data.source={src.source!r} holds none; use data.source='text' "
+                f"(.jsonl files) or 'datasets'"]
+    if src.format == "chat" and not src.tokenizer:
+        return [f"{key}='chat' renders conversations with a tokenizer's chat template, but data.tokenizer is empty "
+                f"(bytes); set data.tokenizer to a tokenizer folder with a chat template"]
+    if src.source == "text" and os.path.exists(src.path):
+        others = [f for f in text_files(src.path) if not f.endswith(".jsonl")]
+        if others:
+            return [f"{src.key}: {others[0]} is not a .jsonl file, but {key}={src.format!r} reads JSON records; "
+                    f"leave it out or use data.format='text'"]
+    return []
+
+
+PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye."},
+         {"role": "assistant", "content": "Goodbye."}]
+
+
+def template_problems(src: Source, encoder) -> list[str]:
+    """A chat source's tokenizer has a chat template, and one whose assistant tokens can be told:
+    with {% generation %} markers, or prefix-stable on a probe conversation."""
+    if src.format != "chat" or not isinstance(encoder, TextTokenizer):
+        return []
+    tokenizer, key = encoder.tokenizer, _format_key(src)
+    if not tokenizer.chat_template:
+        return [f"data.tokenizer={src.tokenizer!r} has no chat template ({key}='chat' renders conversations with it); "
+                f"use a tokenizer folder whose tokenizer_config.json or chat_template.jinja has one"]
+    if has_generation_markers(tokenizer):
+        return []
+    for probe in (PROBE, PROBE[1:]):  # with and without a system prompt (some templates add their own)
+        try:
+            prefix_mask(tokenizer, probe)
+        except RecordError as e:
+            return [f"data.tokenizer={src.tokenizer!r}: {e} ({key}='chat', on a probe conversation)"]
+    return []
 
 
 def _weight_problem(i: int, weight) -> str | None:
@@ -102,9 +155,10 @@ def validate_data_config(config) -> list[str]:
 # ---------------------------------------------------------------- records
 
 
-def record_problems(src: Source, limit: int | None) -> list[str]:
+def record_problems(src: Source, limit: int | None, width: int = 2) -> list[str]:
     """The first problem among the records of a record source's files: `limit` records in all
-    (None: every record), spread evenly over the files from the start of each, at least one each."""
+    (None: every record), spread evenly over the files from the start of each, at least one each;
+    a masked `data.format`'s records rendered as training renders them into rows of `width`."""
     try:
         if src.source == "datasets":
             if not installed("datasets"):
@@ -115,8 +169,9 @@ def record_problems(src: Source, limit: int | None) -> list[str]:
         else:
             return []
         per_file = None if limit is None else max(1, limit // max(len(files), 1))
+        checked = format_of(src, width) if src.format in MASKED_FORMATS else None
         for path in files:
-            count = _file_records(path, src, per_file)
+            count = _masked_records(path, src, checked, per_file) if checked else _file_records(path, src, per_file)
             if count == 0 and src.source == "datasets":  # `datasets` cannot infer the schema of an empty file
                 return [f"{src.key}: {path} holds no record; fill it or leave it out"]
     except DataError as e:
@@ -136,6 +191,27 @@ def _file_records(path: str, src: Source, limit: int | None) -> int:
     count = 0  # .json and .arrow, through `datasets`
     for count, record in enumerate(hf_stream.open_stream([path], key=src.key), 1):
         _text_of(record.get(src.text_field), src, f"{src.key}: {path} record {count}")
+        if limit is not None and count >= limit:
+            break
+    return count
+
+
+def _masked_records(path: str, src: Source, checked, limit: int | None) -> int:
+    """`_file_records` for a masked format: each record rendered (`jaxpar.data.formats`)."""
+    count = 0
+    if path.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{src.key}: {path} line {number}"
+                checked.document(parse_record(line, where), lambda where=where: where)
+                count += 1
+                if limit is not None and count >= limit:
+                    break
+        return count
+    for count, record in enumerate(hf_stream.open_stream([path], key=src.key), 1):
+        checked.document(record, lambda count=count: f"{src.key}: {path} record {count}")
         if limit is not None and count >= limit:
             break
     return count
@@ -214,7 +290,9 @@ def _source_problems(src: Source, config) -> list[str]:
         if encoder.vocab_size > vocab:
             return [f"data.tokenizer={src.tokenizer!r} has {encoder.vocab_size} tokens, more than "
                     f"model.vocab_size={vocab}; {vocab_size_fix(encoder.vocab_size)}"]
-        if errors := record_problems(src, PREFLIGHT_RECORDS):
+        if errors := template_problems(src, encoder):
+            return errors
+        if errors := record_problems(src, PREFLIGHT_RECORDS, train.seq_len + 1):
             return errors
     known_in_tokens = src.source == "tokens" or (src.source in ("stdlib", "text") and not src.tokenizer)
     width = train.seq_len + 1
@@ -267,7 +345,7 @@ def _eval_problems(config) -> list[str]:
                                                 sidecar_vocab=sidecar_vocab(src.path))
         if errors:
             return errors
-    if src is not None and src.source in TEXT_SOURCES and (errors := record_problems(src, None)):
+    if src is not None and src.source in TEXT_SOURCES and (errors := record_problems(src, None, config.train.seq_len + 1)):
         return errors
     try:
         batches = eval_batches(config)

@@ -37,8 +37,9 @@ from jaxpar.data.documents import (
     eos_offsets,
     offsets_path,
 )
+from jaxpar.data.formats import MASKED_FORMATS, record_format
 from jaxpar.data.mixture import ChainStream, MixtureStream
-from jaxpar.data.packing import Packer
+from jaxpar.data.packing import MASKED_CHANNELS, TEXT_CHANNELS, Packer
 from jaxpar.data.prepare import sidecar_path
 from jaxpar.data.sources import corpus_fingerprint as source_fingerprint
 from jaxpar.data.sources import corpus_warnings as source_warnings
@@ -47,7 +48,7 @@ from jaxpar.data.tokenizer import document_encoder
 
 TEXT_DOCUMENTS = ("file", "line")
 # What a list-of-dicts mixture entry may set besides path, weight and name (what stages call it).
-ENTRY_KEYS = ("source", "text_field", "text_documents", "token_dtype", "eos_id")
+ENTRY_KEYS = ("source", "format", "text_field", "text_documents", "token_dtype", "eos_id")
 STAGE_EXAMPLE = "[[1000, [1, 3]], [5000, [0, 1]]]"
 
 
@@ -65,11 +66,12 @@ class Source:
     text_documents: str = "file"
     eos_id: int = -1
     weight: float = 1.0
+    format: str = "text"  # what a record holds (`jaxpar.data.formats`)
 
 
 def _settings(data) -> dict:
     return {k: data[k] for k in ("source", "token_dtype", "max_corpus_bytes", "tokenizer", "text_field",
-                                 "text_documents", "eos_id")}
+                                 "text_documents", "eos_id", "format")}
 
 
 def mixture_entries(value) -> tuple[list[dict], list[str]]:
@@ -211,6 +213,18 @@ def _token_offsets(src: Source, tokens: np.ndarray) -> np.ndarray | None:
     return eos_offsets(tokens, src.eos_id) if src.eos_id >= 0 else None
 
 
+def format_of(src: Source, seq_len: int):
+    """The source's record format (`jaxpar.data.formats`), None for plain text."""
+    return record_format(src.format, encoder_of(src), seq_len + 1, src.key)
+
+
+def batch_channels(config) -> int:
+    """Channels of the run's batches [G, channels, S+1]: 3 (a loss mask) when a training or eval
+    source has a masked `data.format`, else 2 (`jaxpar.data.packing`)."""
+    sources = training_sources(config.data) + [s for s in [eval_source(config)] if s is not None]
+    return MASKED_CHANNELS if any(s.format in MASKED_FORMATS for s in sources) else TEXT_CHANNELS
+
+
 def open_collection(src: Source, seq_len: int):
     """The source's documents as a random-access collection (not for "datasets")."""
     if src.source == "stdlib":
@@ -218,25 +232,27 @@ def open_collection(src: Source, seq_len: int):
         return FileDocuments(root, rel_paths, encoder_of(src), limit=int(src.max_corpus_bytes))
     if src.source == "text":
         return SpanDocuments(text_files(src.path), encoder_of(src), per_line=src.text_documents == "line",
-                             text_field=src.text_field, name=src.key)
+                             text_field=src.text_field, name=src.key, record_format=format_of(src, seq_len))
     tokens = np.memmap(src.path, dtype=np.dtype(src.token_dtype), mode="r")
     offsets = _token_offsets(src, tokens)
     return TokenWindows(tokens, seq_len + 1) if offsets is None else TokenDocuments(tokens, offsets)
 
 
-def open_stream(src: Source, seq_len: int, seed: int, *, train: bool, keep=None):
+def open_stream(src: Source, seq_len: int, seed: int, *, train: bool, keep=None, channels: int = TEXT_CHANNELS):
+    """The source's documents in training or eval order, for batches of `channels` (`batch_channels`)."""
     if src.source == "datasets":
         return hf_stream.DatasetStream(hf_stream.dataset_files(src.path, src.key), encoder_of(src),
-                                       text_field=src.text_field, seed=seed, train=train, keep=keep, name=src.key)
-    return IndexedStream(open_collection(src, seq_len), seed=seed, train=train, keep=keep, name=src.key)
+                                       text_field=src.text_field, seed=seed, train=train, keep=keep, name=src.key,
+                                       record_format=format_of(src, seq_len), channels=channels)
+    return IndexedStream(open_collection(src, seq_len), seed=seed, train=train, keep=keep, name=src.key, channels=channels)
 
 
 def training_stream(config):
     """The training documents: endless, shuffled by `train.seed`, without the held-out share."""
     seq_len, seed = config.train.seq_len, config.train.seed
     keep = HoldOut(config.eval.share, eval=False) if config.eval.share > 0 else None
-    sources = training_sources(config.data)
-    streams = [open_stream(src, seq_len, seed, train=True, keep=keep) for src in sources]
+    sources, channels = training_sources(config.data), batch_channels(config)
+    streams = [open_stream(src, seq_len, seed, train=True, keep=keep, channels=channels) for src in sources]
     if len(streams) == 1:
         return streams[0]
     return MixtureStream(streams, [src.weight for src in sources], seed, stages=mixture_stages(config.data)[0])
@@ -246,13 +262,13 @@ def eval_stream(config):
     """The eval documents, in a fixed order, once: `eval.path`, or the held-out share of every
     training source (in source order). None without eval."""
     seq_len, seed = config.train.seq_len, config.train.seed
-    src = eval_source(config)
+    src, channels = eval_source(config), batch_channels(config)
     if src is not None:
-        return open_stream(src, seq_len, seed, train=False)
+        return open_stream(src, seq_len, seed, train=False, channels=channels)
     if config.eval.share <= 0:
         return None
     keep = HoldOut(config.eval.share, eval=True)
-    streams = [open_stream(s, seq_len, seed, train=False, keep=keep) for s in training_sources(config.data)]
+    streams = [open_stream(s, seq_len, seed, train=False, keep=keep, channels=channels) for s in training_sources(config.data)]
     return streams[0] if len(streams) == 1 else ChainStream(streams)
 
 
@@ -263,7 +279,7 @@ def eval_batches(config) -> Packer | None:
     if stream is None:
         return None
     train = config.train
-    return Packer(stream, train.global_batch_size, train.seq_len + 1, bool(config.data.packing))
+    return Packer(stream, train.global_batch_size, train.seq_len + 1, bool(config.data.packing), batch_channels(config))
 
 
 def corpus_tokens(data) -> int:
@@ -321,5 +337,5 @@ def describe(config) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["DataError", "Source", "corpus_fingerprint", "corpus_tokens", "corpus_warnings", "eval_batches", "eval_stream",
+__all__ = ["DataError", "Source", "batch_channels", "corpus_fingerprint", "corpus_tokens", "corpus_warnings", "eval_batches", "eval_stream",
            "training_stream"]

@@ -100,10 +100,13 @@ def _line_spans(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class SpanDocuments:
-    """Documents as byte spans of text files: whole files, lines, or JSON records (.jsonl)."""
+    """Documents as byte spans of text files: whole files, lines, or JSON records (.jsonl), a
+    record's `text_field` or, with a `record_format` (`jaxpar.data.formats`), the whole record."""
 
-    def __init__(self, files: list[str], encoder, *, per_line: bool, text_field: str, name: str = "data.path"):
+    def __init__(self, files: list[str], encoder, *, per_line: bool, text_field: str, name: str = "data.path",
+                 record_format=None):
         self.files, self.encoder, self.text_field, self.name = files, encoder, text_field, name
+        self.record_format = record_format
         file_ids, starts, ends = [], [], []
         for i, path in enumerate(files):
             if path.endswith(".jsonl") or per_line:
@@ -123,11 +126,18 @@ class SpanDocuments:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def text(self, index: int):
+    def _read(self, index: int) -> tuple[str, bytes]:
         path = self.files[self.file_ids[index]]
         with open(path, "rb") as f:
             f.seek(int(self.starts[index]))
-            data = f.read(int(self.ends[index] - self.starts[index]))
+            return path, f.read(int(self.ends[index] - self.starts[index]))
+
+    def _where(self, index: int) -> str:
+        path = self.files[self.file_ids[index]]
+        return f"{self.name}: {path} line {line_number(path, int(self.starts[index]))}"
+
+    def text(self, index: int):
+        path, data = self._read(index)
         if not path.endswith(".jsonl"):
             return data
         try:
@@ -136,12 +146,19 @@ class SpanDocuments:
             raise DataError(f"{self.name}: {path} line {line_number(path, int(self.starts[index]))}{e}") from None
 
     def __getitem__(self, index) -> np.ndarray:
-        return self.encoder.encode_document(self.text(int(index)))
+        index = int(index)
+        if self.record_format is None:
+            return self.encoder.encode_document(self.text(index))
+        _, data = self._read(index)
+        try:
+            record = parse_record(data, "")
+        except DataError as e:
+            raise DataError(f"{self._where(index)}{e}") from None
+        return self.record_format.document(record, lambda: self._where(index))
 
 
-def record_text(line: bytes, field: str, where: str) -> str:
-    """The `field` string of one JSON record; DataError naming `where` (followed by what is wrong)
-    if the line is not UTF-8, not a JSON object, or has no text in `field`."""
+def parse_record(line: bytes, where: str):
+    """One JSON value from a line; DataError naming `where` if it is not UTF-8 or not JSON."""
     try:
         decoded = line.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -152,6 +169,13 @@ def record_text(line: bytes, field: str, where: str) -> str:
     except (ValueError, RecursionError) as e:
         detail = f" ({e.msg}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise DataError(f"{where} is not a JSON record{detail}") from None
+    return record
+
+
+def record_text(line: bytes, field: str, where: str) -> str:
+    """The `field` string of one JSON record; DataError naming `where` (followed by what is wrong)
+    if the line is not UTF-8, not a JSON object, or has no text in `field`."""
+    record = parse_record(line, where)
     if not isinstance(record, dict) or field not in record or record[field] is None:
         raise DataError(f"{where} has no {field!r} field; set data.text_field")
     text = record[field]
@@ -241,8 +265,9 @@ class IndexedStream:
     """A collection's documents in training order (shuffled by `seed`, reshuffled each epoch,
     endless) or eval order (in order, once). State: {"index": documents read}."""
 
-    def __init__(self, documents, *, seed: int, train: bool, keep=None, name: str = "data.path"):
+    def __init__(self, documents, *, seed: int, train: bool, keep=None, name: str = "data.path", channels: int = 2):
         self.documents, self.train, self.keep, self.name = documents, train, keep, name
+        self.channels = channels  # of the batches packed from it (`jaxpar.data.packing`)
         dataset = grain.MapDataset.source(documents)
         self.dataset = dataset.shuffle(seed=seed).repeat() if train else dataset
         self.index = 0

@@ -105,8 +105,9 @@ class DatasetStream:
     docstring). `keep`: the held-out filter (`jaxpar.data.documents.HoldOut`) or None."""
 
     def __init__(self, files: list[str], encoder, *, text_field: str, seed: int, train: bool, keep=None,
-                 name: str = "data.path"):
+                 name: str = "data.path", record_format=None, channels: int = 2):
         self.files, self.encoder, self.text_field = list(files), encoder, text_field
+        self.record_format, self.channels = record_format, channels  # `jaxpar.data.formats`, `jaxpar.data.packing`
         self.seed, self.train, self.keep, self.name = seed, train, keep, name
         self.found, self.dry_ends = 0, 0  # usable documents since the last epoch end; dry epoch ends in a row
         self._open(0, None, 0)
@@ -151,17 +152,26 @@ class DatasetStream:
             except Exception as e:  # noqa: BLE001 - pyarrow / `datasets` failing on a file: one line naming it
                 raise self._unreadable(e) from None
             self.records += 1
+            if self.record_format is not None:
+                tokens = self.record_format.document(record, self._where)
+                if len(tokens) >= 2 and (self.keep is None or self.keep(tokens)):
+                    self.found += 1
+                    return tokens
+                continue
             text = record.get(self.text_field)
             if not isinstance(text, str):
-                where = _current_file(self.dataset.state_dict(), self._order(self.epoch))
-                where = f"record {self.records} of epoch {self.epoch}" + (f" (in {where})" if where else "")
                 what = f"has no {self.text_field!r} field" if text is None else \
                     f"holds a {type(text).__name__} in field {self.text_field!r}, not text"
-                raise DataError(f"{self.name}: {where} {what}; set data.text_field")
+                raise DataError(f"{self._where()} {what}; set data.text_field")
             tokens = self.encoder.encode_document(text)
             if len(tokens) >= 2 and (self.keep is None or self.keep(tokens)):
                 self.found += 1
                 return tokens
+
+    def _where(self) -> str:
+        """The record just read: its number and epoch (and file, where `datasets` says)."""
+        where = _current_file(self.dataset.state_dict(), self._order(self.epoch))
+        return f"{self.name}: record {self.records} of epoch {self.epoch}" + (f" (in {where})" if where else "")
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "records": self.records, "position": self.dataset.state_dict()}

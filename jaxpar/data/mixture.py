@@ -58,6 +58,7 @@ class MixtureStream(StepStream):
             self.starts.append(int(step))
             self.cdfs.append(_cdf(stage))
         self.streams, self.probabilities, self.seed = streams, weights / weights.sum(), int(seed)
+        self.channels = max(getattr(s, "channels", 2) for s in streams)  # of the batches (`jaxpar.data.packing`)
         self.draws, self.batch = 0, 0
         self._block, self._uniforms, self._choices = -1, None, {}
 
@@ -101,6 +102,7 @@ class MixtureStream(StepStream):
 class ChainStream:
     def __init__(self, streams: list):
         self.streams, self.current = streams, 0
+        self.channels = max(getattr(s, "channels", 2) for s in streams)
 
     def __iter__(self):
         return self

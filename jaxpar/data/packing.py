@@ -19,6 +19,13 @@ State: where the next batch starts — the stream's state before the waiting doc
 into it (a long document's next piece) — and how many batches were packed, so a resumed run packs
 exactly the batches it would have. Documents of fewer than 2 tokens (no target) never reach the packer.
 
+Loss masks (`data.format` chat or prompt_completion, `jaxpar.data.formats`): the batch has a third
+channel [G, 3, S+1], 1 where the token is a target the loss counts (the assistant's tokens, a
+completion's), 0 elsewhere and in padding; a masked document reaches the packer as [n, 2] (its ids
+and its mask), a plain one (1-D) counts every token. The channel count is the stream's (`channels`,
+2 when it holds only plain text: those batches are exactly as before). Masked documents are never
+longer than a row (`jaxpar.data.formats` cuts them at a turn), so none is ever split.
+
 A stream whose draws depend on the step (`StepStream`: a mixture whose weights change by stage) is
 told which batch is packed next; where its draws change, a whole document drawn for the batch before
 that waits (it did not fit) goes back and is drawn again, so every document that starts in a batch
@@ -29,7 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
-TOKENS, SEGMENTS = 0, 1  # the channels of a packed batch
+TOKENS, SEGMENTS, LOSS_MASK = 0, 1, 2  # the channels of a packed batch (the third only with loss masks)
+TEXT_CHANNELS, MASKED_CHANNELS = 2, 3
 
 
 class StepStream:
@@ -41,12 +49,14 @@ class StepStream:
 
 
 class Packer:
-    """Global batches [rows, 2, width] from a document stream (`__next__`, `get_state`, `set_state`)."""
+    """Global batches [rows, channels, width] from a document stream (`__next__`, `get_state`,
+    `set_state`); `channels` defaults to the stream's own (2 for a stream that does not say)."""
 
-    def __init__(self, stream, rows: int, width: int, packing: bool = True):
+    def __init__(self, stream, rows: int, width: int, packing: bool = True, channels: int | None = None):
         if rows < 1 or width < 2:
             raise ValueError(f"packing needs rows >= 1 and width >= 2, got {rows} and {width}")
         self.stream, self.rows, self.width, self.packing = stream, int(rows), int(width), bool(packing)
+        self.channels = int(getattr(stream, "channels", TEXT_CHANNELS) if channels is None else channels)
         self.waiting = None  # (tokens, offset, stream state before reading them)
         self.batches = 0  # batches packed: the index of the next one
 
@@ -77,7 +87,7 @@ class Packer:
             self.stream.begin_batch(self.batches)
 
     def _pack(self) -> np.ndarray:
-        batch = np.zeros((self.rows, 2, self.width), np.int32)
+        batch = np.zeros((self.rows, self.channels, self.width), np.int32)
         filled = np.zeros(self.rows, np.int64)  # tokens in each row
         segments = np.zeros(self.rows, np.int32)  # documents (pieces) in each row
         while True:
@@ -110,8 +120,11 @@ class Packer:
                     self.waiting = (tokens, offset + self.width - 1, before)
             start = int(filled[row])
             segments[row] += 1
-            batch[row, TOKENS, start : start + len(piece)] = piece
+            ids, mask = (piece[:, 0], piece[:, 1]) if piece.ndim == 2 else (piece, 1)
+            batch[row, TOKENS, start : start + len(piece)] = ids
             batch[row, SEGMENTS, start : start + len(piece)] = segments[row]
+            if self.channels > LOSS_MASK:
+                batch[row, LOSS_MASK, start : start + len(piece)] = mask
             filled[row] += len(piece)
 
     def get_state(self) -> dict:
@@ -134,6 +147,7 @@ class ListStream:
 
     def __init__(self, docs):
         self.docs, self.index = [np.asarray(d, np.int32) for d in docs], 0
+        self.channels = MASKED_CHANNELS if any(d.ndim == 2 for d in self.docs) else TEXT_CHANNELS
 
     def __iter__(self):
         return self

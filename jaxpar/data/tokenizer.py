@@ -36,9 +36,13 @@ class ByteDocuments:
 
     vocab_size = ByteTokenizer.vocab_size
     name = "bytes"
+    prefix, suffix = (), ()  # no special tokens around a document
 
     def encode_document(self, text: str | bytes) -> np.ndarray:
         return ByteTokenizer().encode(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return ByteTokenizer().encode(text).tolist()
 
 
 class TokenizerError(ValueError):
@@ -93,8 +97,11 @@ class TextTokenizer:
     def encode_document(self, text: str | bytes) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return np.asarray(self.prefix + ids + self.suffix, dtype=np.int32)
+        return np.asarray(self.prefix + self.encode_text(text) + self.suffix, dtype=np.int32)
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of a text alone, without the special tokens around a document."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def special_tokens(tokenizer) -> tuple[list[int], list[int]]:

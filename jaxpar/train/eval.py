@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import models
 from jaxpar.data.batches import to_global
-from jaxpar.data.corpus import eval_batches, eval_enabled
+from jaxpar.data.corpus import batch_channels, eval_batches, eval_enabled
 from jaxpar.parallel.context.sequence import document_batch, split_rows, target_count
 from jaxpar.parallel.data import GradientStrategy, split_microbatches
 from jaxpar.parallel.pipeline.engine import pipelined_loss
@@ -69,7 +69,7 @@ class Evaluator:
         self.config, self.program = config, program
         self.every = int(config.eval.every_steps)
         train = config.train
-        shape = (train.global_batch_size, 2, train.seq_len + 1)
+        shape = (train.global_batch_size, batch_channels(config), train.seq_len + 1)
         replicated = NamedSharding(program.mesh, P())
         step = jax.jit(
             lambda params, batch: eval_loss(params, batch, model_config=config.model, opts=program.opts),

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpar.data.corpus import batch_channels
 from jaxpar.train.preflight import ConfigError
 
 GIB = 2**30
@@ -84,9 +85,9 @@ def abstract_inputs(program, config):
     state = jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, program.state_shardings
     )
-    # Tokens and segment ids of each row (`jaxpar.data.DocumentBatches`).
+    # Tokens and segment ids of each row, and a loss mask for chat data (`jaxpar.data.DocumentBatches`).
     rows, width = config.train.global_batch_size, config.train.seq_len + 1
-    batch = jax.ShapeDtypeStruct((rows, 2, width), jnp.int32, sharding=program.batch_sharding)
+    batch = jax.ShapeDtypeStruct((rows, batch_channels(config), width), jnp.int32, sharding=program.batch_sharding)
     return state, batch
 
 

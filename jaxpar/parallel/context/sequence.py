@@ -74,6 +74,8 @@ def document_batch(batch):
         return batch
     rows, segments = batch[:, 0], batch[:, 1]
     real = real_targets(segments)
+    if batch.shape[1] > 2:  # a loss mask (`jaxpar.data.formats`: chat, prompt_completion): only its targets count
+        real = real & (batch[:, 2, 1:] > 0)
     count = jnp.maximum(jnp.sum(real, dtype=jnp.int32), 1)  # an all-padding batch: loss 0
     weights = jnp.where(real, jnp.float32(real.size) / count.astype(jnp.float32), jnp.float32(0))
     return {"rows": rows, "segments": segments, "weights": weights}
@@ -83,8 +85,9 @@ def target_count(batch):
     """Real targets of a global batch (token rows: every slot), int32."""
     if not is_document_batch(batch):
         return jnp.int32(batch.shape[0] * (batch.shape[1] - 1))
-    segments = batch["segments"] if isinstance(batch, dict) else batch[:, 1]
-    return jnp.sum(real_targets(segments), dtype=jnp.int32)
+    if isinstance(batch, dict):  # `document_batch`'s: weights > 0 exactly at the real targets
+        return jnp.sum(batch["weights"] > 0, dtype=jnp.int32)
+    return jnp.sum(document_batch(batch)["weights"] > 0, dtype=jnp.int32)
 
 
 class Ahead(NamedTuple):
