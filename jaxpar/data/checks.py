@@ -312,6 +312,10 @@ def _source_problems(src: Source, config) -> list[str]:
     try:
         if not _first_document(src, train.seq_len, keep):
             held = " outside the eval.share held out" if keep is not None else ""
+            if src.format in MASKED_FORMATS:
+                return [f"{src.key}={src.path!r} holds no record with a target in a row of train.seq_len+1={train.seq_len + 1} "
+                        f"tokens{held} ({_format_key(src)}={src.format!r}: a prompt longer than a row is skipped); raise "
+                        f"train.seq_len or check the corpus"]
             return [f"{src.key}={src.path!r} holds no document of 2 or more tokens{held}; check the corpus"
                     + (" and data.text_field" if src.source in ("datasets", "text") else "")]
     except DataError as e:

@@ -323,6 +323,8 @@ def describe(config) -> str:
     their weights and the share of documents each is drawn for."""
     sources = training_sources(config.data)
     packing = "packed" if config.data.packing else "one document per row"
+    masked = sorted({s.format for s in sources if s.format in MASKED_FORMATS})
+    packing += "".join(f", {f} records (loss on the {'assistant' if f == 'chat' else 'completion'} tokens)" for f in masked)
     tokenizers = ", ".join(dict.fromkeys(_tokenizer_of(s) for s in sources))
     where = {s.key: "the Python standard library's source" if s.source == "stdlib" else f"{s.source} {s.path}"
              for s in sources}

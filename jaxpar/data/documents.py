@@ -5,7 +5,8 @@ on access: nothing is held in memory but an index) and `size` (a number that cha
 corpus does, kept in checkpoints). One per source:
 - `FileDocuments`: one document per file ("stdlib": the standard library's .py files).
 - `SpanDocuments` ("text"): per file, or per non-blank line (`data.text_documents="line"`); a
-  `.jsonl` file always holds one document per record, its `data.text_field`. Lines and records
+  `.jsonl` file always holds one document per record, its `data.text_field` (or, with a masked
+  `data.format`, the whole record rendered with its loss mask: `jaxpar.data.formats`). Lines and records
   are indexed by byte offset when the source opens.
 - `TokenDocuments` ("tokens"): a flat token file cut by the offsets sidecar `prepare_data.py`
   writes (`FILE.offsets.npy`), or after every `data.eos_id`.

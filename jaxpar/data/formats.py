@@ -18,7 +18,7 @@ run of whole turns that ends with an assistant reply (`shortened`). If not even 
 ends within the row, the row is filled from the start and the reply cut at the row's end, as TRL
 truncates to `max_length` (`cut`); if no assistant token fits at all (a prompt longer than a row),
 the record is skipped (`skipped`). Each happening is counted and logged (the 1st, 10th, 100th ... of
-each, naming the file and line), never silent.
+each per source and process, naming the file and line), never silent.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ OUTCOMES = {
     "skipped": "longer than a row before its first assistant token: skipped",
 }
 log = logging.getLogger(__name__)
+# (source key, outcome) → records so far in this process: shared by every reader of a source (the
+# preflight, training, each evaluation), so the 1st, 10th, 100th ... is logged once, not per reader.
+SEEN = Counter()
 
 
 def fit_row(rendered: Rendered, width: int) -> tuple[Rendered | None, str | None]:
@@ -94,7 +97,8 @@ class RecordFormat:
         fitted, outcome = fit_row(rendered, self.width)
         if outcome is not None:
             self.counts[outcome] += 1
-            count = self.counts[outcome]
+            SEEN[self.key, outcome] += 1
+            count = SEEN[self.key, outcome]
             if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...
                 log.warning("%s: a record of %d tokens is %s (train.seq_len+1=%d; %d record(s) so far)",
                             where(), len(rendered.ids), OUTCOMES[outcome], self.width, count)

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from jaxpar.data import formats  # noqa: E402
 from jaxpar.data.chat import RecordError, marker_mask, prefix_mask, render_completion, render_conversation  # noqa: E402
 from jaxpar.data.documents import DataError, IndexedStream, SpanDocuments  # noqa: E402
 from jaxpar.data.formats import RecordFormat, fit_row  # noqa: E402
@@ -92,6 +93,7 @@ def test_prompt_completion_masks_the_prompt(tok):
 
 
 def _format(t, width):
+    formats.SEEN.clear()  # the 1st of each outcome is logged: earlier tests in this process counted theirs
     return RecordFormat("chat", t, width, "data.path")
 
 
