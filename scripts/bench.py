@@ -5,6 +5,8 @@
   python scripts/bench.py mesh [--mesh=fsdp8,dp8,tp2dp4,pp2dp4] [--remat=full,none] [--repeats=3] [--maxtext]
   python scripts/bench.py moe [--experts=64] [--top_k=8] [--expert_ffn=128] [--shape=qwen3_moe|deepseek_v3] [--steps=4] [--repeats=3]
   python scripts/bench.py packing [--model=llama|mixtral] [--steps=10] [--repeats=3] [--attention=jaxpar_xla,xla]
+  python scripts/bench.py checkpoint [--dirs=/dev/shm,/tmp] [--steps=20] [--every=5] [--repeats=3]
+  python scripts/bench.py faults [--train_config=configs/llama_tiny.py] [--steps=60] [--every=20] [--at=35] [--repeats=1]
 
 Each times the step through `jaxpar.train.harness` (warm-up excluded); what each prints is in the
 docstring of its module in `jaxpar.bench`. Contenders alternate within one invocation, because on a
@@ -128,6 +130,34 @@ def run_packing(args, _):
     packing.bench(config_for, args.model, args.attention, args.steps, args.repeats)
 
 
+@refusing_bad_configs
+def run_checkpoint(args, _):
+    from jaxpar.bench import checkpoint
+
+    checkpoint.bench(bench_config("llama"), args.dirs, args.steps, args.every, args.repeats)
+
+
+def checkpoint_checks(args) -> list[str]:
+    problems = [f"--dirs={d}: not a writable directory" for d in args.dirs if not (os.path.isdir(d) and os.access(d, os.W_OK))]
+    return problems + ([] if args.every <= args.steps else [f"--every={args.every} is more than --steps={args.steps}: no save"])
+
+
+def run_faults(args, _):
+    from jaxpar.bench import faults
+
+    faults.bench(ROOT, os.path.abspath(args.train_config), args.steps, args.every, args.at, args.local_every, args.repeats)
+
+
+def faults_checks(args) -> list[str]:
+    problems = [] if os.path.isfile(args.train_config) else [f"--train_config={args.train_config}: no such file"]
+    return problems + ([] if args.at < args.steps else [f"--at={args.at} must be below --steps={args.steps}"])
+
+
+def _default_dirs() -> list[str]:
+    """A RAM disk (a local tier's fastest storage) when there is one, and the disk under the temp folder."""
+    return [d for d in ("/dev/shm",) if os.path.isdir(d)] + [tempfile.gettempdir()]
+
+
 def _positive_ints(name: str, words: list[str]) -> list[str]:
     return [f"--{name}={w}: not a positive integer" for w in words if not (w.isdigit() and int(w) > 0)]
 
@@ -186,6 +216,22 @@ COMMANDS = (
         MODEL, Flag("steps", int, 10, "timed steps per block, after warm-up", at_least=1),
         Flag("repeats", int, 3, "blocks per batch, rotating over the batches", at_least=1),
         Flag("attention", list, "jaxpar_xla,xla", "parallel.attention_impl values to time"),
+    )),
+    Command("checkpoint", "what a save costs the steps, per storage (a tier's directory), beside no saves", run_checkpoint,
+            checks=checkpoint_checks, flags=(
+        Flag("dirs", list, ",".join(_default_dirs()), "directories to save in, one run each (default: /dev/shm, the temp folder)"),
+        Flag("steps", int, 20, "train steps per run", at_least=2),
+        Flag("every", int, 5, "a save every this many steps", at_least=1),
+        Flag("repeats", int, 3, "runs per storage, alternating", at_least=1),
+    )),
+    Command("faults", "what a preemption, a kill -9 and a kill with a local tier cost a run's goodput", run_faults,
+            checks=faults_checks, devices=False, flags=(
+        Flag("train_config", str, os.path.join("configs", "llama_tiny.py"), "the config scripts/train.py trains"),
+        Flag("steps", int, 60, "train steps of each run", at_least=2),
+        Flag("every", int, 20, "checkpoint.every_steps", at_least=1),
+        Flag("at", int, 35, "the fault comes after this step", at_least=1),
+        Flag("local_every", int, 5, "checkpoint.local_every_steps of the kill+local run", at_least=1),
+        Flag("repeats", int, 1, "runs per scenario, alternating", at_least=1),
     )),
 )
 

@@ -106,3 +106,47 @@ def test_moe_and_dense_do_the_same_model_flops():
     assert flops["moe"] == flops["dense"], flops
     last = fields(lines[-1])
     assert float(last["ratio"]) == pytest.approx(float(last["moe_gflops"]) / float(last["dense_gflops"]), abs=0.011), last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoint_save_cost_per_storage(tmp_path):
+    """Each storage's runs save steps // every times; the table's ratio is its time per step over none's."""
+    disk, shm = tmp_path / "disk", tmp_path / "shm"
+    disk.mkdir(), shm.mkdir()
+    done = run_script("bench.py", "checkpoint", f"--dirs={shm},{disk}", "--steps=4", "--every=2", "--repeats=1", code=TINY + SWAP)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| ") and "storage" not in line
+            and "---" not in line]
+    assert [r[0].strip() for r in rows] == ["none", str(shm), str(disk)] and [int(r[1]) for r in rows] == [0, 2, 2]
+    base = float(rows[0][4])
+    for row in rows:
+        assert float(row[5].strip().rstrip("x")) == pytest.approx(float(row[4]) / base, abs=0.01), row
+    assert not list(disk.iterdir()) and not list(shm.iterdir()), "the bench leaves no checkpoint behind"
+
+
+FAULTS_CONFIG = """
+from tests.support import tiny
+def get_config():
+    c = tiny.llama(vocab_size=256)
+    c.data.max_corpus_bytes = 100_000
+    return c
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_faults_each_scenario_restarts_once_and_a_preemption_loses_nothing(tmp_path):
+    """Theory: a SIGTERM saves a final checkpoint (nothing lost); a kill -9 after step 3 with checkpoints
+    every 2 loses step 3's time; the uninterrupted run starts once, the others twice."""
+    config = tmp_path / "config.py"
+    config.write_text(FAULTS_CONFIG)
+    done = run_script("bench.py", "faults", f"--train_config={config}", "--steps=5", "--every=2", "--at=3", "--local_every=1",
+                      timeout=840)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r[0].strip(): r for r in (line.split("|")[1:-1] for line in done.stdout.splitlines() if line.startswith("| "))}
+    assert [int(rows[n][1]) for n in ("none", "sigterm", "kill", "kill+local")] == [1, 2, 2, 2], done.stdout
+    assert float(rows["none"][4]) == 0 and float(rows["sigterm"][4]) == 0, "nothing lost without a fault, or to a SIGTERM"
+    assert float(rows["kill"][4]) > 0, "step 3 ran after checkpoint 2 and is redone"
+    for name in ("none", "sigterm", "kill", "kill+local"):
+        assert 0 < float(rows[name][2].strip().rstrip("%")) < 100
