@@ -96,6 +96,14 @@ class ModelFacts:
     latent_widths: tuple = ()
     table_uses: int = 1  # lookups of the embedding and uses of the LM head per token (multi-token prediction: 1 + depth)
     kv_latent_width: int = 0  # numbers per token the keys and values are expanded from (MLA: kv latent + RoPE key); 0: none
+    # Blocks the pipeline stages (0: `layers`); the others run on its end stages (DeepSeek-V3's
+    # leading dense layers on the first, its prediction modules on the last: `jaxpar.parallel.pipeline.stage`).
+    staged_layers: int = 0
+
+    @property
+    def pipeline_layers(self) -> int:
+        """Blocks split over the pipeline's stages."""
+        return self.staged_layers or self.layers
 
     @property
     def is_moe(self) -> bool:

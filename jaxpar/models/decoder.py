@@ -19,7 +19,9 @@ stack, `dense_layers`, and `run_layers` scans each run of consecutive layers of 
 static slice of its stack. Two stacks, not one stack with both MLPs per layer (the unused one's
 weights in every layer: Qwen3-MoE's dense MLP is as large as all its active experts) nor a
 per-layer `cond` (both branches' weights stacked alike, the same waste). The pipeline engine
-stages the `layers` stack only, so a model with dense layers among its MoE layers is refused with
+stages the `layers` stack only (`run_stage`): a family whose dense layers lead the model names
+their stack's axis `dense_layers_axis` "depth" (never staged: DeepSeek-V3), and the first stage
+runs them before its own layers; other dense layers among MoE layers are refused with
 `mesh.pipeline` > 1 (`jaxpar.models.checks.dense_layer_checks`).
 """
 
@@ -76,12 +78,12 @@ class DecoderBlock(nnx.Module):
         return constrain(opts.rules, x + mlp_out, RESIDUAL), kv_cache
 
 
-def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp, count: int | None = None):
+def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp, count: int | None = None, axis: str = "layers"):
     """`count` (default `num_hidden_layers`) blocks with independent init, stacked on a leading
-    `layers` axis."""
+    logical `axis` (the name decides only placement: "layers" may be staged over `pipeline`)."""
 
     @nnx.split_rngs(splits=cfg.num_hidden_layers if count is None else count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def build(layer_rngs):
         return DecoderBlock(cfg, rngs=layer_rngs, make_attention=make_attention, make_mlp=make_mlp)
 
@@ -138,6 +140,7 @@ class Decoder(nnx.Module):
     make_attention = Attention
     make_mlp = MLP
     make_dense_mlp = MLP  # the MLP of the layers `dense_layer_indices` names
+    dense_layers_axis = "layers"  # their stack's leading logical axis ("depth": never staged, see the docstring)
     # cfg -> the RoPE inverse frequencies every block's attention receives.
     rope_frequencies = staticmethod(rope_inverse_frequencies)
 
@@ -167,7 +170,8 @@ class Decoder(nnx.Module):
         main = cfg.num_hidden_layers - len(dense)
         self.layers = stacked_blocks(cfg, rngs, kind.make_attention, kind.make_mlp, count=main)
         self.dense_layers = (
-            stacked_blocks(cfg, rngs, kind.make_attention, kind.make_dense_mlp, count=len(dense)) if dense else None
+            stacked_blocks(cfg, rngs, kind.make_attention, kind.make_dense_mlp, count=len(dense), axis=kind.dense_layers_axis)
+            if dense else None
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
@@ -195,6 +199,16 @@ class Decoder(nnx.Module):
             if not is_dense:
                 main_aux.append(aux)
         return x, jax.tree.map(lambda *parts: jnp.concatenate(parts), *main_aux)
+
+    def run_stage(self, x, positions, opts: RunOptions, segment_ids=None, *, first: bool = False):
+        """A pipeline stage's blocks (`jaxpar.parallel.pipeline.stage`): (x, per-layer aux) after
+        the stage's share of `self.layers`, preceded on the first stage by every `dense_layers`
+        block (a family stages dense layers only where they lead the model)."""
+        inv_freq = type(self).rope_frequencies(self.cfg)
+        run = lambda block, h: block(h, positions, inv_freq, opts, segment_ids)  # noqa: E731
+        if first and self.dense_layers is not None:
+            x, _ = scan_blocks(self.dense_layers, x, opts, run)
+        return scan_blocks(self.layers, x, opts, run)
 
     def logits_from_hidden(self, x, opts: RunOptions):
         """Final norm + LM head on the last block's output."""

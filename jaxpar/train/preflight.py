@@ -160,7 +160,8 @@ def _config_problems(
         errors += data.checks(config, mesh)
         errors += tensor.checks(config, mesh)
         errors += zero.checks(config, mesh)
-        errors += pipeline.checks(config, mesh, has_aux_losses=fam.facts(config.model).is_moe)
+        facts = fam.facts(config.model)
+        errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
         # Backend-dependent (ring inside pipeline branches deadlocks on XLA:CPU): checked when known.
         errors += context.checks(config, mesh, backend=platform)
     errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))

@@ -8,7 +8,9 @@ tests/parallel/pipeline/test_pipeline_moe.py. Together the cases cover data (ZeR
 expert with 4 and 8 experts per expert rank, the pipeline (1f1b with uneven stages, interleaved,
 zb_h1) with MoE, capacity and dropless dispatch, dense layers among MoE layers, the shared expert,
 and loss-free balancing (its router bias identical to one device's after every step, through the
-pipeline too).
+pipeline too). DeepSeek-V3 on every axis, and through the pipeline with its leading dense layer on the
+first stage and its multi-token prediction module on the last (1f1b, interleaved, zb_h1, DualPipeV),
+each depth's loss equal to one device's.
 """
 
 import math
@@ -62,7 +64,8 @@ CASES = {
     # along the sequence under SP; ZeRO-1 and 3; group-limited routing with 4 experts per expert rank
     # and the selection bias moving (loss-free); every context implementation (all_gather moving the
     # latents, also inside pipeline stages, or the expanded K / V); the pipeline with every layer
-    # routed and no MTP (`jaxpar.models.deepseek_v3.checks`), DualPipeV included.
+    # routed and no MTP, and with DeepSeek-V3's own shape (the `*_dense_mtp*` cases below: the dense
+    # layer on the first stage, the MTP module and its loss on the last), DualPipeV included.
     "deepseek_v3_data2_tensor2_zero1_sp": (
         tiny.deepseek_v3, {}, {"data": 2, "tensor": 2}, {"zero_stage": 1, "sequence_parallel": True},
     ),
@@ -90,6 +93,23 @@ CASES = {
     "deepseek_v3_1f1b_p2_data2_tensor2_3layers_sp": (
         tiny.deepseek_v3, PIPELINED_DEEPSEEK, {"pipeline": 2, "data": 2, "tensor": 2}, {"sequence_parallel": True},
     ),
+    # DeepSeek-V3's own shape through the pipeline: the dense layer on the first stage, the MTP
+    # module (and its loss) on the last one, with the whole head there ("ends").
+    "deepseek_v3_1f1b_p2_data2_dense_mtp": (
+        tiny.deepseek_v3, {}, {"pipeline": 2, "data": 2}, {"pipeline_vocab": "ends"},
+    ),
+    "deepseek_v3_interleaved_p2_v2_expert2_data2_dense_mtp_5layers": (
+        tiny.deepseek_v3, {"num_hidden_layers": 5}, {"pipeline": 2, "expert": 2, "data": 2},
+        {"pipeline_vocab": "ends", "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2},
+    ),
+    "deepseek_v3_dualpipev_p2_expert2_dense_mtp_5layers_loss_free": (
+        tiny.deepseek_v3, {"num_hidden_layers": 5, "router_bias_update_rate": 0.05}, {"pipeline": 2, "expert": 2},
+        {"pipeline_vocab": "ends", "pipeline_schedule": "dualpipev"},
+    ),
+    "deepseek_v3_zb_h1_p2_tensor2_dense_mtp_sp": (
+        tiny.deepseek_v3, {}, {"pipeline": 2, "tensor": 2}, {"pipeline_vocab": "ends", "pipeline_schedule": "zb_h1",
+                                                            "sequence_parallel": True},
+    ),
 }
 
 
@@ -111,7 +131,9 @@ def router_biases(params):
 
 @pytest.mark.timeout(300)
 # Fast tier: Qwen3 over data, context and tensor (the MoE families' fast cases: tests/models/test_moe_degeneracy.py).
-@pytest.mark.parametrize("name", slow_except(CASES, "qwen3_data2_context2_tensor2_zero3_sp", "deepseek_v3_data2_tensor2_zero1_sp"))
+@pytest.mark.parametrize("name", slow_except(
+    CASES, "qwen3_data2_context2_tensor2_zero3_sp", "deepseek_v3_data2_tensor2_zero1_sp", "deepseek_v3_1f1b_p2_data2_dense_mtp",
+))
 def test_matches_single_device(name, shared_cache):
     config, mesh = case_config(name)
     expected = reference(shared_cache, config, mesh)

@@ -22,6 +22,7 @@ class DeepseekV3(Decoder):
     make_attention = LatentAttention
     make_mlp = moe.moe_block(moe_spec)
     dense_layer_indices = staticmethod(dense_layers)
+    dense_layers_axis = "depth"  # they lead: the pipeline's first stage runs them, unstaged
     rope_frequencies = staticmethod(rope.inverse_frequencies)
 
     @staticmethod

@@ -1,7 +1,8 @@
 """DeepSeek-V3's config checks: sizes and ranges first (the decoder's sizes, MLA's ranks and head
 sizes, YaRN's fields, the MoE keys), then what they must satisfy together: one key and value per
 query head, experts in equal groups with enough of them in the kept groups for the top-k, at least
-one MoE layer, the experts' split over the expert mesh axis."""
+one MoE layer, the experts' split over the expert mesh axis. Any pipeline holds the dense layers
+and the prediction modules (its end stages run them; the pipeline's own checks say what else)."""
 
 from __future__ import annotations
 
@@ -56,11 +57,7 @@ def checks(model, mesh: dict) -> list[str]:
             f"model.num_experts_per_tok={model.num_experts_per_tok} exceeds the {model.topk_group * (experts // groups)} "
             "experts of the model.topk_group groups a token keeps; raise model.topk_group or lower the top-k"
         )
-    if model.num_nextn_predict_layers and mesh[PIPELINE] > 1:
-        errors.append(
-            f"model.num_nextn_predict_layers={model.num_nextn_predict_layers} with mesh.{PIPELINE}={mesh[PIPELINE]}: "
-            "the pipeline engine does not run multi-token prediction; set model.num_nextn_predict_layers=0 or "
-            f"mesh.{PIPELINE}=1"
-        )
     errors += expert.checks(experts, mesh, "model.n_routed_experts")
-    return errors + dense_layer_checks(dense_layers(model), model.num_hidden_layers, mesh, PATTERN_KEYS)
+    # The dense layers lead, so the pipeline's first stage runs them (`Decoder.run_stage`): only
+    # the no-MoE-layer rule applies (their count within the stages: `jaxpar.parallel.pipeline.options`).
+    return errors + dense_layer_checks(dense_layers(model), model.num_hidden_layers, {**mesh, PIPELINE: 1}, PATTERN_KEYS)

@@ -85,4 +85,5 @@ def facts(model) -> ModelFacts:
         latent_widths=(d if q_rank is None else q_rank, rank, rope),
         table_uses=1 + depth,
         kv_latent_width=rank + rope,
+        staged_layers=routed,  # the dense layers run on the pipeline's first stage, the modules on its last
     )

@@ -9,8 +9,9 @@ by `eh_proj`, then one decoder block (MLA and a routed MoE MLP: transformers bui
 RMSNorm (`shared_head.norm`), to the shared LM head. Every depth attends causally within the same
 packed documents as the main model, at the same positions.
 
-The modules are stacked on a leading `depth` axis (replicated, never staged) and run one depth at
-a time with the decoder's layer scan (remat and ZeRO-3 gathering as for the layers). They run only
+The modules are stacked on a leading `depth` axis (replicated, never staged: with `mesh.pipeline` > 1
+the last stage runs them, `jaxpar.parallel.pipeline.stage`) and run one depth at a time with the
+decoder's layer scan (remat and ZeRO-3 gathering as for the layers). They run only
 when the caller passes the tokens ahead (`jaxpar.models.apply(..., ahead=...)`: training with
 `train.mtp_loss_weight` > 0); inference and evaluation never do.
 """

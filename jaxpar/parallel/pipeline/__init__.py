@@ -11,10 +11,11 @@
 - `options`: `PipelineOptions` from the config, and the config checks.
 - `slots`: turns a table into the engine's per-step branch indices and buffer slots.
 - `layout`: the `[L, ...]` layer stacks viewed as each rank's (possibly uneven) stages.
-- `stage`: one stage's forward and recomputing backward.
+- `stage`: one stage's forward and recomputing backward (and what the end stages run besides layers).
 - `vocab`: the embedding and LM head + loss split by vocab over the pipeline ranks.
 - `router`: MoE router statistics through the pipeline (per-microbatch aux losses).
-- `engine`: the `shard_map` + `lax.scan` that runs a table.
+- `shard`: the engine's `shard_map`: microbatches, tables and every input's and output's spec.
+- `engine`: the per-rank `lax.scan` that runs a table.
 
 Nothing is imported here: `table`, `schedules` and `checks` stay usable without jax.
 """

@@ -1,7 +1,8 @@
 """Which layers each pipeline stage runs: explicit splits, and `auto` splits balanced by cost.
 
 A split is a tuple of layer counts, one per global stage (placed on ranks by the schedule
-table's stage map), summing to `model.num_hidden_layers`; every stage has at least one layer. The engine
+table's stage map), summing to the staged layers (`ModelFacts.pipeline_layers`: `model.num_hidden_layers`
+less the blocks an end stage runs on its own, DeepSeek-V3's leading dense layers); every stage has at least one layer. The engine
 runs any such split (`layout.py`); `auto` picks the one with the most even per-stage cost.
 
 The cost model is analytic, in forward FLOPs per token (the model's facts: `ModelFacts.layer_flops`,
@@ -113,7 +114,7 @@ def auto_split(facts, seq_len: int, table: Schedule, *sizes, placement: str = "s
     (`table` may still be a schedule name followed by p, m[, v], the form scripts/ use.)"""
     if isinstance(table, str):
         table = make_schedule(table, *sizes)
-    p, layers, stages = table.num_ranks, facts.layers, table.num_stages
+    p, layers, stages = table.num_ranks, facts.pipeline_layers, table.num_stages
     if layers < stages:
         raise ValueError(f"{layers} layers cannot fill {stages} stages (each needs at least one)")
     split_b = table.split_backward
@@ -149,15 +150,16 @@ def parse_split(value) -> str | tuple[int, ...]:
     raise ValueError(f"not 'auto' or a list of layer counts: {value!r}")
 
 
-def split_problems(split, layers: int, p: int, v: int) -> list[str]:
-    """Why an explicit split does not fit L layers on p ranks × v virtual stages (empty: fine)."""
+def split_problems(split, layers: int, p: int, v: int, what: str = "") -> list[str]:
+    """Why an explicit split does not fit L layers (`what` they are; default model.num_hidden_layers=L)
+    on p ranks × v virtual stages (empty: fine)."""
     problems = []
     if len(split) != p * v:
         problems.append(f"has {len(split)} entries, needs one per stage: mesh.pipeline × parallel.virtual_stages={p * v}")
     if any(n < 1 for n in split):
         problems.append("every stage needs at least one layer")
     if sum(split) != layers:
-        problems.append(f"sums to {sum(split)}, not model.num_hidden_layers={layers}")
+        problems.append(f"sums to {sum(split)}, not {what or f'model.num_hidden_layers={layers}'}")
     return problems
 
 

@@ -54,10 +54,16 @@ the engine makes its input tokens [m, mb, S+1], not activations, so only the sta
 MoE: router statistics are accumulated per microbatch beside the activations (`router.py`), so
 the load-balancing and z losses equal the non-pipelined step's (per microbatch, averaged).
 
+End stages that run more than layers (`stage.Ends`: DeepSeek-V3's leading dense layers on the
+first, its multi-token prediction modules and their losses on the last) get their own branch
+groups, chosen by the table's stage kind; their backward adds the gradients of the shared params
+they read to the shared sums. A model without them compiles the branches it always had.
+
 Proven equal to one device by `tests/parallel/pipeline/test_pipeline.py` (every schedule, uneven and auto splits,
 with data, expert-as-data, tensor + SP, ZeRO-1/3, remat, tied embeddings),
 `tests/parallel/pipeline/test_pipeline_stage_maps.py` (V-shaped stage maps: hops 0 and ±1, both ends on rank 0)
-and `tests/parallel/pipeline/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), with context
+and `tests/parallel/pipeline/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), the end
+stages' extra work by `tests/models/test_families_degeneracy.py` (DeepSeek-V3's `*_dense_mtp*` cases), with context
 parallelism by `tests/parallel/test_context.py`; the slot plan by `tests/parallel/pipeline/test_pipeline_slots.py`.
 """
 
@@ -69,17 +75,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import PIPELINE
-from jaxpar.manual import manual_spec, psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
-from jaxpar.parallel.context.plan import sequence_axes
-from jaxpar.parallel.context.sequence import TokenBatch, default_positions, split_rows
-from jaxpar.parallel.data import split_microbatches
+from jaxpar.manual import psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
+from jaxpar.parallel.context.sequence import TokenBatch
 from jaxpar.parallel.pipeline import router
-from jaxpar.parallel.pipeline.layout import from_stages, stage_layout, to_stages
-from jaxpar.parallel.pipeline.slots import FIRST, LAST, STEP_FIELDS
-from jaxpar.parallel.pipeline.stage import Stage, StageModel
+from jaxpar.parallel.pipeline.layout import from_stages, to_stages
+from jaxpar.parallel.pipeline.shard import setup
+from jaxpar.parallel.pipeline.slots import FIRST, LAST
+from jaxpar.parallel.pipeline.stage import Ends, Stage, StageModel
 from jaxpar.parallel.pipeline.vocab import head_loss, lookup, shard_offset
 from jaxpar.parallel.tensor import mean_cross_entropy
 from jaxpar.parallel.zero import in_use
@@ -99,16 +103,7 @@ class Carry(NamedTuple):
     metrics: Any  # sums of the microbatches' MoE metrics ({} for dense models)
     stats: Any  # [m, ...] this rank's router statistics per microbatch, summed over its stages
     totals: Any  # [m, ...] per microbatch, summed over all stages and replicas (once known)
-
-
-def _spec_axes(spec) -> set:
-    return {a for e in spec for a in ((e,) if isinstance(e, str) else (e or ()))}
-
-
-def _per_replica(spec, batch_axes) -> P:
-    """`spec` behind a leading per-replica axis over the batch axes it does not already use."""
-    lead = tuple(a for a in batch_axes if a not in _spec_axes(spec))
-    return P(lead or None, *spec)
+    mtp: Any = None  # fp32 [D] sums of the microbatches' multi-token prediction losses (None: none)
 
 
 def _add(acc, delta):
@@ -119,10 +114,11 @@ def _zeros(tree, lead=(), dtype=jnp.float32):
     return jax.tree.map(lambda a: vary_everywhere(jnp.zeros(lead + tuple(a.shape), dtype)), tree)
 
 
-def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, scale, *, plan, layout, stage_model,
-            opts, shared_names, batch_axes, vocab, train=True):
+def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, steps, scale, *, plan, layout,
+            stage_model, opts, shared_names, batch_axes, vocab, ends: Ends, train=True):
     """`train=False`: the loss only (eval) — the table's F actions and the head, every B and W
-    idle, no gradient carried."""
+    idle, no gradient carried. `ahead`: the microbatches' tokens ahead [m, D, mb, S] with
+    multi-token prediction on the last stage (`ends`), else ()."""
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
     dtype, zero3 = opts.compute_dtype, opts.plan.zero.shard_params
     opts = dataclasses.replace(opts, rules=opts.rules.without(PIPELINE, *batch_axes).on(jax.sharding.get_abstract_mesh()))
@@ -158,6 +154,13 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
     def weights_of(mb):
         return None if weights is None else jax.lax.dynamic_index_in_dim(weights, mb, keepdims=False)
 
+    depth = ends.prediction_depth
+    ahead = jax.tree.map(vary_everywhere, ahead)
+
+    def ahead_of(mb):
+        """Microbatch mb's tokens ahead [D, mb, S] (None without prediction), picked outside the branches."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, mb, keepdims=False), ahead) if depth else None
+
     rows = {k: t[:, 0] for k, t in rank_tables.items()}
     replicas = jax.lax.psum(1, batch_axes) if batch_axes else 1
     act_shape = inputs.shape[1:] + (stage_model.hidden_size,)
@@ -191,45 +194,82 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
         normed = model.final_norm(vary_everywhere_wide(h))  # the transpose sums every rank's share of d h
         return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules, w)
 
-    def forward_branch(n, with_head):
-        def run(x, tgt, w, mb_seq, u, shared_grads, ce):
-            y, stats = stage.forward(layer(u, n), shared, x, *mb_seq)
+    # Branch groups by the kind of stage (`slots`: FIRST, LAST): None, any stage's layers; FIRST,
+    # the first stage's with the model's blocks before them; LAST, the last stage's followed by
+    # the head ("ends") and, training, multi-token prediction. Each group has one branch per stage
+    # length; a group exists only where it differs from None's.
+    fwd_roles = [None] + ([FIRST] if ends.first_layers else []) + ([] if spread else [LAST])
+    back_roles = [None] + ([FIRST] if ends.first_layers else []) + ([LAST] if depth else [])
+    # The multi-token prediction losses' cotangent: their mean's weight in the loss.
+    mtp_grad = vary_everywhere(jnp.full((depth,), loss_cotangent * opts.mtp_loss_weight / max(depth, 1), jnp.float32))
+
+    def group(roles, kind):
+        """The index in `roles` of a stage of this kind (a traced table entry): 0 unless listed."""
+        if len(roles) == 1:
+            return 0
+        if roles == [None, LAST]:  # "ends" alone: as written before the other groups existed
+            return (kind == LAST).astype(jnp.int32)
+        index = jnp.zeros((), jnp.int32)
+        for i, role in enumerate(roles[1:], 1):
+            index = jnp.where(kind == role, i, index)
+        return index
+
+    def forward_branch(n, role):
+        first, with_head = role == FIRST, role == LAST
+        predicting = with_head and depth > 0
+
+        def run(x, tgt, w, mb_seq, mb_ahead, u, shared_grads, ce, mtp):
+            if predicting:
+                y, stats, losses = stage.forward_predicting(layer(u, n), shared, x, *mb_seq, mb_ahead)
+                ce, mtp = ce + opts.mtp_loss_weight * jnp.mean(losses), mtp + losses
+            else:
+                y, stats = stage.forward(layer(u, n), shared, x, *mb_seq, first=first)
             y = rules.constrain(y, RESIDUAL)
             if not with_head:
-                return y, stats, zeros_act(), shared_grads, ce
+                return y, stats, zeros_act(), shared_grads, ce, mtp
             # "ends": the last stage runs norm + head + loss on its output right away.
             if not train:
-                return y, stats, zeros_act(), shared_grads, ce + vary_everywhere(head(shared, y, tgt, w))
+                return y, stats, zeros_act(), shared_grads, ce + vary_everywhere(head(shared, y, tgt, w)), mtp
             loss, pullback = jax.vjp(lambda sh, h: head(sh, h, tgt, w), shared, y)
             d_shared, d_h = pullback(vary_like(loss_cotangent, loss))
             d_h = rules.constrain(d_h.astype(dtype), RESIDUAL)
-            return y, stats, d_h, _add(shared_grads, d_shared), ce + vary_everywhere(loss)
+            return y, stats, d_h, _add(shared_grads, d_shared), ce + vary_everywhere(loss), mtp
 
         return run
 
-    def idle_forward(x, tgt, w, mb_seq, u, shared_grads, ce):
-        return zeros_act(), no_stats, zeros_act(), shared_grads, ce
+    def idle_forward(x, tgt, w, mb_seq, mb_ahead, u, shared_grads, ce, mtp):
+        return zeros_act(), no_stats, zeros_act(), shared_grads, ce, mtp
 
-    # 0 idle, 1 + i: a stage of lengths[i] layers, then (ends) the same followed by the head.
-    fwd_branches = [idle_forward] + [forward_branch(n, False) for n in lengths]
-    fwd_branches += [] if spread else [forward_branch(n, True) for n in lengths]
+    # 0 idle, then per group g and stage length i: 1 + g·len + i.
+    fwd_branches = [idle_forward] + [forward_branch(n, role) for role in fwd_roles for n in lengths]
 
-    def backward_branch(branch, n):
-        def run(x, output_grad, stats_grad, mb_seq, u, layer_grads):
+    def backward_branch(branch, n, role):
+        first, last = role == FIRST, role == LAST
+        extras = ends.extras(first, last) if branch.params else ()
+
+        def run(x, output_grad, stats_grad, mb_seq, mb_ahead, u, layer_grads, shared_grads):
             pos, seg = mb_seq
-            d_layer, d_input = stage.backward(branch, layer(u, n), shared, x, pos, output_grad, stats_grad, seg)
+            d_layer, d_input, d_extra = stage.backward(
+                branch, layer(u, n), shared, x, pos, output_grad, stats_grad, seg, first=first, extras=extras,
+                ahead=mb_ahead if last else None, loss_grad=mtp_grad,
+            )
             if d_layer is not None:
                 layer_grads = jax.tree.map(lambda a, d: a.at[u, :n].add(d.astype(jnp.float32)), layer_grads, d_layer)
+            if d_extra is not None:  # the end stage's shared params, summed over `pipeline` after the scan
+                shared_grads = {**shared_grads, **{k: _add(shared_grads[k], d) for k, d in d_extra.items()}}
             d_input = zeros_act() if d_input is None else rules.constrain(d_input.astype(dtype), RESIDUAL)
-            return d_input, layer_grads
+            return d_input, layer_grads, shared_grads
 
         return run
 
-    def idle_back(x, output_grad, stats_grad, mb_seq, u, layer_grads):
-        return zeros_act(), layer_grads
+    def idle_back(x, output_grad, stats_grad, mb_seq, mb_ahead, u, layer_grads, shared_grads):
+        return zeros_act(), layer_grads, shared_grads
 
-    # 0 idle, then per slot-plan branch b (from 1) and stage length i: 1 + (b - 1)·len + i.
-    back_branches = [idle_back] + [backward_branch(b, n) for b in plan.back_branches[1:] for n in lengths]
+    # 0 idle, then per group g, slot-plan branch b (from 1) and stage length i: 1 + (g·(B - 1) + b - 1)·len + i.
+    back_branches = [idle_back] + [
+        backward_branch(b, n, role) for role in back_roles for b in plan.back_branches[1:] for n in lengths
+    ]
+    back_kinds = len(plan.back_branches) - 1
     hops, recv_fields = plan.hops, plan.recv_fields
 
     def send(value, hop, forward: bool):
@@ -278,14 +318,14 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
         acts = receive(carry.acts, carry.in_act, [a for a, _ in recv_fields], row)
         x = jnp.where(row["fwd_kind"] == FIRST, first_input, acts[row["fwd_slot"]])
         is_last = row["fwd_kind"] == LAST
-        with_head = 0 if spread else is_last.astype(jnp.int32) * len(lengths)
+        with_head = group(fwd_roles, row["fwd_kind"]) * len(lengths)
         branch = jnp.where(row["fwd_branch"] == 0, 0, branch_of(1 + with_head, row["fwd_stage"]))
         mb = row["fwd_mb"]
-        y, stats, d_head, shared_grads, ce = jax.lax.switch(
-            branch, fwd_branches, x, targets[mb], weights_of(mb), of_microbatch(mb), row["fwd_stage"], shared_grads,
-            carry.ce,
+        y, stats, d_head, shared_grads, ce, mtp = jax.lax.switch(
+            branch, fwd_branches, x, targets[mb], weights_of(mb), of_microbatch(mb), ahead_of(mb), row["fwd_stage"],
+            shared_grads, carry.ce, carry.mtp,
         )
-        carry = carry._replace(acts=acts, shared_grads=shared_grads, ce=ce, in_head=d_head)
+        carry = carry._replace(acts=acts, shared_grads=shared_grads, ce=ce, in_head=d_head, mtp=mtp)
         if train:
             carry = carry._replace(stats=jax.tree.map(lambda a, s: a.at[mb].add(s), carry.stats, stats))
         if spread or (carry.stats and train):  # every rank takes this cond alike (a per-step table entry)
@@ -313,10 +353,13 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
                 lambda g: vary_everywhere(g * (replicas * loss_cotangent)), router.totals_grad(stage_model, totals)
             )
             back = row["back_branch"]
-            back = jnp.where(back == 0, 0, branch_of(1 + (back - 1) * len(lengths), row["back_stage"]))
-            d_input, layer_grads = jax.lax.switch(
+            back_group = group(back_roles, row["back_kind"]) * back_kinds
+            back = jnp.where(back == 0, 0, branch_of(1 + (back_group + back - 1) * len(lengths), row["back_stage"]))
+            # The shared gradients pass through the branches only where an end stage adds to them.
+            ends_grads = carry.shared_grads if len(back_roles) > 1 else None
+            d_input, layer_grads, ends_grads = jax.lax.switch(
                 back, back_branches, x, grads[row["back_grad_slot"]], stats_grad, of_microbatch(row["back_mb"]),
-                row["back_stage"], carry.layer_grads,
+                ahead_of(row["back_mb"]), row["back_stage"], carry.layer_grads, ends_grads,
             )
             zero = jnp.zeros_like(d_input)
             send_grad = jnp.where(back_on_first, zero, d_input)
@@ -325,7 +368,7 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
             d_embedded = jnp.where(back_on_first, d_input, zero)
             d_embedded = psum_wide(d_embedded, PIPELINE) if spread else d_embedded
             (d_table,) = embed_pullback(vary_everywhere(d_embedded))
-            shared_grads = dict(carry.shared_grads)
+            shared_grads = dict(carry.shared_grads if ends_grads is None else ends_grads)
             shared_grads["embed"] = {"weight": shared_grads["embed"]["weight"] + d_table.astype(jnp.float32)}
             carry, y = forward_part(carry._replace(grads=grads, layer_grads=layer_grads), row, step, embedded[0],
                                     shared_grads)
@@ -368,6 +411,7 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
         metrics=_zeros(router.zero_metrics(stage_model, stats_shape)),
         stats=_zeros(stats_shape, (m,)),
         totals=_zeros(stats_shape, (m,)),
+        mtp=vary_everywhere(jnp.zeros((depth,), jnp.float32)) if depth else None,
     )
     end, _ = jax.lax.scan(time_step, start, (rows, steps))
 
@@ -383,72 +427,10 @@ def _engine(layers, shared, seq: TokenBatch, rank_tables, layout_tables, steps, 
     everyone = (PIPELINE, *batch_axes)
     loss = jax.lax.psum(end.ce + end.aux, everyone) / (m * replicas)
     metrics = jax.tree.map(lambda a: jax.lax.psum(a, everyone) / (m * replicas), end.metrics)
+    if depth:  # each depth's loss, averaged like the loss (`jaxpar.train.loss`)
+        metrics = {**metrics, "mtp_loss": jax.lax.psum(end.mtp, everyone) / (m * replicas)}
     lead = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
     return loss, lead(layer_grads), lead(shared_grads), metrics
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(split, p, v, stages, stored):
-    return stage_layout(split, p, v, stages, stored)
-
-
-def _setup(params, batch, model: StageModel, opts, train: bool):
-    """The engine's shard_map for this plan (`train`: with gradients; else the loss only), its
-    arguments (scale last, to fill in), and the batch axes it is manual over."""
-    pipe, rules = opts.plan.pipeline, opts.rules
-    mesh = rules.mesh
-    plan = pipe.slot_plan
-    p, m, v = mesh.shape[PIPELINE], pipe.microbatches, pipe.virtual_stages
-    if (plan.schedule.num_ranks, plan.schedule.num_microbatches, plan.schedule.virtual_stages) != (p, m, v):
-        raise ValueError(f"pipeline table {plan.schedule.name!r} is not for p={p}, m={m}, v={v}")
-    layout = _layout(pipe.stage_layers, p, v, plan.schedule.stages, pipe.stored_order)
-    logical = model.logical
-    shared = {k: a for k, a in params.items() if k != "layers"}
-    shared_names = {k: n for k, n in logical.items() if k != "layers"}
-    micro = split_microbatches(batch, m, rules)
-    # Context parallelism: tokens in the plan's sequence order, split over `context`, which is
-    # manual here like the batch axes (every (replica, context rank) pair runs the schedule on its
-    # shard; attention's collectives over `context` run inside the stage branches).
-    seq = split_rows(micro, opts.plan.context, rules, names=(None, "batch", "seq"))
-    if seq.positions is None:
-        seq = seq._replace(positions=jnp.broadcast_to(default_positions(seq.tokens[0]), seq.tokens.shape))
-    rank_tables = {k: jnp.asarray(t) for k, t in plan.tables.items()}
-    steps = {k: jnp.asarray(plan.steps[k]) for k in STEP_FIELDS}
-    layout_tables = {k: jnp.asarray(t) for k, t in layout.tables.items()}
-    # Data-parallel replicas (manual batch axes) accumulate their own gradients and reduce them
-    # once, after the engine, not once per microbatch inside it. ZeRO-3 leaves the batch axes to
-    # the partitioner: gradients reduce-scatter per microbatch there, as in FSDP.
-    batch_axes = () if opts.plan.zero.shard_params else tuple(opts.plan.batch_axes)
-    rows, seq_axes = batch_axes or None, sequence_axes(opts.plan.context) or None
-    # Per (replica, context rank) partial results, averaged below: each holds the mean over its tokens.
-    batch_axes += sequence_axes(opts.plan.context)
-    manual = {PIPELINE, *batch_axes}
-    spec = functools.partial(manual_spec, rules, manual=manual)
-    layer_specs = jax.tree.map(spec, logical["layers"], is_leaf=is_logical_names)
-    shared_specs = jax.tree.map(spec, shared_names, is_leaf=is_logical_names)
-    replica_grads = lambda specs: jax.tree.map(  # noqa: E731
-        lambda s: _per_replica(s, batch_axes), specs, is_leaf=lambda x: isinstance(x, P)
-    )
-    layer_grad_specs = replica_grads(layer_specs)  # the storage layout (split over `pipeline` or not)
-    shared_grad_specs = jax.tree.map(  # split over `pipeline` ("spread" tables) or summed over it
-        lambda s: _per_replica(s if PIPELINE in _spec_axes(s) else P(), batch_axes), shared_specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    engine = functools.partial(
-        _engine, plan=plan, layout=layout, stage_model=model, opts=opts, shared_names=shared_names,
-        batch_axes=batch_axes, vocab=pipe.vocab, train=train,
-    )
-    run = jax.shard_map(
-        engine,
-        mesh=mesh,
-        in_specs=(
-            layer_specs, shared_specs, jax.tree.map(lambda _: P(None, rows, seq_axes), seq), P(None, PIPELINE),
-            P(PIPELINE), P(), P(),
-        ),
-        out_specs=(P(), layer_grad_specs, shared_grad_specs, P()) if train else P(),
-        axis_names=manual,
-    )
-    return run, (params["layers"], shared, seq, rank_tables, layout_tables, steps), batch_axes
 
 
 def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.0):
@@ -456,7 +438,7 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
     computed by the pipeline engine with the plan's pipeline options (microbatches replace
     `train.grad_accum`). `model`: the model as the pipeline sees it, from the train step."""
     rules, logical = opts.rules, model.logical
-    run, args, batch_axes = _setup(params, batch, model, opts, train=True)
+    run, args, batch_axes = setup(_engine, params, batch, model, opts, train=True)
     loss, layer_grads, shared_grads, metrics = run(*args, jnp.asarray(scale, jnp.float32))
     # Sum over the per-replica axis, divided by the replica count: a mean, except for expert
     # weights, whose entries are already sums over their expert group (the dispatch's transpose).
@@ -474,5 +456,5 @@ def pipelined_loss_and_grads(params, batch, *, model: StageModel, opts, scale=1.
 def pipelined_loss(params, batch, *, model: StageModel, opts):
     """The mean next-token loss over the batch's real targets (no auxiliary losses), computed by
     the engine without gradients: the table's F actions and the head only (eval)."""
-    run, args, _ = _setup(params, batch, model, opts, train=False)
+    run, args, _ = setup(_engine, params, batch, model, opts, train=False)
     return run(*args, jnp.asarray(1.0, jnp.float32))

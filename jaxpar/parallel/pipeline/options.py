@@ -27,7 +27,7 @@ class PipelineOptions:
     microbatches: int = 1
     virtual_stages: int = 1
     num_ranks: int = 1  # mesh.pipeline
-    layers: int = 0  # the model's decoder layers
+    layers: int = 0  # the model's staged decoder layers (`ModelFacts.pipeline_layers`)
     vocab: str = "spread"  # where embedding / head run: a `balance.PLACEMENTS` entry (see `vocab.py`)
     # `parallel.pipeline_stage_layers`: an explicit split (layers per global stage, placed by the
     # table's stage map), or AUTO, balanced from the model's facts at `seq_len`.
@@ -117,8 +117,8 @@ def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
         microbatches=parallel.num_microbatches or p,
         virtual_stages=v,
         num_ranks=p,
-        layers=facts.layers,
-        layers_in_schedule_order=stores_in_schedule_order(facts.layers, p, v),
+        layers=facts.pipeline_layers,
+        layers_in_schedule_order=stores_in_schedule_order(facts.pipeline_layers, p, v),
         vocab=parallel.pipeline_vocab,
         split=parse_split(parallel.pipeline_stage_layers),
         facts=facts,
@@ -126,8 +126,9 @@ def pipeline_options(config, mesh: dict, facts) -> PipelineOptions | None:
     )
 
 
-def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
-    """One line per problem, each naming the key to change."""
+def checks(config, mesh: dict, *, has_aux_losses: bool, facts=None) -> list[str]:
+    """One line per problem, each naming the key to change. `facts`: the model's `ModelFacts`
+    (None: every decoder layer staged, no multi-token prediction)."""
     parallel, train, model = config.parallel, config.train, config.model
     errors = []
     name, v, m = parallel.pipeline_schedule, parallel.virtual_stages, parallel.num_microbatches
@@ -169,14 +170,24 @@ def checks(config, mesh: dict, *, has_aux_losses: bool) -> list[str]:
             "the pipeline's parallel.num_microbatches already accumulates"
         )
     layers = model.num_hidden_layers
+    # Blocks an end stage runs on its own (`stage.Ends`: DeepSeek-V3's leading dense layers) are in no split.
+    staged = facts.staged_layers if facts is not None and facts.staged_layers else layers
+    what = f"model.num_hidden_layers={layers}"
+    if staged != layers:
+        what = f"the {staged} staged layers (model.num_hidden_layers={layers} less those the first stage runs on its own)"
     if split == AUTO:
-        if layers < p * v:
+        if staged < p * v:
             errors.append(
-                f"model.num_hidden_layers={layers} cannot fill mesh.{PIPELINE} × parallel.virtual_stages={p * v} "
-                "stages (each needs at least one layer)"
+                f"{what} cannot fill mesh.{PIPELINE} × parallel.virtual_stages={p * v} stages (each needs at least one layer)"
             )
     else:
-        errors += [f"{key}={list(split)} {problem}" for problem in split_problems(split, layers, p, v)]
+        errors += [f"{key}={list(split)} {problem}" for problem in split_problems(split, staged, p, v, what)]
+    if facts is not None and facts.table_uses > 1 and train.mtp_loss_weight > 0 and parallel.pipeline_vocab != "ends":
+        errors.append(
+            f"multi-token prediction (train.mtp_loss_weight={train.mtp_loss_weight}) with mesh.{PIPELINE}={p} needs "
+            "parallel.pipeline_vocab='ends' (its modules run on the last stage with the whole LM head); set it, "
+            "or train.mtp_loss_weight=0"
+        )
     errors += kind.constraints(p, m, v)  # the schedule's own microbatch constraints
     if has_aux_losses and parallel.zero_stage == 3:
         # ZeRO-3 leaves the batch axes to the partitioner inside the engine, so the expert dispatch
