@@ -40,6 +40,9 @@ def context_attention(
     block_q: int = DEFAULT_BLOCK,
     block_kv: int = DEFAULT_BLOCK,
     segment_ids=None,
+    window=None,
+    sinks=None,
+    softcap: float | None = None,
 ):
     """Causal attention with the sequence sharded over `context_axis`; call under jit.
 
@@ -58,7 +61,9 @@ def context_attention(
     per-replica accumulation uses "data"): vmap adds it to the specs but not to the manual axes,
     and the lowering then fails on a shape mismatch, so it must be named here.
 
-    `scale` defaults to 1/sqrt(D); `block_q` / `block_kv` bound the local score chunks.
+    `scale` defaults to 1/sqrt(D); `block_q` / `block_kv` bound the local score chunks. A layer's
+    attention pattern (`jaxpar.parallel.context.local`): `window` int32 scalar (0: full; may be
+    traced), `sinks` [Hq] (sharded over the head axis like q's heads), `softcap` a float.
     """
     if impl not in IMPLS:
         raise ValueError(f"context attention impl {impl!r}: expected one of {sorted(IMPLS)}")
@@ -86,27 +91,34 @@ def context_attention(
     spec = P(batch, context_axis, heads, None)
     local = functools.partial(IMPLS[impl], axis_name=context_axis, scale=scale, block_q=block_q, block_kv=block_kv)
     pos_spec = P(batch, context_axis) if positions.ndim == 2 else P(context_axis)
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"context attention: sinks {sinks.shape} must be [query heads] {(hq,)}")
+    window = None if window is None else jax.numpy.asarray(window, jax.numpy.int32)
     sharded = jax.shard_map(
-        lambda q, k, v, pos, seg: local(q, k, v, pos, pos, q_seg=seg, kv_seg=seg),
+        lambda q, k, v, pos, seg, window, sinks: local(
+            q, k, v, pos, pos, q_seg=seg, kv_seg=seg, window=window, sinks=sinks, softcap=softcap
+        ),
         mesh=mesh,
-        in_specs=(spec, spec, spec, pos_spec, P(batch, context_axis)),
+        in_specs=(spec, spec, spec, pos_spec, P(batch, context_axis), P(), P(heads)),
         out_specs=spec,
         axis_names=frozenset({context_axis, *batch_axes, *vmapped_axes} | ({heads} if heads else set())),
         # Under the train step's vmap(spmd_axis_name="data") jax 0.10.2's varying-axes checks
         # fail ("pvary is a invariant->variant collective"), as in parallel/expert.py.
         check_vma=False,
     )
-    return sharded(q, k, v, positions, segment_ids)
+    return sharded(q, k, v, positions, segment_ids, window, sinks)
 
 
-def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None):
+def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None, window=None, sinks=None, softcap=None):
     """What the model's attention layer runs when `plan.context` is set (a `ContextPlan`): q, k, v,
     positions and segment ids (or None) [B, S] laid out by the rules table (sequence over `context`, heads over
     `tensor`). Inside a shard_map already manual over `context` (the pipeline engine) the
     sequence is this rank's shard and the per-device kernel runs directly; otherwise
     `context_attention` enters one, manual over the batch axes the rules name. (Gradient
     accumulation under context parallelism runs the model inside a shard_map manual over
-    `context` too: `jaxpar.parallel.context.accumulation`.)"""
+    `context` too: `jaxpar.parallel.context.accumulation`.) `window`, `sinks`, `softcap`: the
+    layer's attention pattern, as `context_attention` takes it."""
+    pattern = dict(window=window, sinks=sinks, softcap=softcap)
     ctx = plan.context
     if CONTEXT in manual_axes():
         # Under ZeRO-3 the engine leaves the batch axes to the partitioner, which then gathers the
@@ -115,12 +127,12 @@ def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None):
         # residuals get the wrong local shape).
         local = IMPLS[ctx.impl]
         return local(q, k, v, positions, positions, axis_name=CONTEXT, q_seg=segment_ids, kv_seg=segment_ids,
-                     block_q=ctx.block, block_kv=ctx.block)
+                     block_q=ctx.block, block_kv=ctx.block, **pattern)
     rows = rules.spec(("batch",))[0]
     batch_axes = () if rows is None else rows if isinstance(rows, tuple) else (rows,)
     return context_attention(
         q, k, v, positions, mesh=rules.mesh, impl=ctx.impl, batch_axes=batch_axes,
-        block_q=ctx.block, block_kv=ctx.block, segment_ids=segment_ids,
+        block_q=ctx.block, block_kv=ctx.block, segment_ids=segment_ids, **pattern,
     )
 
 

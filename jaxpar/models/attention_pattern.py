@@ -1,0 +1,165 @@
+"""A layer's attention pattern: sliding windows, attention sinks, logit soft-capping, the score scale.
+
+Recent families do not attend over the whole sequence in every layer: gpt-oss alternates
+sliding-window layers with full ones and adds learned per-head sinks, Gemma 2 / 3 soft-cap their
+logits and scale queries by `query_pre_attn_scalar`. These are `config.model` keys of those
+families (named as in their transformers configs); this module is the one place that reads them.
+A family opts in by adding `option_keys()` to its schema (no key here belongs to Llama's, so every
+family without them is unchanged, bit for bit) and `MEANINGS` to the documented keys.
+
+- `sliding_window`: W tokens (None: no sliding layers). A key is visible to a query at most W - 1
+  tokens after it (transformers' sliding-window causal mask: the query and the W - 1 before it),
+  within the query's own document (the segment mask still applies, so a window never crosses a
+  document), computed from true positions, so any sequence order (context parallelism's load
+  balancing) gives the same mask.
+- `layer_types`: one "sliding_attention" / "full_attention" per layer, as transformers spells it;
+  empty: every layer sliding when `sliding_window` is set, else full.
+- `attention_sinks` (jaxpar's own key; gpt-oss always has them): a learned logit per query head
+  (parameter `sinks`, logical axis `heads`, so it shards over `tensor` with the heads) added to
+  each softmax's denominator with no value: softmax over [scores, sink], the sink's column dropped.
+- `attn_logit_softcapping`: logits = cap · tanh(logits / cap) before the mask (None: off).
+- `query_pre_attn_scalar`: the score scale is its −½ power instead of head_dim's (None: head_dim).
+
+Layers of different kinds still run in one scan: the pattern is data, `layer_windows(model)` one
+int per layer (0: full), scanned with the layers, and every attention path takes the window as an
+int32 scalar that may be traced. `Pattern` is what one layer's call receives; `attend` runs it on
+one device for each `parallel.attention_impl`: "xla" by `xla_attention` below (autodiff of the
+definition), "jaxpar_xla" by the hand-written kernel (`jaxpar.kernels.attention.patterned_attention`);
+cuDNN has no sinks or soft-capping in `jax.nn.dot_product_attention` and only a static window, so
+patterned layers take the XLA path there. Context parallelism: `jaxpar.parallel.context.local`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections.config_dict import placeholder
+
+from jaxpar.kernels import attention as attention_kernel
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+MEANINGS = {
+    "sliding_window": "tokens a sliding-window layer attends over (the query and the ones before it, within its "
+    "document); None: no sliding layers",
+    "layer_types": "one of sliding_attention / full_attention per layer; empty: every layer sliding when "
+    "sliding_window is set, else full",
+    "attention_sinks": "a learned logit per query head in each softmax's denominator (gpt-oss's sinks)",
+    "attn_logit_softcapping": "attention logits become cap · tanh(logits / cap); None: not capped",
+    "query_pre_attn_scalar": "the attention scores are scaled by its -1/2 power; None: by head_dim's",
+}
+
+
+def option_keys() -> dict:
+    """The keys (with defaults that change nothing) a family adds to its schema to opt in."""
+    return dict(
+        sliding_window=placeholder(int),
+        layer_types=[],
+        attention_sinks=False,
+        attn_logit_softcapping=placeholder(float),
+        query_pre_attn_scalar=placeholder(float),
+    )
+
+
+def _get(model, key, default=None):
+    # `in`, not ConfigDict.get (whose miss builds a did-you-mean message: slow in the planner).
+    return model[key] if key in model else default
+
+
+def layer_windows(model) -> np.ndarray:
+    """int32 [num_hidden_layers]: each layer's window (0: full attention)."""
+    window, types = _get(model, "sliding_window"), list(_get(model, "layer_types", []) or [])
+    layers = model.num_hidden_layers
+    if not types:
+        types = [SLIDING if window else FULL] * layers
+    return np.asarray([window if kind == SLIDING and window else 0 for kind in types], np.int32)
+
+
+def ranges(model) -> list[str]:
+    """One line per problem with the pattern keys (none when the family has not opted in)."""
+    errors = []
+    window, types = _get(model, "sliding_window"), list(_get(model, "layer_types", []) or [])
+    if window is not None and window < 1:
+        errors.append(f"model.sliding_window={window} must be >= 1 (or None: no sliding layers)")
+    if types and len(types) != model.num_hidden_layers:
+        errors.append(f"model.layer_types has {len(types)} entries; model.num_hidden_layers={model.num_hidden_layers}")
+    unknown = sorted({t for t in types} - {SLIDING, FULL})
+    if unknown:
+        errors.append(f"model.layer_types: {unknown} are not {SLIDING!r} or {FULL!r}")
+    if SLIDING in types and window is None:
+        errors.append("model.layer_types names sliding_attention layers but model.sliding_window is None")
+    for key in ("attn_logit_softcapping", "query_pre_attn_scalar"):
+        value = _get(model, key)
+        if value is not None and value <= 0:
+            errors.append(f"model.{key}={value} must be > 0 (or None)")
+    return errors
+
+
+class Pattern(NamedTuple):
+    """One layer's call: window int32 scalar (0: full; may be traced) or None (no window op), sinks
+    [H] or None, softcap and scale Python floats or None (no cap; 1/√head_dim)."""
+
+    window: jax.Array | int | None = None
+    sinks: jax.Array | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+
+PLAIN = Pattern()
+
+
+def static_pattern(model) -> Pattern:
+    """The static parts of a model's pattern (soft-cap, scale), the window and sinks left empty."""
+    scalar = _get(model, "query_pre_attn_scalar")
+    cap = _get(model, "attn_logit_softcapping")
+    return Pattern(softcap=None if cap is None else float(cap), scale=None if scalar is None else float(scalar) ** -0.5)
+
+
+def is_plain(pattern: Pattern | None) -> bool:
+    """Nothing but causal (and document) masking: the existing kernels run, unchanged."""
+    return pattern is None or all(part is None for part in pattern)
+
+
+_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row gives no NaN
+
+
+def xla_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
+    """The definition, differentiated by autodiff (`parallel.attention_impl` = xla): q [B, T, H, D]
+    over k, v [B, T, K, D] in text order; padding rows (segment 0) give 0."""
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    scale = d**-0.5 if pattern.scale is None else pattern.scale
+    qg = q.reshape(b, t, kv, h // kv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if pattern.softcap is not None:
+        s = pattern.softcap * jnp.tanh(s / pattern.softcap)
+    row = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+    visible = col <= row
+    if pattern.window is not None:
+        visible = visible & ((pattern.window <= 0) | (row - col < pattern.window))
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
+    s = jnp.where(visible, s, _MASKED)
+    if pattern.sinks is not None:
+        sink = jnp.broadcast_to(pattern.sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1), s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out.reshape(b, t, h, d).astype(q.dtype)
+    if segment_ids is None:
+        return out
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def attend(q, k, v, implementation: str, segment_ids=None, pattern: Pattern = PLAIN):
+    """One device, a patterned layer: the implementation's path (see the module docstring)."""
+    if implementation == "jaxpar_xla":
+        return attention_kernel.patterned_attention(q, k, v, segment_ids, pattern.window, pattern.sinks,
+                                                    pattern.softcap, pattern.scale)
+    return xla_attention(q, k, v, segment_ids, pattern)
+
