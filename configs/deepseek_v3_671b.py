@@ -12,10 +12,10 @@ Expert parallelism ranks second (data 128 x expert 2 x tensor 4, +29%): jaxpar's
 all-to-alls cost more than they save at this size.
 
 Beside it, the layout Megatron-Core publishes for this model: tensor 2, pipeline 8 (4 virtual stages
-each), expert 64. jaxpar cannot run it: its pipeline engine stages one layer stack (no dense layers
-among the routed ones: `first_k_dense_replace` = 3 here) and does not run the multi-token prediction
-module (`plan.py --compare=tensor=2,pipeline=8,expert=64` says preflight refuses it). Those two are
-what keep this model off the pipeline, and most of the gap between the two layouts.
+each), expert 64. The pipeline runs this model's shape (the three dense layers on the first stage,
+the multi-token prediction module on the last: docs/parallelism/pipeline.md), with the whole LM head
+on the last stage: preflight passes that layout with `parallel.pipeline_vocab="ends"` (and refuses it,
+in one line, with the default "spread"). It has not been ranked against the layout above since.
 """
 
 from jaxpar.config import base_config
