@@ -41,6 +41,7 @@ from ml_collections.config_dict import placeholder
 from jaxpar.kernels import attention as attention_kernel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+SIXTEEN_BITS = (jnp.bfloat16, np.float16)
 
 MEANINGS = {
     "sliding_window": "tokens a sliding-window layer attends over (the query and the ones before it, within its "
@@ -91,6 +92,11 @@ def ranges(model) -> list[str]:
         errors.append(f"model.layer_types: {unknown} are not {SLIDING!r} or {FULL!r}")
     if SLIDING in types and window is None:
         errors.append("model.layer_types names sliding_attention layers but model.sliding_window is None")
+    # Each layer's window is a float leaf of the layer stack (`jaxpar.models.attention_layers`),
+    # cast to the compute dtype inside pipeline stages: it must survive 16-bit floats exactly.
+    if window is not None and window >= 1 and not all(float(np.asarray(window, dt)) == window for dt in SIXTEEN_BITS):
+        errors.append(f"model.sliding_window={window} is not exact in bfloat16 and float16 (use a power of two, or a "
+                      "number of at most 8 significant bits below 65504)")
     for key in ("attn_logit_softcapping", "query_pre_attn_scalar"):
         value = _get(model, key)
         if value is not None and value <= 0:

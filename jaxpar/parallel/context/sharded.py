@@ -109,16 +109,17 @@ def context_attention(
     return sharded(q, k, v, positions, segment_ids, window, sinks)
 
 
-def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None, window=None, sinks=None, softcap=None):
+def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None, window=None, sinks=None, softcap=None,
+                    scale=None):
     """What the model's attention layer runs when `plan.context` is set (a `ContextPlan`): q, k, v,
     positions and segment ids (or None) [B, S] laid out by the rules table (sequence over `context`, heads over
     `tensor`). Inside a shard_map already manual over `context` (the pipeline engine) the
     sequence is this rank's shard and the per-device kernel runs directly; otherwise
     `context_attention` enters one, manual over the batch axes the rules name. (Gradient
     accumulation under context parallelism runs the model inside a shard_map manual over
-    `context` too: `jaxpar.parallel.context.accumulation`.) `window`, `sinks`, `softcap`: the
-    layer's attention pattern, as `context_attention` takes it."""
-    pattern = dict(window=window, sinks=sinks, softcap=softcap)
+    `context` too: `jaxpar.parallel.context.accumulation`.) `window`, `sinks`, `softcap`, `scale`:
+    the layer's attention pattern, as `context_attention` takes it."""
+    pattern = dict(window=window, sinks=sinks, softcap=softcap, scale=scale)
     ctx = plan.context
     if CONTEXT in manual_axes():
         # Under ZeRO-3 the engine leaves the batch axes to the partitioner, which then gathers the
