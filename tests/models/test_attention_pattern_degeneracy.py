@@ -1,14 +1,15 @@
 """A tiny Llama with gpt-oss's attention pattern trains exactly like one device on every axis.
 
-The model is a test double, `llama_patterned`: Llama's decoder with `PatternedDecoder` and the shared
-pattern keys (`jaxpar.models.attention_pattern.option_keys`), 4 layers alternating sliding (window
-4, shorter than the 16-token sequence and, at context 2, than a rank's 8 tokens; longer than a rank's
-4 at context 4) and full attention, learned sinks, soft-capped logits and Gemma's query scale. Each
-case runs 3 fp32 steps of the production train step and is compared with the same config on one
-device (`tests/support/reference.py`): context parallelism (2 and 4 ranks, every implementation,
-packed documents), tensor (sinks sharded with the heads), data with ZeRO-3, and the pipeline with
-stages that cut the pattern unevenly (1 + 3 layers). The one-device run itself is checked against
-plain Llama where the pattern is the identity (windows past the sequence, no sinks, no cap).
+The model is a test double, `llama_patterned` (tests/support/patterned_family.py): Llama's decoder
+with `PatternedDecoder` and the shared pattern keys, 4 layers alternating sliding (window 4: shorter
+than the 16-token sequence and than a rank's 8 tokens at context 2, as long as a rank's 4 tokens at
+context 4, longer than the load-balanced chunks of 2 there) and full attention, learned sinks,
+soft-capped logits and Gemma's query scale. Each case runs 3 fp32 steps of the production train step
+and is compared with the same config on one device (`tests/support/reference.py`): context
+parallelism (2 and 4 ranks, every implementation, packed documents), tensor (sinks sharded with the
+heads), data with ZeRO-3, and the pipeline with stages that cut the pattern unevenly (1 + 3 layers;
+3 + 1 with context 2). The one-device run itself is checked against plain Llama where the pattern is
+the identity (windows past the sequence, no sinks, no cap).
 """
 
 import math
@@ -17,34 +18,13 @@ import numpy as np
 import pytest
 
 from jaxpar.models import families
-from jaxpar.models.attention_layers import PatternedDecoder
-from jaxpar.models.attention_pattern import option_keys
-from jaxpar.models.attention_pattern import ranges as pattern_ranges
-from jaxpar.models.checks import decoder_checks, decoder_ranges
-from jaxpar.models.family import Family
-from jaxpar.models.llama import costs, hf
-from jaxpar.models.schema import decoder_config
 from tests.support import tiny
+from tests.support.patterned_family import FAMILY, NAME, schema
 from tests.support.reference import assert_matches_reference, packed_batches, run, single_device, synthetic_batches
 from tests.support.tiers import slow_except
 
 STEPS = 3
 M = 4  # pipeline microbatches
-NAME = "llama_patterned"
-
-
-class PatternedLlama(PatternedDecoder):
-    """Llama's decoder with the attention pattern."""
-
-
-def _schema(**overrides):
-    return decoder_config(**{"model_type": NAME, **option_keys(), **overrides})
-
-
-FAMILY = Family(
-    name=NAME, module=PatternedLlama, schema=_schema, ranges=lambda m: decoder_ranges(m) + pattern_ranges(m),
-    checks=decoder_checks, hf=hf.ADAPTER, facts=costs.facts, aux_losses=None,
-)
 PATTERN = dict(
     num_hidden_layers=4, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
     attention_sinks=True, attn_logit_softcapping=8.0, query_pre_attn_scalar=12.0,
@@ -58,7 +38,7 @@ def patterned_family(monkeypatch):
 
 def patterned(**model):
     config = tiny.llama(**(PATTERN | model))
-    config.model = _schema(**config.model.to_dict() | {"model_type": NAME})
+    config.model = schema(**config.model.to_dict() | {"model_type": NAME})
     return config
 
 

@@ -17,8 +17,8 @@ from jaxpar.interop import hf
 from jaxpar.models import families
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.plan import SINGLE_DEVICE
-from tests.models.test_attention_pattern_degeneracy import FAMILY, NAME, _schema
 from tests.support.hf_models import DEFAULT_ROPE, randomized
+from tests.support.patterned_family import FAMILY, NAME, schema
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,7 +59,7 @@ def test_matches_transformers_ministral(impl, tmp_path):
     with torch.no_grad():
         expected = model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
     cfg, params = hf.load(tmp_path)
-    cfg = _schema(**cfg.to_dict() | {"model_type": NAME, "sliding_window": 4, "layer_types": LAYER_TYPES})
+    cfg = schema(**cfg.to_dict() | {"model_type": NAME, "sliding_window": 4, "layer_types": LAYER_TYPES})
     # The windows as the model initialises them (`PatternedDecoder`), the weights from the checkpoint.
     windows = np.asarray(models.init_params(cfg, 0)["layers"]["attention"]["window"])
     np.testing.assert_array_equal(windows, [[4], [4], [0]])
