@@ -130,9 +130,10 @@ def router_biases(params):
 
 
 @pytest.mark.timeout(300)
-# Fast tier: Qwen3 over data, context and tensor (the MoE families' fast cases: tests/models/test_moe_degeneracy.py).
+# Fast tier: Qwen3 over data, context and tensor, DeepSeek-V3 over data and tensor (the MoE families' fast
+# cases: tests/models/test_moe_degeneracy.py; the pipeline's end stages: tests/parallel/pipeline/test_pipeline_ends.py).
 @pytest.mark.parametrize("name", slow_except(
-    CASES, "qwen3_data2_context2_tensor2_zero3_sp", "deepseek_v3_data2_tensor2_zero1_sp", "deepseek_v3_1f1b_p2_data2_dense_mtp",
+    CASES, "qwen3_data2_context2_tensor2_zero3_sp", "deepseek_v3_data2_tensor2_zero1_sp",
 ))
 def test_matches_single_device(name, shared_cache):
     config, mesh = case_config(name)
