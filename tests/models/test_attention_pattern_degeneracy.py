@@ -7,9 +7,10 @@ context 4, longer than the load-balanced chunks of 2 there) and full attention, 
 soft-capped logits and Gemma's query scale. Each case runs 3 fp32 steps of the production train step
 and is compared with the same config on one device (`tests/support/reference.py`): context
 parallelism (2 and 4 ranks, every implementation, packed documents), tensor (sinks sharded with the
-heads), data with ZeRO-3, and the pipeline with stages that cut the pattern unevenly (1 + 3 layers;
-3 + 1 with context 2). The one-device run itself is checked against plain Llama where the pattern is
-the identity (windows past the sequence, no sinks, no cap).
+heads), data with ZeRO-3 and with full remat, and the pipeline with stages that cut the pattern
+unevenly (1 + 3 layers; 3 + 1 with context 2; interleaved, one layer per virtual stage). The
+one-device run itself is checked against plain Llama where the pattern is the identity (windows past
+the sequence, no sinks, no cap).
 """
 
 import math
@@ -52,6 +53,9 @@ CASES = {
     "data2_tensor2_zero3": ({}, {"data": 2, "tensor": 2}, {"zero_stage": 3}, True),
     "jaxpar_xla_data2": ({}, {"data": 2}, {"attention_impl": "jaxpar_xla"}, True),
     "1f1b_p2_uneven_data2": ({}, {"pipeline": 2, "data": 2}, {"pipeline_stage_layers": [1, 3]}, False),
+    "data2_remat_full": ({}, {"data": 2}, {"remat": "full"}, True),
+    "interleaved_p2_v2_data2": ({}, {"pipeline": 2, "data": 2},
+                                {"pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2}, True),
     "1f1b_p2_uneven_context2_all_gather": (
         {}, {"pipeline": 2, "context": 2}, {"pipeline_stage_layers": [3, 1], "context_impl": "all_gather"}, True,
     ),
