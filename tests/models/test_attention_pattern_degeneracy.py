@@ -51,6 +51,8 @@ CASES = {
     },
     "context2_tensor2_ring_sp": ({}, {"context": 2, "tensor": 2}, {"context_impl": "ring", "sequence_parallel": True}, True),
     "data2_tensor2_zero3": ({}, {"data": 2, "tensor": 2}, {"zero_stage": 3}, True),
+    # 2 KV heads over tensor 4: repeated, so each rank's 2 query heads (and their sinks) meet a copy.
+    "tensor4_jaxpar_xla": ({}, {"tensor": 4}, {"attention_impl": "jaxpar_xla"}, True),
     "jaxpar_xla_data2": ({}, {"data": 2}, {"attention_impl": "jaxpar_xla"}, True),
     "1f1b_p2_uneven_data2": ({}, {"pipeline": 2, "data": 2}, {"pipeline_stage_layers": [1, 3]}, False),
     "data2_remat_full": ({}, {"data": 2}, {"remat": "full"}, True),
