@@ -45,13 +45,10 @@ FLAGS = (
 
 
 def checks(args) -> list[str]:
+    from jaxpar.loading.load import source_problems
+
     problems = []
-    sources = [name for name in ("workdir", "checkpoint", "from_hf") if getattr(args, name)]
-    if len(sources) != 1:
-        problems.append("give exactly one of --workdir, --checkpoint, --from_hf"
-                        + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
-    if args.step != -1 and args.from_hf:
-        problems.append("--step applies to --workdir / --checkpoint, not --from_hf")
+    problems += source_problems(args.workdir, args.checkpoint, args.from_hf, args.step)
     if args.include_path and not os.path.isdir(args.include_path):
         problems.append(f"--include_path={args.include_path} is not a folder (of lm-eval task YAML files)")
     if args.log_samples and not args.output:

@@ -51,16 +51,11 @@ FLAGS = (
 
 def checks(args) -> list[str]:
     """Problems among flags that only make sense together (each flag alone was checked while parsing)."""
+    from jaxpar.loading.load import source_problems
     from jaxpar.sampling.filters import SamplingParams
     from jaxpar.sampling.filters import problems as sampling_problems
 
-    problems = []
-    sources = [name for name in ("workdir", "checkpoint", "from_hf") if getattr(args, name)]
-    if len(sources) != 1:
-        problems.append("give exactly one of --workdir, --checkpoint, --from_hf"
-                        + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
-    if args.step != -1 and args.from_hf:
-        problems.append("--step applies to --workdir / --checkpoint, not --from_hf")
+    problems = source_problems(args.workdir, args.checkpoint, args.from_hf, args.step)
     if not (args.prompt or args.prompt_file or args.prompt_ids):
         problems.append("give a prompt: --prompt=TEXT, --prompt_file=FILE or --prompt_ids=1,2,3")
     if args.prompt_file and not os.path.isfile(args.prompt_file):

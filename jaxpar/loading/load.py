@@ -24,6 +24,18 @@ from jaxpar.sampling.engine import SampleError, Sampler
 from jaxpar.sampling.load import TOKENIZER_FILES, Loaded, eos_id, run_tokenizer, sampling_mesh, tokenizer_at
 
 
+def source_problems(workdir: str, checkpoint: str, from_hf: str, step: int) -> list[str]:
+    """The command-line checks of where a model comes from (scripts/sample.py, scripts/harness.py)."""
+    problems = []
+    sources = [name for name, value in (("workdir", workdir), ("checkpoint", checkpoint), ("from_hf", from_hf)) if value]
+    if len(sources) != 1:
+        problems.append("give exactly one of --workdir, --checkpoint, --from_hf"
+                        + (f" (got {', '.join('--' + s for s in sources)})" if sources else ""))
+    if step != -1 and from_hf:
+        problems.append("--step applies to --workdir / --checkpoint, not --from_hf")
+    return problems
+
+
 def load(workdir: str = "", checkpoint: str = "", step: int = -1, from_hf: str = "", mesh: dict | None = None) -> Loaded:
     """`Loaded` for exactly one of workdir / checkpoint / from_hf, on a mesh of the devices (`mesh`:
     axis sizes as scripts/sample.py takes them; 0 or absent: the defaults)."""

@@ -22,6 +22,7 @@ from tests.support.documents import make_tokenizer, texts, write_jsonl
 from tests.support.files import tokens, write
 from tests.support.paths import ROOT
 from tests.support.processes import hold_lock
+from tests.train.probe import snapshot
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
 
@@ -214,18 +215,6 @@ CASES = [
     ("hf_other_model", hf_edit("other_model")),
     ("hf_model_type", hf_edit("model_type")),
 ]
-
-
-def snapshot(root) -> dict:
-    found = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            found[os.path.join(dirpath, d)] = "dir"
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                found[path] = f.read()
-    return found
 
 
 class Setup:
