@@ -124,7 +124,9 @@ def test_checkpoint_save_cost_per_storage(tmp_path):
         assert 0 < float(row[1]) <= float(row[2]), "a save blocks for part of the time it takes to complete"
     base = float(rows[0][5])
     for row in rows:
-        assert float(row[6].strip().rstrip("x")) == pytest.approx(float(row[5]) / base, abs=0.01), row
+        # The ratio is of the unrounded times: the printed ones are rounded to 1 ms, the ratio to 0.01.
+        assert float(row[6].strip().rstrip("x")) == pytest.approx(float(row[5]) / base, rel=0.0005 / base + 0.0005 / float(row[5]),
+                                                                   abs=0.006), row
     assert not list(disk.iterdir()) and not list(shm.iterdir()), "the bench leaves no checkpoint behind"
 
 

@@ -29,7 +29,7 @@ def _phase_functions():
     """Phase -> (owner, attribute): a function the phase calls first, patched to send the signal."""
     import jax
 
-    from jaxpar.checkpoint.manager import Checkpoints
+    from jaxpar.checkpoint.tiers import Tiers
     from jaxpar.data.batches import DocumentBatches
     from jaxpar.train import loop, preflight
 
@@ -37,7 +37,7 @@ def _phase_functions():
         "preflight": (preflight, "check_run"),
         "data": (loop, "training_stream"),
         "build": (loop, "build"),
-        "restore": (Checkpoints, "restore"),
+        "restore": (Tiers, "restore"),  # the run's checkpoints, one tier or two
         "compile": (jax.stages.Lowered, "compile"),
         "first_step": (DocumentBatches, "__next__"),
     }
