@@ -22,18 +22,9 @@ from tests.support.documents import make_tokenizer, texts, write_jsonl
 from tests.support.files import tokens, write
 from tests.support.paths import ROOT
 from tests.support.processes import hold_lock
-from tests.train.probe import snapshot
+from tests.train.probe import CONFIG_FILE, snapshot
 
 SCRIPT = os.path.join(ROOT, "scripts", "train.py")
-
-CONFIG_FILE = """
-from tests.support import tiny
-def get_config():
-    c = tiny.llama(vocab_size=256)
-    c.data.max_corpus_bytes = 100_000
-    c.train.steps = 2
-    return c
-"""
 
 # A config file written before the optimizer keys moved into their records' sections.
 FLAT_KEY_FILE = CONFIG_FILE.replace("    return c", "    c.train.adam_b1 = 0.8\n    return c")
