@@ -287,9 +287,8 @@ def describe(kinds: dict) -> str:
     return f"{share:.1f}% of {wall:.1f} s trained the model: productive {kinds['productive']:.1f} s{rest}"
 
 
-def summary(ledger: Ledger) -> list[str]:
-    """The end's lines: this start, and (after restarts) the whole run."""
-    attempts = ledger.attempts()
+def summary(attempts: list[dict]) -> list[str]:
+    """The end's lines: this start (the last attempt), and (after restarts) the whole run."""
     lines = [f"goodput of this start: {describe(account(attempts[-1]))}"]
     if len(attempts) > 1:
         lines.append(f"goodput over {len(attempts)} starts: {describe(totals(attempts))}")
@@ -310,9 +309,8 @@ def restart_summary(ledger: Ledger) -> list[str]:
     return lines
 
 
-def record(ledger: Ledger, step: int) -> dict:
+def record(attempts: list[dict], step: int) -> dict:
     """The metrics.jsonl record of the whole run's goodput at its end (every start so far)."""
-    attempts = ledger.attempts()
     kinds = totals(attempts)
     return {"step": int(step), "goodput": _fraction(kinds), "goodput_wall_s": kinds["wall"],
             **{f"goodput_{k}_s": kinds[k] for k in (*KINDS, RESTART)}, "goodput_starts": len(attempts)}

@@ -460,10 +460,11 @@ def _finish(run: _Run, failed: bool, error: BaseException | None = None) -> str 
 
 def _account(run: _Run, ended: str) -> None:
     """The run's goodput at its end: a metrics.jsonl record (and the trackers'), the summary lines."""
-    record = goodput.record(run.ledger, run.step)
+    attempts = run.ledger.attempts()  # one reading: the record and the printed lines say the same numbers
+    record = goodput.record(attempts, run.step)
     run.metrics.write(record)
     if run.observer is not None:
         run.observer.log(record)
-    for line in goodput.summary(run.ledger):
+    for line in goodput.summary(attempts):
         _say(line)
     run.ledger.close(ended)
