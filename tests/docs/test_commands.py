@@ -6,7 +6,8 @@ ones (GPUs, clusters, hours) are never run and are listed as skipped, ```` ```ba
 only in the slow tier, with a longer timeout. Fast tier: every block is checked without running it
 (its scripts, subcommands, config files and keys, pip extras, pytest markers exist). Slow tier:
 every runnable block runs at a small size in a fresh temporary copy of what it names, on CPU.
-The rules (what is copied, how commands are shrunk, which runs are prepared) are in
+A block whose every command a named test already runs with the same flags (rules.RUN_BY_TESTS) is
+checked, not run again. The rules (what is copied, how commands are shrunk, which runs are prepared) are in
 `tests/support/doc_commands.py`; the Quickstart's second command (the whole suite) is checked, not
 run: .ci/run runs it.
 """
@@ -14,6 +15,7 @@ run: .ci/run runs it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,7 +38,8 @@ BLOCKS = [
     if rules.is_command_block(block)
 ]
 HARDWARE = [b for b in BLOCKS if rules.mark_of(b) == rules.NEEDS_HARDWARE]
-RUNNABLE = [b for b in BLOCKS if rules.mark_of(b) != rules.NEEDS_HARDWARE]
+RUN_BY_TESTS = [b for b in BLOCKS if rules.run_by_tests(b)]
+RUNNABLE = [b for b in BLOCKS if rules.mark_of(b) != rules.NEEDS_HARDWARE and not rules.run_by_tests(b)]
 
 
 def _case(block: Block):
@@ -121,6 +124,14 @@ def test_block_is_well_formed(block):
 def test_needs_hardware_blocks_are_listed(block):
     first = next((c.raw for c in rules.commands(block)), block.text.strip().splitlines()[0])
     pytest.skip(f"needs-hardware, not run here: {' '.join(first.split())[:100]}")
+
+
+@pytest.mark.parametrize("block", RUN_BY_TESTS, ids=lambda b: b.name)
+def test_blocks_a_test_runs_name_tests_that_exist(block):
+    """A block left to a test (rules.RUN_BY_TESTS) names a test that is there to run it."""
+    for test in rules.run_by_tests(block):
+        path, _, name = test.partition("::")
+        assert re.search(rf"^def {name}\(", (REPO / path).read_text(), flags=re.M), f"{block.name}: {test} does not exist"
 
 
 @pytest.mark.parametrize("block", [_case(b) for b in RUNNABLE])

@@ -63,6 +63,13 @@ SHRINK = {
     ("scripts/pipeline.py", "balance"): {"steps": "1"},
     ("scripts/sweep.py", None): {"limit": "2"},
 }
+# Benchmarks whose block would repeat, at a larger size, what a test already runs with the same flags at a
+# tiny size (measured at 77 s and 60 s in the slow tier): checked in the fast tier, run by that test.
+RUN_BY_TESTS = {
+    ("scripts/bench.py", "checkpoint"): "tests/scripts/test_bench_script.py::test_checkpoint_save_cost_per_storage",
+    ("scripts/bench.py", "faults"):
+        "tests/scripts/test_bench_script.py::test_faults_each_scenario_restarts_once_and_a_preemption_loses_nothing",
+}
 # Runs a block may read without making them: path -> the command that makes it (shrunk like any other).
 PREPARED_RUNS = {
     "runs/llama_tiny": "python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/llama_tiny",
@@ -234,6 +241,13 @@ def _shrunk_argv(argv: list[str]) -> list[str]:
 
 def _join(argv: list[str]) -> str:
     return " ".join(a if _REDIRECTION.match(a) else shlex.quote(a) for a in argv)
+
+
+def run_by_tests(block: Block) -> tuple[str, ...]:
+    """The tests that run this block's commands (RUN_BY_TESTS) when every command of it has one; else ()."""
+    found = [c for c in commands(block) if kind(c) not in ("venv", "pip")]
+    tests = [RUN_BY_TESTS.get((c.script, subcommand(c))) if c.script else None for c in found]
+    return tuple(tests) if found and all(tests) else ()
 
 
 def shrink_segment(segment: str) -> str:
