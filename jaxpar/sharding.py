@@ -1,7 +1,7 @@
 """Logical axis names → mesh axes: the one table every sharding in jaxpar comes from.
 
 Models name array dimensions only logically. Parameters use `vocab, embed, heads, kv_heads,
-head_dim, mlp, layers, norm, experts, latent, depth`; activations use `batch, seq` and the `act_*` names. `Rules`
+head_dim, mlp, layers, norm, experts, latent, depth, lora_rank`; activations use `batch, seq` and the `act_*` names. `Rules`
 maps each name to a tuple of mesh axes (empty: replicated). A name missing from the table, or a
 mesh axis appearing twice in one array's spec, raises `ShardingRuleError` — never a silent
 fallback.
@@ -108,6 +108,8 @@ def rules_table(plan, *, zero_on_params: bool) -> dict:
         "latent": (),
         # Stacked prediction modules after the layers (multi-token prediction): never staged.
         "depth": (),
+        # LoRA adapters' inner rank dim (`jaxpar.models.lora`): small, replicated.
+        "lora_rank": (),
         # activations
         "batch": tuple(plan.batch_axes),
         "seq": context,

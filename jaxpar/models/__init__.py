@@ -19,6 +19,7 @@ from flax import nnx
 from ml_collections import FrozenConfigDict
 
 from jaxpar.model_facts import padded_vocab_size
+from jaxpar.models import lora as lora_adapters
 from jaxpar.models import state as model_state
 from jaxpar.models.families import facts, family
 from jaxpar.models.options import RunOptions
@@ -45,27 +46,48 @@ def graphdef(model_config):
     return _abstract(frozen(model_config))[0]
 
 
+def _base_shapes(cfg):
+    return nnx.to_pure_dict(_abstract(cfg)[1])
+
+
+def _base_logical(cfg):
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(_abstract(cfg)[1]))
+    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
 def param_shapes(model_config):
-    """ShapeDtypeStructs of the params tree, without allocating."""
-    return nnx.to_pure_dict(_abstract(frozen(model_config))[1])
+    """ShapeDtypeStructs of the params tree (LoRA adapters included: `jaxpar.models.lora`), without allocating."""
+    cfg = frozen(model_config)
+    if (lora := lora_adapters.settings(cfg)) is None:
+        return _base_shapes(cfg)
+    return lora_adapters.with_shapes(_base_shapes(cfg), _base_logical(cfg), lora)
 
 
 def logical_axes(model_config):
     """The params tree with a tuple of logical axis names at each leaf."""
-    state = _abstract(frozen(model_config))[1]
-    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
-    return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    cfg = frozen(model_config)
+    if (lora := lora_adapters.settings(cfg)) is None:
+        return _base_logical(cfg)
+    return lora_adapters.with_logical(_base_shapes(cfg), _base_logical(cfg), lora)
 
 
 def init_params(model_config, seed: int):
     """Initial params as a pure function of (config, seed): call under jit with out_shardings to
     create them directly sharded; the values never depend on the mesh."""
-    return nnx.to_pure_dict(nnx.split(_build(frozen(model_config), seed))[1])
+    cfg = frozen(model_config)
+    params = nnx.to_pure_dict(nnx.split(_build(cfg, seed))[1])
+    if (lora := lora_adapters.settings(cfg)) is None:
+        return params
+    return lora_adapters.with_init(params, _base_logical(cfg), lora, seed)
 
 
 def merge(model_config, params):
-    """The model module holding `params` (inside a traced function: a view, not a copy)."""
-    return nnx.merge(graphdef(model_config), params)
+    """The model module holding `params` (inside a traced function: a view, not a copy); LoRA
+    adapters folded into their matrices, the base frozen (`jaxpar.models.lora.fold`)."""
+    cfg = frozen(model_config)
+    if (lora := lora_adapters.settings(cfg)) is not None:
+        params = lora_adapters.fold(params, lora, logical_axes(cfg))
+    return nnx.merge(graphdef(cfg), params)
 
 
 def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positions=None, segment_ids=None, ahead=None):

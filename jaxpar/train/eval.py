@@ -72,7 +72,7 @@ class Evaluator:
         shape = (train.global_batch_size, batch_channels(config), train.seq_len + 1)
         replicated = NamedSharding(program.mesh, P())
         step = jax.jit(
-            lambda params, batch: eval_loss(params, batch, model_config=config.model, opts=program.opts),
+            lambda params, batch: eval_loss(params, batch, model_config=program.model_config or config.model, opts=program.opts),
             in_shardings=(program.state_shardings.params, program.batch_sharding),
             out_shardings=(replicated, replicated),
         )

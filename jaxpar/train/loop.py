@@ -45,6 +45,7 @@ from jaxpar.data.packing import Packer
 from jaxpar.downstream import harness as downstream
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
+from jaxpar.models import lora
 from jaxpar.train import aside as asides
 from jaxpar.train import goodput, preflight
 from jaxpar.train import workdir as workdirs
@@ -172,7 +173,7 @@ def _initial_state(run: _Run):
     hf_dir = run.config.train.init_from_hf
     if not hf_dir:
         return run.program.init()
-    params = load_params_onto(hf_dir, run.config.model, run.program.state_shardings.params, run.config.train.param_dtype)
+    params = load_params_onto(hf_dir, run.config.model, lora.base_of(run.program.state_shardings.params), run.config.train.param_dtype)
     return run.program.init_from_params(params)
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from ml_collections import ConfigDict
 
+from jaxpar import models
 from jaxpar.axes import MESH_AXES
 from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
@@ -32,6 +33,7 @@ from jaxpar.data.checks import corpus_problems, validate_data_config
 from jaxpar.downstream import harness as downstream
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
+from jaxpar.models import lora
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
 from jaxpar.parallel import data, tensor, zero
 from jaxpar.parallel.context import plan as context
@@ -167,6 +169,8 @@ def _config_problems(
     errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
     errors += train_choices(train) + optimizer_checks(train, config.model)
+    if sane and "lora" in train:
+        errors += lora.problems(train.lora, models.logical_axes(config.model))
     if parallel.attention_impl == "cudnn" and platform is not None:
         if platform != "gpu":
             errors.append(f"parallel.attention_impl='cudnn' needs a GPU but this run has {platform} devices; set it to 'auto' or 'xla'")

@@ -13,9 +13,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import models, optim
+from jaxpar import fp8, models, optim
 from jaxpar.dtypes import DTYPES
 from jaxpar.mesh import make_mesh
+from jaxpar.models import lora
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.pipeline import order
 from jaxpar.parallel.plan import ParallelPlan, make_plan
@@ -46,12 +47,19 @@ class TrainProgram:
     to_storage: Callable  # jitted TrainState -> TrainState; donates its argument
     tx: optax.GradientTransformation
     schedule: Callable
+    # The model config the program trains: config.model, carrying train.lora's adapters when on.
+    model_config: Any = None
+
+
+def model_config_of(config):
+    """config.model, with `train.lora`'s adapter settings when its rank is > 0 (`jaxpar.models.lora`)."""
+    return lora.adapted(config.model, config.train.lora) if "lora" in config.train else config.model
 
 
 def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
     return RunOptions(
         rules=rules, plan=plan, compute_dtype=DTYPES[config.train.compute_dtype],
-        mtp_loss_weight=float(config.train.mtp_loss_weight),
+        mtp_loss_weight=float(config.train.mtp_loss_weight), fp8=fp8.from_config(config.train),
     )
 
 
@@ -59,13 +67,17 @@ def build(config, devices=None) -> TrainProgram:
     mesh = make_mesh(config.mesh, devices)
     plan = make_plan(config, dict(mesh.shape), models.facts(config.model), mesh.devices.flat[0].platform)
     rules, opt_rules = param_rules(plan, mesh), opt_state_rules(plan, mesh)
-    logical = models.logical_axes(config.model)
+    model_config = model_config_of(config)
+    adapting = lora.settings(model_config) is not None
+    logical = models.logical_axes(model_config)
     param_dtype = DTYPES[config.train.param_dtype]
-    params_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype), models.param_shapes(config.model))
+    params_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype), models.param_shapes(model_config))
 
     param_shardings = rules.tree_shardings(logical)
     opt_param_shardings = opt_rules.tree_shardings(logical)
     tx, schedule = optim.make_optimizer(config.train, logical, opt_param_shardings)
+    if adapting:  # the frozen base: no optimizer state, no update (the step keeps it as it was)
+        tx = optax.masked(tx, lora.adapter_mask(logical, is_leaf=is_logical_names))
     replicated = NamedSharding(mesh, P())
     loss_scale = LossScale.create(
         dynamic=config.train.compute_dtype == "float16",
@@ -80,7 +92,7 @@ def build(config, devices=None) -> TrainProgram:
         ),
         loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
     )
-    model_config, seed = config.model, config.train.seed
+    seed = config.train.seed
     # Each leaf's axis over the stacked layers (-1: none), for the storage order (`pipeline/order.py`).
     axes = TrainState(
         step=order.NO_AXIS,
@@ -94,7 +106,10 @@ def build(config, devices=None) -> TrainProgram:
     reordered = plan.pipeline is not None and plan.pipeline.stored_order is not None
 
     def state_from_params(params):
-        """Natural-order params -> the state in storage order (the optimizer state built on it)."""
+        """Natural-order params -> the state in storage order (the optimizer state built on it).
+        With LoRA, base params alone get fresh adapters (a transformers checkpoint's weights)."""
+        if adapting and not lora.adapters_of(params):
+            params = lora.with_init(params, lora.base_of(logical), lora.settings(model_config), seed)
         params = permute(order.to_storage, jax.tree.map(lambda p: p.astype(param_dtype), params), axes.params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
 
@@ -102,7 +117,7 @@ def build(config, devices=None) -> TrainProgram:
         return state_from_params(models.init_params(model_config, seed))
 
     opts = run_options(config, rules, plan)
-    train_step = make_train_step(config.model, tx, schedule, opts, opt_param_shardings)
+    train_step = make_train_step(model_config, tx, schedule, opts, opt_param_shardings)
     batch_sharding = rules.sharding(("batch", None))
     return TrainProgram(
         config=config,
@@ -114,7 +129,9 @@ def build(config, devices=None) -> TrainProgram:
         state_shardings=state_shardings,
         batch_sharding=batch_sharding,
         init=jax.jit(init_state, out_shardings=state_shardings),
-        init_from_params=jax.jit(state_from_params, in_shardings=(param_shardings,), out_shardings=state_shardings),
+        init_from_params=jax.jit(
+            state_from_params, in_shardings=None if adapting else (param_shardings,), out_shardings=state_shardings
+        ),
         step=jax.jit(
             lambda state, batch: train_step(state, batch)[:2],
             in_shardings=(state_shardings, batch_sharding),
@@ -134,6 +151,7 @@ def build(config, devices=None) -> TrainProgram:
         ) if reordered else _same,
         tx=tx,
         schedule=schedule,
+        model_config=model_config,
     )
 
 

@@ -15,6 +15,7 @@ import optax
 from flax import struct
 
 from jaxpar import models
+from jaxpar.models import lora
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel import data
 from jaxpar.parallel.context.accumulation import per_rank_grads
@@ -38,12 +39,15 @@ class TrainState:
 def stage_model(model_config) -> StageModel:
     """The model as the pipeline engine sees it (`jaxpar.parallel` does not import the models)."""
     cfg = models.frozen(model_config)
+    module = models.family(cfg.model_type).module
     return StageModel(
         merge=functools.partial(models.merge, cfg),
         logical=models.logical_axes(cfg),
         aux_losses=functools.partial(models.aux_losses, cfg),
         hidden_size=cfg.hidden_size,
         vocab_size=cfg.vocab_size,
+        embed_scale=module.embedding_scale(cfg),
+        logit_softcap=module.final_logit_softcap(cfg),
     )
 
 
@@ -78,12 +82,20 @@ def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shar
         # Model state (e.g. the loss-free router bias) is not trained: its gradient slot carries
         # what the forward observed, taken out before clipping (`jaxpar.models.state`).
         grads, observations = models.take_observations(model_config, grads)
+        if lora.settings(model_config) is not None:
+            # The base is frozen: the model's forward stops its gradients, but the pipeline runs the
+            # embedding and LM head outside the model's merge; their gradients are dropped here.
+            grads = jax.tree_util.tree_map_with_path(lambda p, g: g if lora.is_adapter(p) else jnp.zeros_like(g), grads)
         grads = constrain_grads(grads, opt_param_shardings, opts.plan.zero)
         with jax.named_scope("optimizer_update"):
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             params = models.update_state(model_config, params, state.params, observations)
+            if lora.settings(model_config) is not None:  # the frozen base stays bitwise as it was
+                params = jax.tree_util.tree_map_with_path(
+                    lambda p, new, old: new if lora.is_adapter(p) else old, params, state.params
+                )
             # One global verdict, inside the step (no extra host sync): a non-finite step leaves params
             # and optimizer state as they were and is counted; the loop's policy decides what next
             # (jaxpar.train.nonfinite). fp16 checks every gradient (overflow); otherwise the loss and
