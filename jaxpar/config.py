@@ -13,7 +13,7 @@ import copy
 
 from ml_collections import ConfigDict, FieldReference
 
-from jaxpar import optim, trackers
+from jaxpar import fp8, optim, trackers
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.llama.schema import model_config as llama_model_config
 
@@ -163,6 +163,7 @@ def base_config() -> ConfigDict:
         )
     )
     c.train.update({key.name: key.default for key in trackers.KEYS})  # each tracker's own keys
+    c.train.update(fp8.KEYS)  # FP8 matmuls: `jaxpar.fp8`
     for section, keys in optim.SECTIONS.items():
         c.train[section] = ConfigDict(optim.hyperparameters.defaults(keys))
 
@@ -280,6 +281,7 @@ MEANINGS = {
     "train.loggers": "experiment trackers the metrics records go to besides metrics.jsonl, comma-separated (a resumed run "
     "continues the same tracked run)",
     **{f"train.{key.name}": key.meaning for key in trackers.KEYS},
+    **fp8.MEANINGS,
     "train.peak_flops_per_device": "one device's peak FLOP/s for MFU (0: a table per device kind, or on CPU a matmul "
     "measured once)",
     "train.skip_fit_check": "skip the check, before anything is allocated, that the compiled step fits the devices' "

@@ -96,9 +96,9 @@ class Attention(nnx.Module):
         """q [B, S, H, hd], k and v [B, S, Hkv, hd] of the normed input: the family hook. A
         family's attention class extends it (biases, per-head norms) before RoPE."""
         split = opts.plan.splits_sequence
-        q = checkpoint_name(project(x, self.q[...], splits_sequence=split), "q_proj")
-        k = checkpoint_name(project(x, self.k[...], splits_sequence=split), "k_proj")
-        v = checkpoint_name(project(x, self.v[...], splits_sequence=split), "v_proj")
+        q = checkpoint_name(project(x, self.q[...], splits_sequence=split, fp8=opts.fp8_at("q_proj")), "q_proj")
+        k = checkpoint_name(project(x, self.k[...], splits_sequence=split, fp8=opts.fp8_at("k_proj")), "k_proj")
+        v = checkpoint_name(project(x, self.v[...], splits_sequence=split, fp8=opts.fp8_at("v_proj")), "v_proj")
         return q, k, v
 
     def _rotated_qkv(self, x, positions, inv_freq, opts: RunOptions):
@@ -117,7 +117,8 @@ class Attention(nnx.Module):
 
     def _output(self, out, opts: RunOptions):
         out = constrain(opts.rules, out, ("batch", "seq", "act_heads", "head_dim"))
-        return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence), "o_proj")
+        return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, fp8=opts.fp8_at("o_proj")),
+                              "o_proj")
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         with jax.named_scope("attention"):
@@ -175,10 +176,10 @@ class MLP(nnx.Module):
         """(out, aux): the same contract as the MoE block; a dense MLP reports nothing (`real` unused)."""
         split = opts.plan.splits_sequence
         with jax.named_scope("mlp"):
-            gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split), "mlp_gate")
-            up = checkpoint_name(project(x, self.up[...], splits_sequence=split), "mlp_up")
+            gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split, fp8=opts.fp8_at("mlp_gate")), "mlp_gate")
+            up = checkpoint_name(project(x, self.up[...], splits_sequence=split, fp8=opts.fp8_at("mlp_up")), "mlp_up")
             hidden = constrain(opts.rules, jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-            return checkpoint_name(project(hidden, self.down[...], splits_sequence=split), "mlp_down"), {}
+            return checkpoint_name(project(hidden, self.down[...], splits_sequence=split, fp8=opts.fp8_at("mlp_down")), "mlp_down"), {}
 
 
 class Embedding(nnx.Module):

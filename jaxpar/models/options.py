@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from jaxpar.fp8 import Fp8
+from jaxpar.kernels.fp8 import Scaling
 from jaxpar.parallel.plan import SINGLE_DEVICE, ParallelPlan
 from jaxpar.sharding import Rules
 
@@ -20,3 +22,8 @@ class RunOptions:
     # > 0: the training loss (`jaxpar.train.loss`) runs the model's multi-token prediction modules
     # (if it has any) and adds this times their mean loss (`train.mtp_loss_weight`); 0: off, as at inference.
     mtp_loss_weight: float = 0.0
+    fp8: Fp8 | None = None  # `train.fp8`: None, every matmul in compute_dtype
+
+    def fp8_at(self, name: str) -> Scaling | None:
+        """How the matmul `name` (`jaxpar.fp8.FP8_MATMULS`) scales its FP8 operands; None: not FP8."""
+        return None if self.fp8 is None else self.fp8.at(name)

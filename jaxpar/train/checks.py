@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from jaxpar import fp8
 from jaxpar.dtypes import DTYPES
 from jaxpar.optim import OPTIMIZER_NAMES, PARAM_NAMES, SCHEDULE_NAMES, excluded_from_decay, hyperparameter_problems, optimizer
 from jaxpar.ranges import at_least, one_of, positive, within
@@ -38,6 +39,7 @@ def train_choices(train) -> list[str]:
         errors += one_of(f"train.{key}", train[key], DTYPES)
     errors += one_of("train.on_nonfinite", train.on_nonfinite, NONFINITE_POLICIES)
     errors += one_of("train.lr_schedule", train.lr_schedule, SCHEDULE_NAMES)
+    errors += fp8.checks(train)
     unknown = [n for n in excluded_from_decay(train) if n not in PARAM_NAMES]
     if unknown:
         errors.append(f"train.weight_decay_exclude={train.weight_decay_exclude!r} names {unknown}, "
