@@ -1,4 +1,4 @@
-"""The probe's script flags: scripts/plan.py, sweep.py, prepare_data.py and sample.py, each bad
+"""The probe's script flags: scripts/plan.py, sweep.py, prepare_data.py, gpu_check.py and sample.py, each bad
 flag through the script's `main` in this process. Each must exit 2 with one `error:` line naming the
 flag, before anything is written (prepare_data.py's output and sidecars, sample.py's --output) or
 searched (plan.py: a fixed key no layout can pass is answered at once, not after a search over every
@@ -86,6 +86,10 @@ CASES = [
                                         "are not UTF-8")),
     ("prepare_parquet_garbage", lambda t: (prepare(t, f"--input={t.write('a.parquet', b'PAR1 garbage' * 9)}",
                                                    f"--output={t.root / 'o.bin'}"), "a.parquet")),
+    # -- gpu_check.py
+    ("gpu_check_precision", lambda t: (("gpu_check", ["--size=tiny", "--precisions=bf16,fp9", f"--out={t.root / 'gc'}"]),
+                                       "--precisions: 'fp9' is not one of bf16")),
+    ("gpu_check_out_is_a_file", lambda t: (("gpu_check", ["--size=tiny", f"--out={t.write('gc', 'x')}"]), "is a file; name a folder")),
     # -- sample.py
     ("sample_output_folder_missing", lambda t: (sample(t, f"--output={t.root / 'no' / 'out.jsonl'}"), "its folder")),
     ("sample_output_is_a_folder", lambda t: (sample(t, f"--output={t.root}"), "is a folder; name a file")),
