@@ -2,6 +2,7 @@
 
   python scripts/convert.py --from_hf=HF_DIR --to_checkpoint=OUT --config=configs/X.py [--config.K=V ...]
   python scripts/convert.py --from_checkpoint=DIR --to_hf=OUT [--overwrite] [--max_shard_bytes=N]
+  python scripts/convert.py --from_checkpoint=DIR --to_peft=OUT [--base_model=NAME]
 
 --from_hf: the model comes from HF_DIR/config.json (fields config.json cannot hold, such as
   Mixtral's router_z_loss_coef, from --config), everything else from --config; OUT, an empty or new
@@ -12,7 +13,11 @@
   reads only the slices of the safetensors tensors its devices hold (`jaxpar.interop.sharded`).
 --from_checkpoint: DIR is a checkpoint directory or a workdir holding checkpoints/; its newest
   complete checkpoint's params go to OUT as config.json + float32 safetensors, sharded into files
-  of at most --max_shard_bytes (default 5 GiB) with an index, fetched one layer at a time.
+  of at most --max_shard_bytes (default 5 GiB) with an index, fetched one layer at a time. A LoRA
+  run's (train.lora.rank > 0) go merged: each adapter folded into its matrix.
+--to_peft: a LoRA run's adapters as a PEFT adapter (adapter_config.json + adapter_model.safetensors)
+  that peft.PeftModel.from_pretrained loads onto the transformers base; --base_model is written as
+  its base_model_name_or_path. A run trains from a PEFT adapter with train.lora.init_from_peft.
 Add --cpu_devices=N to emulate N devices. Bad input: one line per problem on stderr, exit code 2.
 """
 
@@ -29,6 +34,8 @@ FLAGS = (
     Flag("to_checkpoint", str, "", "a new or empty directory: step 0 of a training run of --config"),
     Flag("from_checkpoint", str, "", "a checkpoint directory or a workdir holding checkpoints/ (with --to_hf)"),
     Flag("to_hf", str, "", "where config.json and the safetensors go"),
+    Flag("to_peft", str, "", "where a LoRA run's adapters go in PEFT's format (with --from_checkpoint)"),
+    Flag("base_model", str, "", "--to_peft: the adapter's base_model_name_or_path (a hub name or the base's folder)"),
     Flag("overwrite", bool, False, "replace the checkpoint in a non-empty --to_hf"),
     Flag("max_shard_bytes", int, None, "largest safetensors file --to_hf writes (default 5 GiB, as transformers)", at_least=1),
 )
@@ -36,9 +43,9 @@ FLAGS = (
 
 def checks(args) -> list[str]:
     problems = []
-    directions = [bool(args.from_hf and args.to_checkpoint), bool(args.from_checkpoint and args.to_hf)]
+    directions = [bool(args.from_hf and args.to_checkpoint), bool(args.from_checkpoint and (args.to_hf or args.to_peft))]
     if sum(directions) != 1:
-        problems.append("give either --from_hf=DIR --to_checkpoint=OUT or --from_checkpoint=DIR --to_hf=OUT")
+        problems.append("give either --from_hf=DIR --to_checkpoint=OUT or --from_checkpoint=DIR --to_hf=OUT (or --to_peft=OUT)")
     elif directions[0] and not args.config:
         problems.append("--from_hf needs --config=CONFIG.py: the config of the run that will train from the checkpoint")
     if args.overrides and not args.config:
@@ -102,6 +109,7 @@ def to_checkpoint(args, config) -> int:
     from jaxpar.checkpoint import Checkpoints
     from jaxpar.checkpoint.listing import CONVERTED_FROM
     from jaxpar.interop import hf, sharded
+    from jaxpar.models import lora
     from jaxpar.train import preflight
     from jaxpar.train.setup import build
 
@@ -127,7 +135,7 @@ def to_checkpoint(args, config) -> int:
     if problems:
         return command.error("\n".join(problems))
     program = build(config, devices)
-    params = sharded.load_params_onto(args.from_hf, config.model, program.state_shardings.params, config.train.param_dtype)
+    params = sharded.load_params_onto(args.from_hf, config.model, lora.base_of(program.state_shardings.params), config.train.param_dtype)
     state = program.to_natural(program.init_from_params(params))  # checkpoints hold the natural layer order
     # Tells a run refusing this checkpoint that it holds converted weights, not an earlier run.
     data_state = {"step": 0, CONVERTED_FROM: os.path.abspath(args.from_hf)}
@@ -165,10 +173,12 @@ def export_config(saved: dict, num_devices: int):
 def to_hf(args) -> int:
     import jax
 
+    from jaxpar import models
     from jaxpar.checkpoint import CheckpointError, Checkpoints, abstract_state
     from jaxpar.checkpoint.listing import finished_steps, saved_config
     from jaxpar.checkpoint.storage import remote_problem
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, peft
+    from jaxpar.models import lora
     from jaxpar.train.setup import build
 
     if problem := remote_problem(args.from_checkpoint, key="--from_checkpoint"):
@@ -177,19 +187,30 @@ def to_hf(args) -> int:
     steps = finished_steps(directory)
     if not steps:
         return command.error(f"--from_checkpoint={args.from_checkpoint} holds no complete checkpoint")
-    if os.path.isdir(args.to_hf) and os.listdir(args.to_hf) and not args.overwrite:
+    if args.to_hf and os.path.isdir(args.to_hf) and os.listdir(args.to_hf) and not args.overwrite:
         return command.error(f"--to_hf={args.to_hf} is not empty; pass --overwrite to replace the checkpoint in it")
     devices = jax.devices()
     try:
         config = export_config(saved_config(directory, steps[-1]), len(devices))
+        adapters = lora.settings(lora.adapted(config.model, config.train.lora) if "lora" in config.train else config.model)
+        if args.to_peft and adapters is None:
+            return command.error(f"--to_peft: the run in --from_checkpoint={args.from_checkpoint} has no LoRA adapters (train.lora.rank=0)")
         program = build(config, devices)
         with Checkpoints(directory, every_steps=0, read_only=True) as checkpoints:
             restored = checkpoints.restore(None, abstract_state(jax.eval_shape(program.init), program.state_shardings))
-        hf.save(args.to_hf, config.model, restored.state.params, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes)
+        params = restored.state.params
+        if args.to_peft:
+            peft.export(args.to_peft, program.model_config, jax.device_get(params), base_model=args.base_model)
+        if args.to_hf:
+            if adapters is not None:  # the merged model: each adapter folded into its matrix
+                params = jax.jit(lambda p: lora.merged(p, adapters, models.logical_axes(program.model_config)))(params)
+            hf.save(args.to_hf, config.model, params, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes)
     except (CheckpointError, OSError, ValueError) as e:
         return command.error(e)
     if jax.process_index() == 0:
-        print(f"wrote {args.to_hf} from checkpoint {restored.path} (step {restored.step})")
+        for out in (args.to_hf, args.to_peft):
+            if out:
+                print(f"wrote {out} from checkpoint {restored.path} (step {restored.step})")
     return 0
 
 

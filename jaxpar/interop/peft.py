@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import numpy as np
 
 from jaxpar.models import lora
@@ -185,3 +186,12 @@ def with_adapters(params, adapters: dict):
     for path, value in adapters.items():
         params = put(params, path, value)
     return params
+
+
+def initial_params(base_params, directory: str, model_config, seed: int):
+    """A run's natural-order params from its base params and a PEFT adapter folder (on the host)."""
+    from jaxpar import models
+
+    settings = lora.settings(model_config)
+    params = lora.with_init(base_params, lora.base_of(models.logical_axes(model_config)), settings, seed)
+    return with_adapters(jax.device_get(params), load(directory, model_config))

@@ -247,6 +247,8 @@ def problems(section, base_logical) -> list[str]:
         errors.append(f"train.lora.alpha={alpha!r} must be > 0")
     if not (isinstance(dropout, (int, float)) and dropout == 0):
         errors.append(f"train.lora.dropout={dropout!r} must be 0: adapters are folded into the weights (no side path to drop)")
+    if rank == 0 and section.get("init_from_peft"):
+        errors.append(f"train.lora.init_from_peft={section.init_from_peft!r} needs train.lora.rank > 0 (the adapter's r)")
     if errors or rank == 0:
         return errors
     known = target_names(base_logical)

@@ -43,6 +43,7 @@ from jaxpar.data.corpus import corpus_fingerprint, corpus_tokens, corpus_warning
 from jaxpar.data.documents import DataError
 from jaxpar.data.packing import Packer
 from jaxpar.downstream import harness as downstream
+from jaxpar.interop.peft import initial_params as peft_adapters
 from jaxpar.interop.sharded import load_params_onto
 from jaxpar.mesh import describe as describe_mesh
 from jaxpar.models import lora
@@ -171,9 +172,15 @@ def _restore(run: _Run):
 
 def _initial_state(run: _Run):
     hf_dir = run.config.train.init_from_hf
-    if not hf_dir:
+    peft_dir = run.config.train.lora.init_from_peft if "lora" in run.config.train else ""
+    if not hf_dir and not peft_dir:
         return run.program.init()
-    params = load_params_onto(hf_dir, run.config.model, lora.base_of(run.program.state_shardings.params), run.config.train.param_dtype)
+    if hf_dir:
+        params = load_params_onto(hf_dir, run.config.model, lora.base_of(run.program.state_shardings.params), run.config.train.param_dtype)
+    else:
+        params = lora.base_of(jax.device_get(run.program.to_natural(run.program.init()).params))
+    if peft_dir:  # the adapters a PEFT adapter folder holds, on the base
+        params = peft_adapters(params, peft_dir, run.program.model_config, run.config.train.seed)
     return run.program.init_from_params(params)
 
 

@@ -31,6 +31,7 @@ from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.data.checks import corpus_problems, validate_data_config
 from jaxpar.downstream import harness as downstream
+from jaxpar.interop import peft
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models import lora
@@ -171,6 +172,11 @@ def _config_problems(
     errors += train_choices(train) + optimizer_checks(train, config.model)
     if sane and "lora" in train:
         errors += lora.problems(train.lora, models.logical_axes(config.model))
+        if not errors and train.lora.init_from_peft:
+            try:  # the adapter's rank, alpha, targets and every tensor's shape, before anything compiles
+                peft.load(train.lora.init_from_peft, lora.adapted(config.model, train.lora))
+            except ValueError as e:
+                errors.append(f"train.lora.init_from_peft={train.lora.init_from_peft}: {e}")
     if parallel.attention_impl == "cudnn" and platform is not None:
         if platform != "gpu":
             errors.append(f"parallel.attention_impl='cudnn' needs a GPU but this run has {platform} devices; set it to 'auto' or 'xla'")

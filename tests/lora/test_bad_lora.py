@@ -1,0 +1,38 @@
+"""Bad LoRA input through scripts/train.py's `main`: one `error:` line naming the key (or the PEFT
+adapter's file), exit 2, nothing written or compiled (`tests/train/probe.py` checks the contract)."""
+
+import json
+
+import pytest
+
+from tests.train.probe import Probe
+
+CASES = {
+    "negative_rank": (["--config.train.lora.rank=-1"], "train.lora.rank=-1"),
+    "alpha_zero": (["--config.train.lora.rank=4", "--config.train.lora.alpha=0.0"], "train.lora.alpha=0.0"),
+    "unknown_target": (["--config.train.lora.rank=4", "--config.train.lora.targets=q,qkv"], "unknown ['qkv']"),
+    "dropout": (["--config.train.lora.rank=4", "--config.train.lora.dropout=0.1"], "train.lora.dropout=0.1"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_lora_key(name, tmp_path, capsys, monkeypatch):
+    t = Probe(tmp_path, capsys, monkeypatch)
+    flags, expected = CASES[name]
+    t.refused("train", t.train(*flags), expected)
+
+
+def test_mismatched_peft_adapter(tmp_path, capsys, monkeypatch):
+    """An adapter of another rank, and one whose tensor has the wrong shape: the file is named."""
+    t = Probe(tmp_path, capsys, monkeypatch)
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}
+    folder = t.write("adapter/adapter_config.json", json.dumps(config))[: -len("/adapter_config.json")]
+    flags = ["--config.train.lora.rank=4", "--config.train.lora.targets=q,v", f"--config.train.lora.init_from_peft={folder}"]
+    t.refused("train", t.train(*flags), "adapter_config.json: r=8")
+    from safetensors.numpy import save_file
+
+    config["r"] = 4
+    t.write("adapter/adapter_config.json", json.dumps(config))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": __import__("numpy").zeros((4, 3), "float32")},
+              f"{folder}/adapter_model.safetensors")
+    t.refused("train", t.train(*flags), "adapter_model.safetensors: tensor base_model.model.model.layers.0.self_attn.q_proj")
