@@ -133,7 +133,13 @@ def _tensor_groups(params, cfg, adapter):
             prefix = hf_core.LAYER_PREFIX.format(i)
 
             def one_layer(layer, prefix=prefix, table=table):
-                return {name: w for path, entry in table.items() for name, w in entry.write(_at(layer, path), prefix, cfg).items()}
+                # A tensor two entries write is the sum of their parts (gpt-oss's gate and up: the
+                # interleaved columns of one tensor, each written with zeros in the other's).
+                tensors = {}
+                for path, entry in table.items():
+                    for name, w in entry.write(_at(layer, path), prefix, cfg).items():
+                        tensors[name] = tensors[name] + w if name in tensors else w
+                return tensors
 
             by_layer[i] = (one_layer, one, lambda j=j, f=one_layer, layers=layers: f(jax.tree.map(lambda x: x[j], layers)))
     groups += [by_layer[i] for i in sorted(by_layer)]  # HF layer order

@@ -44,7 +44,7 @@ from jaxpar.model_facts import expert_capacity
 from jaxpar.models.layers import MLP, normal_init
 from jaxpar.models.options import RunOptions
 from jaxpar.models.state import ObservedState, probe
-from jaxpar.parallel.expert import dropped_assignments, moe_ffn
+from jaxpar.parallel.expert import dropped_assignments, moe_ffn, swiglu
 from jaxpar.ranges import at_least, one_of
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -107,6 +107,11 @@ class MoESpec:
     routed_scale: float = 1.0  # the k combine weights are multiplied by this (after renormalising)
     shared_gate: bool = True  # the shared expert is scaled by sigmoid(x @ shared_expert_gate) (Qwen2-MoE)
     selection_bias: bool = False  # the router bias exists even when it is not updated (a checkpoint's own)
+    # gpt-oss: a learned bias added to the router logits (a parameter, unlike the selection bias),
+    # biases on each expert's gate, up and down projections, and its own gated activation.
+    logit_bias: bool = False
+    expert_bias: bool = False
+    activation: Callable = swiglu  # (x W_gate, x W_up) -> the expert's hidden state
 
 
 def spec_from(model, *, experts: int, expert_ffn: int, normalize_top_k: bool, shared_ffn: int = 0) -> MoESpec:
@@ -149,6 +154,16 @@ class Experts(nnx.Module):
         self.gate = nnx.Param(normal_init(rngs, (e, d, f), std), out_sharding=("experts", "embed", "mlp"))
         self.up = nnx.Param(normal_init(rngs, (e, d, f), std), out_sharding=("experts", "embed", "mlp"))
         self.down = nnx.Param(normal_init(rngs, (e, f, d), std), out_sharding=("experts", "mlp", "embed"))
+        self.has_bias = spec.expert_bias
+        if spec.expert_bias:
+            self.gate_bias = nnx.Param(jnp.zeros((e, f), jnp.float32), out_sharding=("experts", "mlp"))
+            self.up_bias = nnx.Param(jnp.zeros((e, f), jnp.float32), out_sharding=("experts", "mlp"))
+            self.down_bias = nnx.Param(jnp.zeros((e, d), jnp.float32), out_sharding=("experts", "norm"))
+
+    def weights(self) -> tuple:
+        """What `moe_ffn` takes: gate, up, down, then the biases when the experts have them."""
+        biases = (self.gate_bias[...], self.up_bias[...], self.down_bias[...]) if self.has_bias else ()
+        return (self.gate[...], self.up[...], self.down[...]) + biases
 
 
 class MoEBlock(nnx.Module):
@@ -158,6 +173,8 @@ class MoEBlock(nnx.Module):
         self.router = nnx.Param(
             normal_init(rngs, (cfg.hidden_size, spec.experts), cfg.initializer_range), out_sharding=("embed", None)
         )
+        if spec.logit_bias:
+            self.logit_bias = nnx.Param(normal_init(rngs, (spec.experts,), cfg.initializer_range), out_sharding=(None,))
         self.experts = Experts(cfg, spec, rngs=rngs)
         if has_bias(spec):
             self.router_bias = RouterBias(
@@ -176,6 +193,8 @@ class MoEBlock(nnx.Module):
         spec = self.spec
         with jax.named_scope("moe_router"):
             logits = jnp.einsum("bsd,de->bse", x, self.router[...], preferred_element_type=jnp.float32)
+            if spec.logit_bias:
+                logits = logits + self.logit_bias[...].astype(jnp.float32)
             logits = checkpoint_name(logits, "router_logits")
             probs = jax.nn.softmax(logits, axis=-1)
             scores = probs if spec.scoring == "softmax" else jax.nn.sigmoid(logits)
@@ -188,9 +207,9 @@ class MoEBlock(nnx.Module):
             if spec.routed_scale != 1.0:
                 weights = weights * spec.routed_scale
         capacity = expert_capacity(x.shape[1], spec.top_k, spec.experts, spec.capacity_factor)
-        experts = (self.experts.gate[...], self.experts.up[...], self.experts.down[...])
         out = moe_ffn(
-            x, ids, weights.astype(x.dtype), experts, num_experts=spec.experts, capacity=capacity, rules=opts.rules
+            x, ids, weights.astype(x.dtype), self.experts.weights(), num_experts=spec.experts, capacity=capacity,
+            rules=opts.rules, activation=spec.activation,
         )
         if spec.shared_ffn and spec.shared_gate:  # profiled under the dense MLP's scope, "mlp"
             shared, _ = self.shared_expert(x, opts)

@@ -8,6 +8,8 @@ named as in the family's transformers config (LlamaConfig's here).
 from ml_collections import ConfigDict
 from ml_collections.config_dict import placeholder
 
+from jaxpar.models.attention_pattern import MEANINGS as PATTERN_MEANINGS
+
 # `model.rope_scaling.rope_type` values (transformers' names).
 ROPE_TYPES = ("default", "llama3")
 
@@ -60,7 +62,7 @@ MEANINGS = {
     "rms_norm_eps": "epsilon of the RMS norms",
     "rope_theta": "the base of the rotary position embedding",
     "rope_scaling.rope_type": "default (plain RoPE), llama3 (Llama 3.1's frequency scaling) or yarn (YaRN, "
-    "DeepSeek-V3's family only); the fields below are read by the type they name",
+    "DeepSeek-V3 and gpt-oss only); the fields below are read by the type they name",
     "rope_scaling.factor": "llama3, yarn: the context extension factor",
     "rope_scaling.low_freq_factor": "llama3: wavelengths above original / low_freq_factor are scaled by factor",
     "rope_scaling.high_freq_factor": "llama3: wavelengths below original / high_freq_factor are kept",
@@ -106,4 +108,13 @@ MEANINGS = {
     "routed_scaling_factor": "the routed experts' combine weights are multiplied by this",
     "num_nextn_predict_layers": "multi-token prediction modules after the last layer (depth k predicts token i + k + "
     "1); trained with weight train.mtp_loss_weight, never run at inference",
+    # The attention pattern's keys (`jaxpar.models.attention_pattern`) and Gemma 3's own.
+    **PATTERN_MEANINGS,
+    # gpt-oss's own.
+    "attention_bias": "biases on the q, k, v and o projections",
+    "swiglu_alpha": "gpt-oss's experts: the sigmoid's gain in gate · sigmoid(alpha · gate)",
+    "swiglu_limit": "gpt-oss's experts: the gate is clamped above at this, the up projection to [-limit, limit], and "
+    "the hidden state is (up + 1) · gate · sigmoid(alpha · gate)",
+    "rope_scaling.truncate": "yarn: round the ramp's ends out to whole rotary dims (transformers' default; gpt-oss: "
+    "false)",
 }

@@ -81,15 +81,24 @@ def dropped_assignments(chosen, capacity: int):
     return jnp.sum(jnp.maximum(per_row - capacity, 0)).astype(jnp.float32)
 
 
-def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules, matmul_impl: str | None = None):
+def swiglu(gate, up):
+    """The experts' default activation: silu(x W_gate) · x W_up."""
+    return jax.nn.silu(gate) * up
+
+
+def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules, matmul_impl: str | None = None,
+            activation=swiglu):
     """Sum over k of weights[..., k] · expert_{ids[..., k]}(x), for x [B, S, D], ids / weights
-    [B, S, k]; `experts` = (gate [E, D, F], up [E, D, F], down [E, F, D]) SwiGLU weights.
-    `rules` None: no mesh. `matmul_impl`: see `grouped_matmul` (dropless only)."""
+    [B, S, k]; `experts` = (gate [E, D, F], up [E, D, F], down [E, F, D]) gated-MLP weights, and
+    optionally their biases (gate [E, F], up [E, F], down [E, D]) after them (gpt-oss);
+    `activation(gate, up)` the hidden state (default `swiglu`). `rules` None: no mesh.
+    `matmul_impl`: see `grouped_matmul` (dropless only)."""
     local = functools.partial(
         _capacity_local if capacity else _dropless_local,
         num_experts=num_experts,
         capacity=capacity,
         matmul_impl=matmul_impl,
+        activation=activation,
     )
     if rules is None:
         return local(x, ids, weights, *experts, ep=1, exchange=None)
@@ -128,7 +137,7 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
     return jax.shard_map(
         per_device,
         mesh=rules.mesh,
-        in_specs=(rows,) * 3 + (P(EXPERT),) * 3,
+        in_specs=(rows,) * 3 + (P(EXPERT),) * len(experts),
         out_specs=rows,
         axis_names={*batch_axes, *seq_axes},
         check_vma=False,
@@ -168,7 +177,7 @@ def _combine(per_assignment, weights):
     return jnp.einsum("rskd,rsk->rsd", per_assignment, weights.astype(per_assignment.dtype))
 
 
-def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, matmul_impl, ep, exchange):
+def _capacity_local(x, ids, weights, gate, up, down, *biases, num_experts, capacity, matmul_impl, ep, exchange, activation):
     """Capacity per sequence: buffers [R, E, C, D]; the first C assignments of a row to an expert
     (in token order) are kept, the rest dropped."""
     del matmul_impl
@@ -186,9 +195,13 @@ def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
         if exchange is not None:
             buffers = exchange(buffers, 1)  # [R, source device, local expert, C, D]
     with jax.named_scope("moe_experts"):
-        hidden = jax.nn.silu(jnp.einsum("rpecd,edf->rpecf", buffers, gate))
-        hidden = hidden * jnp.einsum("rpecd,edf->rpecf", buffers, up)
-        out = jnp.einsum("rpecf,efd->rpecd", hidden, down)
+        gated = jnp.einsum("rpecd,edf->rpecf", buffers, gate)
+        lifted = jnp.einsum("rpecd,edf->rpecf", buffers, up)
+        if biases:  # per local expert, broadcast over rows, sources and slots
+            gated, lifted = gated + biases[0][:, None, :], lifted + biases[1][:, None, :]
+        out = jnp.einsum("rpecf,efd->rpecd", activation(gated, lifted), down)
+        if biases:
+            out = out + biases[2][:, None, :]
     with jax.named_scope("moe_combine"):
         if exchange is not None:
             out = exchange(out, 1)  # back home: [R, destination device, local expert, C, D] = [R, E, C, D]
@@ -200,7 +213,7 @@ def _capacity_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
         return _combine(per_assignment.reshape(rows * seq * k, d), weights)
 
 
-def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, matmul_impl, ep, exchange):
+def _dropless_local(x, ids, weights, gate, up, down, *biases, num_experts, capacity, matmul_impl, ep, exchange, activation):
     """Dropless: all of this device's assignments sorted by expert; worst-case send buffers."""
     del capacity
     rows, seq, d = x.shape
@@ -211,7 +224,7 @@ def _dropless_local(x, ids, weights, gate, up, down, *, num_experts, capacity, m
         flat = ids.reshape(-1)  # [N = R·S·k], assignment order
         order = jnp.argsort(flat, stable=True)
         counts = _counts(flat, num_experts)  # [E]
-    ffn = functools.partial(_expert_swiglu, gate=gate, up=up, down=down, impl=impl)
+    ffn = functools.partial(_expert_mlp, gate=gate, up=up, down=down, biases=biases, impl=impl, activation=activation)
     if exchange is None:
         # The experts read their rows straight from the tokens, in the grouped layout.
         with jax.named_scope("moe_dispatch"):
@@ -294,7 +307,13 @@ def _received_swiglu(received, counts, ffn, impl):
     return jnp.take(out, layout.slot.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(sources, slots, d)
 
 
-def _expert_swiglu(rows, sizes, tile, *, gate, up, down, impl):
-    """Each expert's SwiGLU on its rows, in `grouped_matmul`'s layout (padding rows: zero)."""
+def _expert_mlp(rows, sizes, tile, *, gate, up, down, biases, impl, activation):
+    """Each expert's gated MLP on its rows, in `grouped_matmul`'s layout (padding rows: zero in,
+    never read out, so the biases they receive go nowhere)."""
     gate_up = grouped_matmul_pair(rows, gate, up, sizes, impl, tile)
-    return grouped_matmul(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], down, sizes, impl, tile)
+    gated, lifted = gate_up[..., 0], gate_up[..., 1]
+    if not biases:
+        return grouped_matmul(activation(gated, lifted), down, sizes, impl, tile)
+    group = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=rows.shape[0])  # each row's expert
+    gated, lifted = gated + biases[0][group], lifted + biases[1][group]
+    return grouped_matmul(activation(gated, lifted), down, sizes, impl, tile) + biases[2][group]

@@ -27,12 +27,15 @@ VARIANTS = {
     "qwen2_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], qkv_bias=False, capacity_factor=1.0),
     # Queries projected directly, two shared experts, two prediction modules, every layer routed.
     "deepseek_v3": dict(q_lora_rank=None, n_shared_experts=2, num_nextn_predict_layers=2, first_k_dense_replace=0),
+    # No attention biases, no sinks, every layer full, plain RoPE.
+    "gpt_oss": dict(attention_bias=False, attention_sinks=False, sliding_window=None, layer_types=["full_attention"] * 2,
+                    rope_scaling=dict(rope_type="default")),
 }
 
 
 def _configs():
     makes = (("llama", tiny.llama), ("mixtral", tiny.mixtral), ("qwen3", tiny.qwen3), ("qwen3_moe", tiny.qwen3_moe),
-             ("qwen2_moe", tiny.qwen2_moe), ("deepseek_v3", tiny.deepseek_v3))
+             ("qwen2_moe", tiny.qwen2_moe), ("deepseek_v3", tiny.deepseek_v3), ("gpt_oss", tiny.gpt_oss))
     for name, make in makes:
         model = make().model
         yield f"{name}-untied", model

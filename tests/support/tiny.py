@@ -7,6 +7,7 @@ import copy
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import base_config
 from jaxpar.models.deepseek_v3 import model_config as deepseek_v3_model_config
+from jaxpar.models.gpt_oss import model_config as gpt_oss_model_config
 from jaxpar.models.llama import model_config as llama_model_config
 from jaxpar.models.mixtral import model_config as mixtral_model_config
 from jaxpar.models.qwen2_moe import model_config as qwen2_moe_model_config
@@ -44,6 +45,12 @@ DEEPSEEK_V3 = dict(
     num_nextn_predict_layers=1, router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
     rope_scaling=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
                       mscale=1.0, mscale_all_dim=1.0),
+)
+# gpt-oss on Llama's sizes: 8 experts of 32, top-2, every bias, sinks, YaRN, a window of 4 (shorter
+# than the tests' sequences) on layers 0, 2, ...; the SwiGLU clamp at 2 so that it acts.
+GPT_OSS = dict(
+    LLAMA, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=2.0,
+    router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
 )
 TRAIN = dict(global_batch_size=16, seq_len=16, steps=3, learning_rate=1e-2, warmup_steps=0)
 
@@ -90,6 +97,11 @@ def deepseek_v3(train: dict | None = None, **model):
     # that moved a near-tie of sigmoid selection scores: one of 3072 expert assignments of step 2
     # differed on data 2 x tensor 2 (measured), and its expert's weights by 3.5e-2.
     return _config(deepseek_v3_model_config(**model, rope_scaling=scaling), {"learning_rate": 1e-3, **(train or {})})
+
+
+def gpt_oss(train: dict | None = None, **model):
+    """A 2-layer gpt-oss (sliding then full) with 8 experts, top-2, sinks, biases and YaRN."""
+    return _config(gpt_oss_model_config(**{**GPT_OSS, **model}), train)
 
 
 def with_overrides(config, mesh: dict, **sections):
