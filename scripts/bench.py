@@ -6,6 +6,7 @@
   python scripts/bench.py moe [--experts=64] [--top_k=8] [--expert_ffn=128] [--shape=qwen3_moe|deepseek_v3] [--steps=4] [--repeats=3]
   python scripts/bench.py packing [--model=llama|mixtral] [--steps=10] [--repeats=3] [--attention=jaxpar_xla,xla]
   python scripts/bench.py checkpoint [--dirs=/dev/shm,/tmp] [--steps=20] [--every=5] [--repeats=3]
+  python scripts/bench.py lora [--mesh=data:2,tensor:2] [--zero_stage=1] [--rank=16] [--steps=4] [--repeats=3]
   python scripts/bench.py faults [--train_config=configs/llama_tiny.py] [--steps=60] [--every=20] [--at=35] [--repeats=1]
 
 Each times the step through `jaxpar.train.harness` (warm-up excluded); what each prints is in the
@@ -142,6 +143,37 @@ def checkpoint_checks(args) -> list[str]:
     return problems + ([] if args.every <= args.steps else [f"--every={args.every} is more than --steps={args.steps}: no save"])
 
 
+@refusing_bad_configs
+def run_lora(args, _):
+    from jaxpar.bench import lora
+
+    config = bench_config("llama")
+    config.parallel.zero_stage = args.zero_stage
+    lora.bench(config, args.mesh, args.rank, args.steps, args.repeats)
+
+
+def mesh_sizes(text: str) -> dict:
+    """"data:2,tensor:2" -> {"data": 2, "tensor": 2}."""
+    sizes = {}
+    for part in filter(None, text.split(",")):
+        name, _, size = part.partition(":")
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(f"{part!r} is not AXIS:SIZE")
+        sizes[name.strip()] = int(size)
+    return sizes
+
+
+def lora_checks(args) -> list[str]:
+    from jaxpar.axes import MESH_AXES
+
+    try:
+        args.mesh = mesh_sizes(args.mesh)
+    except ValueError as e:
+        return [f"--mesh: {e}"]
+    unknown = [name for name in args.mesh if name not in MESH_AXES]
+    return [f"--mesh: unknown axis {unknown[0]!r} (axes: {', '.join(MESH_AXES)})"] if unknown else []
+
+
 def run_faults(args, _):
     from jaxpar.bench import faults
 
@@ -223,6 +255,14 @@ COMMANDS = (
         Flag("steps", int, 20, "train steps per run", at_least=2),
         Flag("every", int, 5, "a save every this many steps", at_least=1),
         Flag("repeats", int, 3, "runs per storage, alternating", at_least=1),
+    )),
+    Command("lora", "LoRA beside full fine-tuning of the bench model on one mesh: compiled memory and step time", run_lora,
+            checks=lora_checks, flags=(
+        Flag("mesh", str, "data:2,tensor:2", "the mesh, AXIS:SIZE comma-separated (needs --cpu_devices for more than one CPU device)"),
+        Flag("zero_stage", int, 1, "parallel.zero_stage of both runs", choices=(0, 1, 3)),
+        Flag("rank", int, 16, "train.lora.rank of the LoRA run (targets: every attention and MLP matrix)", at_least=1),
+        Flag("steps", int, 4, "timed steps per block", at_least=1),
+        Flag("repeats", int, 3, "alternating blocks per contender", at_least=1),
     )),
     Command("faults", "what a preemption, a kill -9 and a kill with a local tier cost a run's goodput", run_faults,
             checks=faults_checks, devices=False, flags=(

@@ -19,6 +19,7 @@ from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.dtypes import DTYPE_BYTES
 from jaxpar.mesh import resolve_mesh_shape
 from jaxpar.model_facts import ModelFacts
+from jaxpar.models import lora
 from jaxpar.models.families import facts as model_facts
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.pipeline.schedules import ScheduleKind, bubble_fraction, schedule_kind
@@ -83,7 +84,9 @@ class Layout:
     # under (`memory.param_counts`, `optimizer_terms`; ConfigDict.to_json was 8% of the planner).
     @functools.cached_property
     def model_json(self) -> str:
-        return self.config.model.to_json()
+        # With train.lora, the adapted model: its adapters are parameters, and the only trained ones.
+        train = self.config.train
+        return (lora.adapted(self.config.model, train.lora) if "lora" in train else self.config.model).to_json()
 
     @functools.cached_property
     def train_json(self) -> str:

@@ -6,7 +6,8 @@ count of the buffers the step keeps, per device:
 
   grads          fp32 gradients as the step holds them: sharded like the parameters, or like the
                  optimizer state under ZeRO >= 1 (XLA reduces each layer's gradient inside the
-                 backward loop and keeps only its shard).
+                 backward loop and keeps only its shard). With LoRA only the adapters' (the frozen
+                 base has neither gradients nor optimizer state; `jaxpar.models.lora`).
   stash          what the layer scan saves for the backward, per layer and token
                  (`saved_per_token_layer`): the residuals JAX saves under the remat policy —
                  none: every intermediate autodiff needs; save_dots: the projection outputs;
@@ -47,6 +48,7 @@ from jaxpar.analysis.cost.leaves import model_leaves as _model_leaves
 from jaxpar.analysis.cost.leaves import shard_elements as _shard_elements
 from jaxpar.analysis.cost.optimizer_terms import optimizer_terms
 from jaxpar.kernels.grouped_matmul import group_tile, layout_rows
+from jaxpar.models import lora
 from jaxpar.parallel.context.blockwise import chunk_size
 from jaxpar.parallel.data import GradientStrategy
 from jaxpar.sharding import rules_table
@@ -140,6 +142,14 @@ class ParamCounts:
     embedding: int  # the token table, without ZeRO's split
     head: int  # the LM head (0 when tied), without ZeRO's split
     experts: int  # one layer's expert weights, without ZeRO's split (0 for dense)
+    # What the optimizer trains (gradients, accumulation carries): every parameter, or with LoRA
+    # (`jaxpar.models.lora`) only the adapters, the base being frozen.
+    trained_as_params: int = 0
+    trained_as_optimizer: int = 0
+
+    def gradients(self, zero_layout: bool) -> int:
+        """Trained elements per device, laid out like the optimizer state (ZeRO >= 1) or the params."""
+        return self.trained_as_optimizer if zero_layout else self.trained_as_params
 
 
 def param_counts(layout: Layout) -> ParamCounts:
@@ -156,6 +166,8 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
     zero = tuple(plan.zero.axes)  # what ZeRO splits: data, and with parallel.zero_axes context too
     as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
     leaves = _model_leaves(model_json)
+    adapting = any(lora.is_adapter(keys) for keys, _, _ in leaves)
+    trained = [0, 0]
     # Layer stacks (`layers`, and `dense_layers` for dense layers among MoE layers): per layer
     # counts are means over all layers, each stack weighted by its share of them.
     stacks = {keys[0]: shape[0] for keys, shape, _ in leaves if keys[0] in LAYER_STACKS}
@@ -164,6 +176,9 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
         here = _shard_elements(shape, names, params_table, mesh)
         as_params += here
         as_opt += _shard_elements(shape, names, opt_table, mesh)
+        if not adapting or lora.is_adapter(keys):
+            trained[0] += here
+            trained[1] += _shard_elements(shape, names, opt_table, mesh)
         if keys[0] in LAYER_STACKS:
             # Per layer: drop the stacked dim (split over pipeline when p > 1) and ZeRO's split.
             one = _shard_elements(shape[1:], names[1:], params_table, mesh, drop=zero)
@@ -178,7 +193,7 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
             embedding += whole if keys[0] == "embed" else 0
             head += whole if keys[0] == "lm_head" else 0
     layer, experts = round(layer), round(experts)
-    return ParamCounts(as_params, as_opt, layer, shared, shared_gathered, total, embedding, head, experts)
+    return ParamCounts(as_params, as_opt, layer, shared, shared_gathered, total, embedding, head, experts, *trained)
 
 
 # ---- activations ------------------------------------------------------------------------------------
@@ -297,7 +312,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
     pb, cb = layout.param_bytes, layout.compute_bytes
     params = counts.as_params * pb
     optimizer = optimizer_terms(layout).state_bytes
-    grads = 4 * (counts.as_optimizer if layout.zero.shard_optimizer_state else counts.as_params)
+    grads = 4 * counts.gradients(layout.zero.shard_optimizer_state)
     carry, buffers = 0, OPTIMIZER_GRAD_BUFFERS
     if layout.microbatches > 1:
         # The accumulation scan carries the running sum and each microbatch's fresh gradients.
@@ -307,7 +322,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
         # data 4 x tensor 2 within 5%). The optimizer phase after the loop holds single copies
         # (measured: Llama-2-7B data 8 accum 2, temp within 0.5%).
         per_replica = layout.gradient in (GradientStrategy.PER_REPLICA, GradientStrategy.PER_RANK)
-        carry = 2 * 4 * (counts.as_params if per_replica else counts.as_optimizer)
+        carry = 2 * 4 * counts.gradients(not per_replica)
         if per_replica and not layout.zero.shard_optimizer_state and cb != pb:
             # 16-bit compute: the loop's fp32 sum of the 16-bit gradients leaves one more buffer
             # for the optimizer phase (measured, dense data 8 accum 2, bf16: temp 3.82 x the
@@ -323,7 +338,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
             # data 8, temp within 1%; fp32, 4 layers at test size: 10% under).
             buffers += 1
             if layout.zero.gathers_updated_params:
-                carry = 3 * 4 * counts.as_optimizer + (counts.as_params * cb if cb != pb else 0)
+                carry = 3 * 4 * counts.trained_as_optimizer + (counts.as_params * cb if cb != pb else 0)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
     stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
     param_cast = counts.as_params * cb if cb != pb else 0
@@ -426,7 +441,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
         buffers += pb * (counts.as_params - counts.shared)  # measured: pipeline 4, v = 2, within 5%
     # The engine's gradients come out whole and are reduced after it: ZeRO-1 does not shrink them
     # (measured: data 2 x pipeline 4, zero 0 and 1 compile to the same temp bytes).
-    grads = 4 * (counts.as_optimizer if layout.zero.shard_params else counts.as_params)
+    grads = 4 * counts.gradients(layout.zero.shard_params)
     accumulators = 4 * counts.as_params  # engine carry: layer grads + shared grads, fp32
     chunk_layers = layout.layers // (layout.p * layout.virtual_stages)
     stage = chunk_layers * mb_tokens * saved_per_token_layer(layout)

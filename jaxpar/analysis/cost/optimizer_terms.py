@@ -27,6 +27,7 @@ from jaxpar.analysis.cost.leaves import shard_elements as _shard_elements
 from jaxpar.analysis.cost.planned import Planned
 from jaxpar.analysis.program.hlo import ALL_GATHER
 from jaxpar.dtypes import DTYPE_BYTES
+from jaxpar.models import lora
 from jaxpar.optim import matrices
 from jaxpar.sharding import rules_table
 
@@ -61,7 +62,11 @@ def _terms(model_json: str, train_json: str, table_items: tuple, mesh_items: tup
     pb = DTYPE_BYTES[train.param_dtype]
     state = whole = flops = working = 0
     gathers: dict[tuple, float] = {}
-    for _, shape, names in _model_leaves(model_json):
+    leaves = _model_leaves(model_json)
+    adapting = any(lora.is_adapter(keys) for keys, _, _ in leaves)
+    for keys, shape, names in leaves:
+        if adapting and not lora.is_adapter(keys):  # LoRA's frozen base: no optimizer state, no update
+            continue
         for leaf in record.state(train, tuple(shape), tuple(names)):
             itemsize = DTYPE_BYTES[leaf.dtype] if leaf.dtype else pb
             leaf_names = tuple(None if d is None else names[d] for d in leaf.dims)
