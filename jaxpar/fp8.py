@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ml_collections import ConfigDict, FrozenConfigDict
+
 from jaxpar.kernels.fp8 import Scaling
 
 
@@ -74,6 +76,16 @@ def from_config(train) -> Fp8 | None:
     """The run's setting (None: `train.fp8` none); the config has passed `checks`."""
     chosen = recipe(train.fp8)
     return None if chosen.scaling is None else Fp8(chosen, frozenset(matmul_names(train)))
+
+
+def with_state(model_config, train):
+    """`model_config` carrying `fp8_history` (the amax history length) when the recipe keeps
+    state, so the model builds its `jaxpar.models.fp8_state.Fp8History` leaves; else itself."""
+    if train.get("fp8", "none") not in RECIPE_NAMES or not recipe(train.fp8).stateful:
+        return model_config
+    cfg = ConfigDict(model_config.to_dict())
+    cfg.fp8_history = int(train.fp8_amax_history)
+    return FrozenConfigDict(cfg) if isinstance(model_config, FrozenConfigDict) else cfg
 
 
 def checks(train) -> list[str]:

@@ -21,15 +21,16 @@ import jax.numpy as jnp
 from jaxpar.kernels.fp8 import fp8_project
 
 
-def project(x, w, contract: int = 1, *, splits_sequence: bool = False, fp8=None):
+def project(x, w, contract: int = 1, *, splits_sequence: bool = False, fp8=None, history=None):
     """Contracts the last `contract` dims of x with the first `contract` dims of w (e.g. x [B, S, D]
     with w [D, H, Dh] → [B, S, H, Dh]). On CPU through `dense`; elsewhere, or when the run splits
     activations along the sequence (`ParallelPlan.splits_sequence`), a plain dot_general: there
     each projection's materialised xᵀ was all-gathered on its own (q, k and v: three gathers
     where autodiff shares one; tensor traffic +14% on data 2 x tensor 4 with SP). `fp8` (a
-    `jaxpar.kernels.fp8.Scaling`): the FP8 GEMMs of `fp8_project` instead."""
+    `jaxpar.kernels.fp8.Scaling`): the FP8 GEMMs of `fp8_project` instead (`history`: its amax
+    history, delayed scaling)."""
     if fp8 is not None:
-        return fp8_project(x, w, contract, fp8)
+        return fp8_project(x, w, contract, fp8, history)
     if jax.default_backend() != "cpu" or splits_sequence:
         dims = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract)))
         return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=x.dtype)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax.linen.fp8_ops import get_fp8_max, quantize
 
 from jaxpar.axes import PIPELINE
-from jaxpar.manual import manual_axes, mark_varying
+from jaxpar.manual import manual_axes, mark_varying, varying_axes
 
 E4M3 = jnp.float8_e4m3fn  # forward operands: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # cotangents: 2 mantissa bits, max 57344 (more range for gradients)
@@ -149,7 +149,8 @@ def _bwd(contract, scaling, residuals, dy):
         observed = jnp.zeros(history.shape, jnp.float32).at[OBSERVED].set(jnp.stack(now)).at[WEIGHT].set(1.0)
     dx = scaled_dot(dy, w, dy_features, w_features, (E5M2, E4M3), scaling, scales=dx_scales)
     dw = scaled_dot(x, dy, tokens, tokens, (E4M3, E5M2), scaling, tokens=(True, True), scales=dw_scales)
-    d_history = None if history is None else observed.astype(history.dtype)
+    # The cotangent varies over what the history does (the pipeline marks layer leaves varying).
+    d_history = None if history is None else mark_varying(observed.astype(history.dtype), varying_axes(history))
     return dx.astype(x.dtype), dw.astype(w.dtype), d_history
 
 

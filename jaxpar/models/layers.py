@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.kernels import attention as attention_kernel
 from jaxpar.kernels.dense import project
 from jaxpar.model_facts import head_dim_of, padded_vocab_size
+from jaxpar.models.fp8_state import fp8_args, histories
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.context.sharded import model_attention
 from jaxpar.parallel.tensor import repeat_kv
@@ -84,6 +85,7 @@ class Attention(nnx.Module):
         self.k = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
         self.v = nnx.Param(normal_init(rngs, (d, kv, hd), std), out_sharding=("embed", "kv_heads", "head_dim"))
         self.o = nnx.Param(normal_init(rngs, (h, hd, d), std), out_sharding=("heads", "head_dim", "embed"))
+        self.fp8_history = histories(cfg, 4)  # q, k, v, o under delayed FP8 scaling (else None)
 
     @staticmethod
     def cache_layout(cfg, kv_repeat: int):
@@ -96,9 +98,9 @@ class Attention(nnx.Module):
         """q [B, S, H, hd], k and v [B, S, Hkv, hd] of the normed input: the family hook. A
         family's attention class extends it (biases, per-head norms) before RoPE."""
         split = opts.plan.splits_sequence
-        q = checkpoint_name(project(x, self.q[...], splits_sequence=split, fp8=opts.fp8_at("q_proj")), "q_proj")
-        k = checkpoint_name(project(x, self.k[...], splits_sequence=split, fp8=opts.fp8_at("k_proj")), "k_proj")
-        v = checkpoint_name(project(x, self.v[...], splits_sequence=split, fp8=opts.fp8_at("v_proj")), "v_proj")
+        q = checkpoint_name(project(x, self.q[...], splits_sequence=split, **fp8_args(opts, "q_proj", self.fp8_history, 0)), "q_proj")
+        k = checkpoint_name(project(x, self.k[...], splits_sequence=split, **fp8_args(opts, "k_proj", self.fp8_history, 1)), "k_proj")
+        v = checkpoint_name(project(x, self.v[...], splits_sequence=split, **fp8_args(opts, "v_proj", self.fp8_history, 2)), "v_proj")
         return q, k, v
 
     def _rotated_qkv(self, x, positions, inv_freq, opts: RunOptions):
@@ -117,8 +119,8 @@ class Attention(nnx.Module):
 
     def _output(self, out, opts: RunOptions):
         out = constrain(opts.rules, out, ("batch", "seq", "act_heads", "head_dim"))
-        return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, fp8=opts.fp8_at("o_proj")),
-                              "o_proj")
+        fp8 = fp8_args(opts, "o_proj", self.fp8_history, 3)
+        return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, **fp8), "o_proj")
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         with jax.named_scope("attention"):
@@ -171,15 +173,17 @@ class MLP(nnx.Module):
         self.gate = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
         self.up = nnx.Param(normal_init(rngs, (d, f), std), out_sharding=("embed", "mlp"))
         self.down = nnx.Param(normal_init(rngs, (f, d), std), out_sharding=("mlp", "embed"))
+        self.fp8_history = histories(cfg, 3)  # gate, up, down under delayed FP8 scaling (else None)
 
     def __call__(self, x, opts: RunOptions, real=None):
         """(out, aux): the same contract as the MoE block; a dense MLP reports nothing (`real` unused)."""
-        split = opts.plan.splits_sequence
+        split, history = opts.plan.splits_sequence, self.fp8_history
         with jax.named_scope("mlp"):
-            gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split, fp8=opts.fp8_at("mlp_gate")), "mlp_gate")
-            up = checkpoint_name(project(x, self.up[...], splits_sequence=split, fp8=opts.fp8_at("mlp_up")), "mlp_up")
+            gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split, **fp8_args(opts, "mlp_gate", history, 0)), "mlp_gate")
+            up = checkpoint_name(project(x, self.up[...], splits_sequence=split, **fp8_args(opts, "mlp_up", history, 1)), "mlp_up")
             hidden = constrain(opts.rules, jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-            return checkpoint_name(project(hidden, self.down[...], splits_sequence=split, fp8=opts.fp8_at("mlp_down")), "mlp_down"), {}
+            down = project(hidden, self.down[...], splits_sequence=split, **fp8_args(opts, "mlp_down", history, 2))
+            return checkpoint_name(down, "mlp_down"), {}
 
 
 class Embedding(nnx.Module):

@@ -52,8 +52,10 @@ class TrainProgram:
 
 
 def model_config_of(config):
-    """config.model, with `train.lora`'s adapter settings when its rank is > 0 (`jaxpar.models.lora`)."""
-    return lora.adapted(config.model, config.train.lora) if "lora" in config.train else config.model
+    """config.model, with `train.lora`'s adapter settings when its rank is > 0 (`jaxpar.models.lora`)
+    and delayed FP8 scaling's history length (`jaxpar.fp8.with_state`)."""
+    model = lora.adapted(config.model, config.train.lora) if "lora" in config.train else config.model
+    return fp8.with_state(model, config.train)
 
 
 def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
