@@ -204,7 +204,8 @@ def _stated_hardware(name: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize(
     "name",
-    ["llama3_8b.py", "llama3_70b.py", "mixtral_8x7b.py", "qwen3_8b.py", "qwen3_30b_a3b.py", "deepseek_v3_16b.py", "deepseek_v3_671b.py"],
+    ["llama3_8b.py", "llama3_70b.py", "mixtral_8x7b.py", "qwen3_8b.py", "qwen3_30b_a3b.py", "deepseek_v3_16b.py", "deepseek_v3_671b.py",
+     "gpt_oss_20b.py", "gpt_oss_120b.py"],
 )
 def test_shipped_configs_fit_their_stated_hardware(name):
     config = _load(name)
