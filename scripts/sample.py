@@ -7,7 +7,9 @@
 Weights: exactly one of --workdir (its newest complete checkpoint, or --step), --checkpoint (a
 checkpoint directory, e.g. from scripts/convert.py --to_checkpoint) or --from_hf.
 Prompts: --prompt=TEXT (repeatable), --prompt_file=FILE (one prompt per line), --prompt_ids=IDS
-(comma-separated ids, prompts separated by ';'). Text is encoded with the run's tokenizer (bytes for
+(comma-separated ids, prompts separated by ';'); --chat renders each text prompt as a user message
+with the tokenizer's chat template. A LoRA run's checkpoint is sampled with its adapters folded in.
+Text is encoded with the run's tokenizer (bytes for
 a byte-corpus run, the transformers tokenizer of a token-file run or of --from_hf).
 Sampling: --max_new_tokens (64), --temperature (0: greedy, the default), --top_k (0: off), --top_p
 (1: off), --seed (0), --num_samples per prompt (1), --eos_id (-1: the tokenizer's / config.json's).
@@ -37,6 +39,8 @@ FLAGS = (
     Flag("prompt", str, repeat=True, help="a text prompt (repeatable)"),
     Flag("prompt_file", str, "", "a file of prompts, one per line"),
     Flag("prompt_ids", str, "", "token-id prompts: comma-separated ids, prompts separated by ';'"),
+    Flag("chat", bool, False, "each text prompt is a user message rendered by the tokenizer's chat template (with the "
+         "generation prompt), as chat fine-tuning rendered conversations"),
     Flag("max_new_tokens", int, 64, "new tokens per sample", at_least=1),
     Flag("temperature", float, 0.0, "0: greedy"),
     Flag("top_k", int, 0, "keep the k most likely tokens (0: off)", at_least=0),
@@ -92,13 +96,26 @@ def prompt_ids(args, tokenizer) -> list[list[int]]:
             raise SampleError(f"--prompt_file={args.prompt_file}: {e}") from None
     if texts and tokenizer is None:
         raise SampleError("text prompts need a tokenizer and this model has none; give --prompt_ids=1,2,3")
-    ids = [[int(t) for t in tokenizer.encode(text)] for text in texts]
+    ids = [[int(t) for t in chat_ids(tokenizer, text)] for text in texts] if args.chat else \
+        [[int(t) for t in tokenizer.encode(text)] for text in texts]
     for part in filter(None, (p.strip() for p in args.prompt_ids.split(";"))):
         try:
             ids.append([int(t) for t in part.split(",") if t.strip()])
         except ValueError:
             raise SampleError(f"--prompt_ids: {part!r} is not comma-separated integers") from None
     return ids
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A user message rendered by the tokenizer's chat template with the assistant's generation prompt
+    (rendered to text, then encoded, as `jaxpar.data.chat` renders training conversations)."""
+    from jaxpar.data import ByteTokenizer
+    from jaxpar.sampling import SampleError
+
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer) or not tokenizer.chat_template:
+        raise SampleError("--chat needs a tokenizer with a chat template and this model's tokenizer has none")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
 def _decode(tokenizer, ids):

@@ -18,8 +18,10 @@ import os
 import jax
 from ml_collections import ConfigDict
 
+from jaxpar import models
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import with_defaults
+from jaxpar.models import lora
 from jaxpar.sampling.engine import SampleError, Sampler
 from jaxpar.sampling.load import TOKENIZER_FILES, Loaded, eos_id, run_tokenizer, sampling_mesh, tokenizer_at
 
@@ -124,9 +126,12 @@ def _load_step(directory: str, step: int, requested: dict, devices) -> Loaded:
     program = build(config, list(mesh.devices.flat))
     with Checkpoints(directory, every_steps=0, read_only=True) as checkpoints:
         restored = checkpoints.restore(step, abstract_state(jax.eval_shape(program.init), program.state_shardings))
+    params = restored.state.params
+    if (adapters := lora.settings(program.model_config)) is not None:  # a LoRA run: the base with its adapters folded in
+        params = jax.jit(lambda p: lora.merged(p, adapters, models.logical_axes(program.model_config)))(params)
     sampler = Sampler(config.model, mesh, config.train.compute_dtype)
     tokenizer = run_tokenizer(config)
-    return Loaded(config.model, sampler, sampler.place(restored.state.params), tokenizer, eos_id(tokenizer),
+    return Loaded(config.model, sampler, sampler.place(params), tokenizer, eos_id(tokenizer),
                   f"checkpoint {_shown(restored.path)} (step {restored.step})")
 
 
