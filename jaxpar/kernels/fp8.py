@@ -174,12 +174,49 @@ def _qc_bwd(scaling, _, dy):
 quantize_cotangent.defvjp(_qc_fwd, _qc_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def qdq(x, fmt, scaling: Scaling, contract: tuple | None = None):
     """x rounded to `fmt` and scaled back, in x's dtype: one scale (tensor, history), or per
-    slice over the dims `contract` (row; default the last dim)."""
+    slice over the dims `contract` (row; default the last dim). Its gradient passes straight
+    through (autodiff of the cast would round the cotangent to `fmt` unscaled)."""
+    return _qdq(x, fmt, scaling, contract)
+
+
+def _qdq_fwd(x, fmt, scaling, contract):
+    return _qdq(x, fmt, scaling, contract), None
+
+
+def _qdq_bwd(fmt, scaling, contract, _, g):
+    return (g,)
+
+
+qdq.defvjp(_qdq_fwd, _qdq_bwd)
+
+
+def _qdq(x, fmt, scaling, contract):
     if scaling is Scaling.ROW:
         reduce = (x.ndim - 1,) if contract is None else contract
         scale = scale_for(amax_of(x, reduce, False), fmt)
     else:
         scale = scale_for(amax_of(x, None, False), fmt)
     return (quantized(x, fmt, scale).astype(jnp.float32) * scale).astype(x.dtype)
+
+
+# The quantize-dequantize form, for matmuls run by other kernels (the experts' grouped matmuls and
+# einsums): each is the identity when `scaling` is None. Delayed scaling has no history there and
+# scales per tensor from the tensors in hand.
+
+
+def fp8_input(x, scaling: Scaling | None):
+    """An activation [..., K] about to be contracted over its last dim, rounded to e4m3."""
+    return x if scaling is None else qdq(x, E4M3, scaling)
+
+
+def fp8_weight(w, scaling: Scaling | None, contract: int):
+    """A weight contracted over dim `contract`, rounded to e4m3 (rowwise: per slice over it)."""
+    return w if scaling is None else qdq(w, E4M3, scaling, (contract,))
+
+
+def fp8_output(y, scaling: Scaling | None):
+    """A matmul's output, whose cotangent is rounded to e5m2."""
+    return y if scaling is None else quantize_cotangent(y, scaling)

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.axes import EXPERT
+from jaxpar.kernels.fp8 import fp8_input, fp8_output, fp8_weight
 from jaxpar.kernels.grouped_matmul import (
     group_tile,
     grouped_matmul,
@@ -87,18 +88,20 @@ def swiglu(gate, up):
 
 
 def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules, matmul_impl: str | None = None,
-            activation=swiglu):
+            activation=swiglu, fp8=None):
     """Sum over k of weights[..., k] · expert_{ids[..., k]}(x), for x [B, S, D], ids / weights
     [B, S, k]; `experts` = (gate [E, D, F], up [E, D, F], down [E, F, D]) gated-MLP weights, and
     optionally their biases (gate [E, F], up [E, F], down [E, D]) after them (gpt-oss);
     `activation(gate, up)` the hidden state (default `swiglu`). `rules` None: no mesh.
-    `matmul_impl`: see `grouped_matmul` (dropless only)."""
+    `matmul_impl`: see `grouped_matmul` (dropless only). `fp8`: the experts' matmuls in FP8 with
+    this scaling (`jaxpar.kernels.fp8`, quantize-dequantize form; None: compute dtype)."""
     local = functools.partial(
         _capacity_local if capacity else _dropless_local,
         num_experts=num_experts,
         capacity=capacity,
         matmul_impl=matmul_impl,
         activation=activation,
+        fp8=fp8,
     )
     if rules is None:
         return local(x, ids, weights, *experts, ep=1, exchange=None)
@@ -177,7 +180,8 @@ def _combine(per_assignment, weights):
     return jnp.einsum("rskd,rsk->rsd", per_assignment, weights.astype(per_assignment.dtype))
 
 
-def _capacity_local(x, ids, weights, gate, up, down, *biases, num_experts, capacity, matmul_impl, ep, exchange, activation):
+def _capacity_local(x, ids, weights, gate, up, down, *biases, num_experts, capacity, matmul_impl, ep, exchange, activation,
+                    fp8=None):
     """Capacity per sequence: buffers [R, E, C, D]; the first C assignments of a row to an expert
     (in token order) are kept, the rest dropped."""
     del matmul_impl
@@ -195,11 +199,13 @@ def _capacity_local(x, ids, weights, gate, up, down, *biases, num_experts, capac
         if exchange is not None:
             buffers = exchange(buffers, 1)  # [R, source device, local expert, C, D]
     with jax.named_scope("moe_experts"):
-        gated = jnp.einsum("rpecd,edf->rpecf", buffers, gate)
-        lifted = jnp.einsum("rpecd,edf->rpecf", buffers, up)
+        slots = fp8_input(buffers, fp8)
+        gated = fp8_output(jnp.einsum("rpecd,edf->rpecf", slots, fp8_weight(gate, fp8, 1)), fp8)
+        lifted = fp8_output(jnp.einsum("rpecd,edf->rpecf", slots, fp8_weight(up, fp8, 1)), fp8)
         if biases:  # per local expert, broadcast over rows, sources and slots
             gated, lifted = gated + biases[0][:, None, :], lifted + biases[1][:, None, :]
-        out = jnp.einsum("rpecf,efd->rpecd", activation(gated, lifted), down)
+        out = jnp.einsum("rpecf,efd->rpecd", fp8_input(activation(gated, lifted), fp8), fp8_weight(down, fp8, 1))
+        out = fp8_output(out, fp8)
         if biases:
             out = out + biases[2][:, None, :]
     with jax.named_scope("moe_combine"):
@@ -213,7 +219,8 @@ def _capacity_local(x, ids, weights, gate, up, down, *biases, num_experts, capac
         return _combine(per_assignment.reshape(rows * seq * k, d), weights)
 
 
-def _dropless_local(x, ids, weights, gate, up, down, *biases, num_experts, capacity, matmul_impl, ep, exchange, activation):
+def _dropless_local(x, ids, weights, gate, up, down, *biases, num_experts, capacity, matmul_impl, ep, exchange, activation,
+                    fp8=None):
     """Dropless: all of this device's assignments sorted by expert; worst-case send buffers."""
     del capacity
     rows, seq, d = x.shape
@@ -224,7 +231,7 @@ def _dropless_local(x, ids, weights, gate, up, down, *biases, num_experts, capac
         flat = ids.reshape(-1)  # [N = R·S·k], assignment order
         order = jnp.argsort(flat, stable=True)
         counts = _counts(flat, num_experts)  # [E]
-    ffn = functools.partial(_expert_mlp, gate=gate, up=up, down=down, biases=biases, impl=impl, activation=activation)
+    ffn = functools.partial(_expert_mlp, gate=gate, up=up, down=down, biases=biases, impl=impl, activation=activation, fp8=fp8)
     if exchange is None:
         # The experts read their rows straight from the tokens, in the grouped layout.
         with jax.named_scope("moe_dispatch"):
@@ -307,13 +314,18 @@ def _received_swiglu(received, counts, ffn, impl):
     return jnp.take(out, layout.slot.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(sources, slots, d)
 
 
-def _expert_mlp(rows, sizes, tile, *, gate, up, down, biases, impl, activation):
+def _expert_mlp(rows, sizes, tile, *, gate, up, down, biases, impl, activation, fp8=None):
     """Each expert's gated MLP on its rows, in `grouped_matmul`'s layout (padding rows: zero in,
     never read out, so the biases they receive go nowhere)."""
-    gate_up = grouped_matmul_pair(rows, gate, up, sizes, impl, tile)
-    gated, lifted = gate_up[..., 0], gate_up[..., 1]
+    gate_up = grouped_matmul_pair(fp8_input(rows, fp8), fp8_weight(gate, fp8, 1), fp8_weight(up, fp8, 1), sizes, impl, tile)
+    gated, lifted = fp8_output(gate_up[..., 0], fp8), fp8_output(gate_up[..., 1], fp8)
+    down = functools.partial(_fp8_down, down=fp8_weight(down, fp8, 1), sizes=sizes, impl=impl, tile=tile, fp8=fp8)
     if not biases:
-        return grouped_matmul(activation(gated, lifted), down, sizes, impl, tile)
+        return down(activation(gated, lifted))
     group = jnp.repeat(jnp.arange(sizes.shape[0]), sizes, total_repeat_length=rows.shape[0])  # each row's expert
     gated, lifted = gated + biases[0][group], lifted + biases[1][group]
-    return grouped_matmul(activation(gated, lifted), down, sizes, impl, tile) + biases[2][group]
+    return down(activation(gated, lifted)) + biases[2][group]
+
+
+def _fp8_down(hidden, *, down, sizes, impl, tile, fp8):
+    return fp8_output(grouped_matmul(fp8_input(hidden, fp8), down, sizes, impl, tile), fp8)

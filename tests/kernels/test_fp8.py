@@ -96,3 +96,25 @@ def test_delayed_uses_history_and_reports_amaxes():
     clipped = np.max(np.abs(np.asarray(y) - x @ w))
     fresh = np.max(np.abs(next(_run(Scaling.HISTORY, x, w, dy)) - x @ w))
     assert clipped > 2 * fresh
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_quantize_dequantize_form_within_rounding_bound(recipe):
+    """The experts' form: each operand rounded within e_a (its own scales), the output's cotangent
+    within e5m2's, and the operands' gradients passed straight through (not rounded again)."""
+    from jaxpar.kernels.fp8 import fp8_input, fp8_output, fp8_weight
+
+    x, w, dy = _operands()
+    scaling, rowwise = RECIPES[recipe], recipe == "rowwise"
+    experts = np.stack([w, 3 * w])  # [E, K, N], contracted over dim 1
+    for got, exact, fmt, reduce in (
+        (fp8_input(jnp.asarray(x), scaling), x, E4M3, 1 if rowwise else None),
+        (fp8_weight(jnp.asarray(experts), scaling, 1), experts, E4M3, 1 if rowwise else None),
+    ):
+        assert np.all(np.abs(np.asarray(got) - exact) <= _errors(exact, fmt, reduce) * (1 + 1e-6))
+        assert np.any(np.asarray(got) != exact)
+    _, vjp = jax.vjp(lambda a: fp8_output(fp8_input(a, scaling) @ jnp.asarray(w), scaling), jnp.asarray(x))
+    (dx,) = vjp(jnp.asarray(dy))
+    rounded = np.asarray(jax.vjp(lambda t: fp8_output(t, scaling), jnp.asarray(dy))[1](jnp.asarray(dy))[0])
+    assert np.all(np.abs(rounded - dy) <= _errors(dy, E5M2, 1 if rowwise else None) * (1 + 1e-6))
+    np.testing.assert_allclose(np.asarray(dx), rounded @ w.T, rtol=1e-5, atol=1e-9)

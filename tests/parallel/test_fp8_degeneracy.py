@@ -34,7 +34,12 @@ CASES = {
         "delayed", lambda t: tiny.llama(t, num_hidden_layers=4), {"pipeline": 2, "data": 2, "tensor": 2},
         {"num_microbatches": 2}, 2,
     ),
+    # The experts' matmuls inside the expert shard_map (dropless and capacity): amaxes pmax'd there.
     "rowwise_expert2_data2_tensor2": ("rowwise", tiny.mixtral, {"data": 2, "expert": 2, "tensor": 2}, {}, 1),
+    "tensorwise_expert4_data2": ("tensorwise", tiny.mixtral, {"data": 2, "expert": 4}, {}, 1),
+    "tensorwise_expert2_capacity_data2_tensor2": (
+        "tensorwise", lambda t: tiny.mixtral(t, capacity_factor=1.5), {"data": 2, "expert": 2, "tensor": 2}, {}, 1,
+    ),
 }
 
 
