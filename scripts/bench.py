@@ -7,6 +7,7 @@
   python scripts/bench.py packing [--model=llama|mixtral] [--steps=10] [--repeats=3] [--attention=jaxpar_xla,xla]
   python scripts/bench.py checkpoint [--dirs=/dev/shm,/tmp] [--steps=20] [--every=5] [--repeats=3]
   python scripts/bench.py lora [--mesh=data:2,tensor:2] [--zero_stage=1] [--rank=16] [--steps=4] [--repeats=3]
+  python scripts/bench.py window [--seq=8192] [--window=512] [--tiles=1,2,4,8] [--repeats=3]
   python scripts/bench.py faults [--train_config=configs/llama_tiny.py] [--steps=60] [--every=20] [--at=35] [--repeats=1]
 
 Each times the step through `jaxpar.train.harness` (warm-up excluded); what each prints is in the
@@ -185,6 +186,20 @@ def faults_checks(args) -> list[str]:
     return problems + ([] if args.at < args.steps else [f"--at={args.at} must be below --steps={args.steps}"])
 
 
+def run_window(args, _):
+    from jaxpar.bench import window
+
+    print("\n".join(window.bench(args.seq, args.window, args.heads, args.kv_heads, args.head_dim, args.repeats,
+                                 [int(n) for n in args.tiles])))
+
+
+def window_checks(args) -> list[str]:
+    problems = _positive_ints("tiles", args.tiles)
+    if args.heads % args.kv_heads:
+        problems.append(f"--kv_heads={args.kv_heads} must divide --heads={args.heads}")
+    return problems
+
+
 def _default_dirs() -> list[str]:
     """A RAM disk (a local tier's fastest storage) when there is one, and the disk under the temp folder."""
     return [d for d in ("/dev/shm",) if os.path.isdir(d)] + [tempfile.gettempdir()]
@@ -263,6 +278,16 @@ COMMANDS = (
         Flag("rank", int, 16, "train.lora.rank of the LoRA run (targets: every attention and MLP matrix)", at_least=1),
         Flag("steps", int, 4, "timed steps per block", at_least=1),
         Flag("repeats", int, 3, "alternating blocks per contender", at_least=1),
+    )),
+    Command("window", "a sliding layer's attention (masked, and the band kernel) beside full causal attention", run_window,
+            checks=window_checks, flags=(
+        Flag("seq", int, 8192, "tokens", at_least=2),
+        Flag("window", int, 512, "the sliding window", at_least=1),
+        Flag("heads", int, 8, "query heads", at_least=1),
+        Flag("kv_heads", int, 2, "KV heads (dividing --heads)", at_least=1),
+        Flag("head_dim", int, 64, "head dimension", at_least=1),
+        Flag("tiles", list, "1,2,4,8", "band kernel tile counts per window to time"),
+        Flag("repeats", int, 3, "alternating rounds", at_least=1),
     )),
     Command("faults", "what a preemption, a kill -9 and a kill with a local tier cost a run's goodput", run_faults,
             checks=faults_checks, devices=False, flags=(

@@ -128,12 +128,12 @@ def _attention_bwd(residuals, d_out):
     return _backward(q, k, v, segment_ids, out, lse, d_out)[:4]
 
 
-def _backward(q, k, v, segment_ids, out, lse, d_out, window=None, sinks=None, softcap=None, scale=None):
-    """(dq, dk, dv, None, dsinks or None)."""
+def _backward(q, k, v, segment_ids, out, lse, d_out, window=None, sinks=None, softcap=None, scale=None, mask=None):
+    """(dq, dk, dv, None, dsinks or None); `mask` as `_forward`'s (`jaxpar.kernels.local_attention`'s band)."""
     d_out = _real_rows(d_out, segment_ids)  # padding rows' outputs are constant 0
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qg = _grouped(q * jnp.asarray(scale, q.dtype), k)
-    p = jnp.exp(_scores(qg, k, segment_ids, window=window, softcap=softcap) - lse[..., None])  # [B, K, G, T, S] fp32
+    p = jnp.exp(_scores(qg, k, segment_ids, mask, window, softcap) - lse[..., None])  # [B, K, G, T, S] fp32
     d_out_g = _grouped(d_out, k)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B, T, H]
     delta = _grouped(delta[..., None], k)[..., 0]  # [B, K, G, T]

@@ -4,7 +4,8 @@ and against transformers' own attention functions (gpt-oss's sinks, Gemma 2's so
 sliding-window and packed-sequence mask functions of `transformers.masking_utils`).
 
 Paths: `xla_attention` (parallel.attention_impl = xla), the hand-written kernel
-(`jaxpar.kernels.attention.patterned_attention`, jaxpar_xla) and the chunked flash kernel the
+(`jaxpar.kernels.attention.patterned_attention`, jaxpar_xla), its band for sliding layers
+(`jaxpar.kernels.local_attention`) and the chunked flash kernel the
 context-parallel implementations share (`flash_attention_local`, chunks of 4 so windows skip chunk
 pairs). Windows smaller than, equal to and larger than the sequence, with packed documents and
 padding. Measured worst relative errors (fp32 against float64, every path and case): outputs 2.0e-7,
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from jaxpar.kernels.attention import patterned_attention
+from jaxpar.kernels.local_attention import patterned_or_banded
 from jaxpar.models.attention_pattern import Pattern, layer_windows, ranges, xla_attention
 from jaxpar.parallel.context import flash_attention_local
 from jaxpar.parallel.context.sequence import segment_positions
@@ -79,6 +81,8 @@ def _one_device(path):
         return lambda q, k, v, seg, window, sinks, cap, scale: xla_attention(q, k, v, seg, Pattern(window, sinks, cap, scale))
     if path == "jaxpar_xla":
         return patterned_attention
+    if path == "banded":  # the band for windows 1 .. SPAN (a lax.cond on the traced window), else jaxpar_xla
+        return lambda q, k, v, seg, window, sinks, cap, scale: patterned_or_banded(q, k, v, seg, window, SPAN, sinks, cap, scale)
 
     def flash(q, k, v, seg, window, sinks, cap, scale):
         pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if seg is None else segment_positions(seg)
@@ -115,7 +119,8 @@ def _assert_matches(got, want, rtol=RTOL):
     return errors
 
 
-PATHS = ("xla", "jaxpar_xla", "flash")
+PATHS = ("xla", "jaxpar_xla", "flash", "banded")
+SPAN = 6  # the banded path's static span: windows 5, 1 and 6 take the band (tiles of 2), the others the full kernel
 # (window, sinks, softcap, scale, packed): windows 1, 5, 6 (< T), T and 40 (> T), 0 (full) and None.
 # Window 6 with chunks of 4: a key chunk whose last key is exactly the window's first (distance 5)
 # must not be skipped (a skip predicate off by one drops it).

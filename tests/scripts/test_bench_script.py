@@ -155,3 +155,18 @@ def test_faults_each_scenario_restarts_once_and_a_preemption_loses_nothing(tmp_p
     assert float(rows["kill"][4]) > 0, "step 3 ran after checkpoint 2 and is redone"
     for name in ("none", "sigterm", "kill", "kill+local"):
         assert 0 < float(rows[name][2].strip().rstrip("%")) < 100
+
+
+def test_window_table_rows_add_up():
+    """bench.py window, in process at a tiny size: each speed-up is full causal's time over the row's,
+    and the band equals the masked window (it computes the same attention, over less)."""
+    from jaxpar.bench import window
+
+    lines = window.bench(seq=64, window=8, heads=2, kv_heads=1, head_dim=8, repeats=1, tiles=[1, 2])
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert [r[0] for r in rows] == ["full causal (jaxpar_xla)", "window 8 as a mask (jaxpar_xla)",
+                                    "window 8, band of 1 tile(s)", "window 8, band of 2 tile(s)"]
+    full = float(rows[0][1])
+    for name, seconds, speedup, difference in rows:
+        assert float(speedup.rstrip("x")) == pytest.approx(full / float(seconds), rel=0.01, abs=0.01), name
+        assert name.startswith("full") or float(difference) <= 1e-5, name
