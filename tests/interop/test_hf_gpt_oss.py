@@ -14,6 +14,7 @@ the OCP Microscaling definition, against transformers' own, and end to end: a ch
 experts are stored as blocks and scales loads to the same parameters as their dequantized values.
 """
 
+import copy
 import json
 
 import jax
@@ -145,6 +146,17 @@ def test_round_trip_is_exact_and_transformers_loads_it(checkpoint):
     cfg2, params2 = hf.load(directory / "out")
     assert cfg2 == cfg
     assert_same_tree(params2, params)
+
+
+def test_bfloat16_checkpoint_loads_its_values_exactly(checkpoint, tmp_path):
+    """A bf16 checkpoint (what the released unquantized weights are) loads to the fp32 checkpoint's
+    values rounded to bf16, bit for bit: its MXFP4-free experts de-interleaved like fp32 ones."""
+    model, directory = checkpoint
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path)
+    _, params = hf.load(tmp_path)
+    _, params32 = hf.load(directory / "hf")
+    rounded = jax.tree.map(lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32)), params32)
+    assert_same_tree(params, rounded)
 
 
 # ---- MXFP4 ----
