@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.models.attention_cache import layer_runs, ring_attention
 from jaxpar.models.attention_pattern import Pattern, attend, layer_windows, static_pattern
-from jaxpar.models.decoder import Decoder
+from jaxpar.models.decoder import Decoder, scan_blocks
 from jaxpar.models.layers import Attention, normal_init
 from jaxpar.models.options import RunOptions
 from jaxpar.models.state import ObservedState
@@ -55,9 +56,17 @@ class PatternedAttention(Attention):
         sinks = self.sinks[...] if self.has_sinks else None
         return Pattern(self.window[...][0].astype(jnp.int32), sinks, self.softcap, self.scale)
 
+    def layer_frequencies(self, inv_freq):
+        """This layer's RoPE frequencies: `inv_freq` itself, or, given one row per layer kind
+        ([2, Dh/2]: full, sliding; Gemma 3's two bases), the row of this layer's kind, picked by
+        its window (data, so layers of both kinds share a scan and any pipeline stage)."""
+        if inv_freq.ndim == 1:
+            return inv_freq
+        return jnp.where(self.window[...][0] > 0, inv_freq[1], inv_freq[0])
+
     def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         with jax.named_scope("attention"):
-            q, k, v = self._rotated_qkv(x, positions, inv_freq, opts)
+            q, k, v = self._rotated_qkv(x, positions, self.layer_frequencies(inv_freq), opts)
             pattern = self.pattern()
             if opts.plan.context is not None:
                 out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan, segment_ids=segment_ids,
@@ -68,12 +77,19 @@ class PatternedAttention(Attention):
             return self._output(out, opts)
 
     def cached(self, x, positions, inv_freq, kv_cache, write_at, mask, opts: RunOptions):
-        # The decode cache's mask does not know the window, the sinks or the cap yet (issue 37, item 6).
-        raise NotImplementedError("decoding with an attention pattern (windows, sinks, soft-capping) is not supported yet")
+        """The decode path: `kv_cache` is this layer's ring (`jaxpar.models.attention_cache`: the
+        whole cache for a full layer, its window for a sliding one); see `Attention.cached`."""
+        with jax.named_scope("attention"):
+            q, k, v = self._rotated_qkv(x, positions, self.layer_frequencies(inv_freq), opts)
+            out, kv_cache = ring_attention(q, k, v, kv_cache, write_at, mask, self.pattern())
+            return self._output(out, opts), kv_cache
 
 
 class PatternedDecoder(Decoder):
-    """The decoder with `PatternedAttention`, each layer's window set from the model's pattern."""
+    """The decoder with `PatternedAttention`, each layer's window set from the model's pattern.
+    Decoding keeps two cache stacks when some layers slide: the full layers' [full layers, rows,
+    slots, ...] arrays, then the sliding layers' [sliding layers, rows, min(window, slots), ...]
+    (`jaxpar.models.attention_cache`)."""
 
     make_attention = PatternedAttention
 
@@ -85,3 +101,40 @@ class PatternedDecoder(Decoder):
         self.layers.attention.window.value = jnp.asarray(main, jnp.float32)[:, None]
         if self.dense_layers is not None:
             self.dense_layers.attention.window.value = jnp.asarray([windows[i] for i in sorted(dense)], jnp.float32)[:, None]
+
+    @classmethod
+    def cache_shapes(cls, cfg, kv_repeat: int, rows: int, slots: int) -> tuple:
+        windows = layer_windows(cfg)
+        sliding = int(np.sum(windows > 0))
+        if not sliding:
+            return super().cache_shapes(cfg, kv_repeat, rows, slots)
+        ring = min(int(windows.max()), slots)
+        names = ("layers", "batch", "seq")
+        return tuple(
+            ((count, rows, size) + tuple(shape), names + tuple(more))
+            for count, size in ((len(windows) - sliding, slots), (sliding, ring))
+            for shape, more in cls.cache_layout(cfg, kv_repeat)
+        )
+
+    def extend(self, tokens, positions, cache, write_at, mask, opts: RunOptions):
+        """`Decoder.extend` over the two cache stacks (`cache_shapes`): each run of consecutive
+        layers of one kind is scanned over its slice of its kind's stack."""
+        windows = layer_windows(self.cfg)
+        if not np.any(windows > 0):
+            return super().extend(tokens, positions, cache, write_at, mask, opts)
+        if self.dense_layers is not None:
+            raise ValueError(f"model.model_type={self.cfg.model_type!r}: decoding dense layers among sliding ones is not supported")
+        inv_freq = type(self).rope_frequencies(self.cfg)
+
+        def layer(block, h, kv_cache):
+            return block.cached(h, positions, inv_freq, kv_cache, write_at, mask, opts)
+
+        half = len(cache) // 2
+        stacks, parts = (cache[:half], cache[half:]), ([], [])
+        x = self.embed_tokens(tokens, opts)
+        for sliding, start, stop, first in layer_runs(windows):
+            run_cache = tuple(a[first : first + stop - start] for a in stacks[sliding])
+            x, run_cache = scan_blocks(self.layers, x, opts, layer, xs=run_cache, span=(start, stop))
+            parts[sliding].append(run_cache)
+        joined = [stack if not part else tuple(jnp.concatenate(p) for p in zip(*part)) for stack, part in zip(stacks, parts)]
+        return self.logits_from_hidden(x[:, -1:], opts), joined[0] + joined[1]

@@ -70,12 +70,22 @@ def _get(model, key, default=None):
     return model[key] if key in model else default
 
 
+def layer_kinds(model) -> list[str]:
+    """Each layer's kind: `layer_types`; empty: every `sliding_window_pattern`-th layer full and the
+    others sliding where the family has that key (Gemma 2 / 3, as their transformers configs derive
+    it), else every layer sliding when `sliding_window` is set, else full."""
+    window, types = _get(model, "sliding_window"), list(_get(model, "layer_types", []) or [])
+    if types:
+        return types
+    period = _get(model, "sliding_window_pattern")
+    if window and period:
+        return [SLIDING if (i + 1) % period else FULL for i in range(model.num_hidden_layers)]
+    return [SLIDING if window else FULL] * model.num_hidden_layers
+
+
 def layer_windows(model) -> np.ndarray:
     """int32 [num_hidden_layers]: each layer's window (0: full attention)."""
-    window, types = _get(model, "sliding_window"), list(_get(model, "layer_types", []) or [])
-    layers = model.num_hidden_layers
-    if not types:
-        types = [SLIDING if window else FULL] * layers
+    window, types = _get(model, "sliding_window"), layer_kinds(model)
     return np.asarray([window if kind == SLIDING and window else 0 for kind in types], np.int32)
 
 

@@ -27,6 +27,8 @@ def decoder_ranges(model) -> list[str]:
         errors += positive(f"model.{key}", model[key])
     rope = model.rope_scaling
     errors += one_of("model.rope_scaling.rope_type", rope.rope_type, ROPE_TYPES)
+    if rope.rope_type == "linear":
+        errors += positive("model.rope_scaling.factor", rope.factor)
     if rope.rope_type == "llama3":
         for key in ("factor", "low_freq_factor", "high_freq_factor"):
             errors += positive(f"model.rope_scaling.{key}", rope[key])

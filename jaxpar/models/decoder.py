@@ -78,14 +78,22 @@ class DecoderBlock(nnx.Module):
         return constrain(opts.rules, x + mlp_out, RESIDUAL), kv_cache
 
 
-def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp, count: int | None = None, axis: str = "layers"):
+def scaled(embedded, scale: float | None):
+    """The embedding times a constant, rounded to fp32 then to its dtype (as transformers' Gemma)."""
+    if scale is None:
+        return embedded
+    return embedded * jnp.asarray(scale, jnp.float32).astype(embedded.dtype)
+
+
+def stacked_blocks(cfg, rngs: nnx.Rngs, make_attention, make_mlp, count: int | None = None, axis: str = "layers",
+                   make_block=DecoderBlock):
     """`count` (default `num_hidden_layers`) blocks with independent init, stacked on a leading
     logical `axis` (the name decides only placement: "layers" may be staged over `pipeline`)."""
 
     @nnx.split_rngs(splits=cfg.num_hidden_layers if count is None else count)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def build(layer_rngs):
-        return DecoderBlock(cfg, rngs=layer_rngs, make_attention=make_attention, make_mlp=make_mlp)
+        return make_block(cfg, rngs=layer_rngs, make_attention=make_attention, make_mlp=make_mlp)
 
     return build(rngs)
 
@@ -140,6 +148,7 @@ class Decoder(nnx.Module):
     make_attention = Attention
     make_mlp = MLP
     make_dense_mlp = MLP  # the MLP of the layers `dense_layer_indices` names
+    make_block = DecoderBlock  # the block around them (Gemma's has four norms)
     dense_layers_axis = "layers"  # their stack's leading logical axis ("depth": never staged, see the docstring)
     # cfg -> the RoPE inverse frequencies every block's attention receives.
     rope_frequencies = staticmethod(rope_inverse_frequencies)
@@ -162,15 +171,35 @@ class Decoder(nnx.Module):
         slots] — the attention hook's (`Attention.cache_layout`)."""
         return cls.make_attention.cache_layout(cfg, kv_repeat)
 
+    @classmethod
+    def cache_shapes(cls, cfg, kv_repeat: int, rows: int, slots: int) -> tuple:
+        """The decode cache's arrays: per array (its shape, its logical names), by default
+        `cache_layout`'s after [layers, rows, slots] (`extend` receives them in this order)."""
+        lead, names = (cfg.num_hidden_layers, rows, slots), ("layers", "batch", "seq")
+        return tuple((lead + tuple(shape), names + tuple(more)) for shape, more in cls.cache_layout(cfg, kv_repeat))
+
+    @staticmethod
+    def embedding_scale(cfg) -> float | None:
+        """A constant the embedded tokens are multiplied by (None: none; Gemma's √hidden)."""
+        del cfg
+        return None
+
+    @staticmethod
+    def final_logit_softcap(cfg) -> float | None:
+        """logits become cap · tanh(logits / cap) (None: not capped; Gemma 2's)."""
+        del cfg
+        return None
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embedding(cfg, rngs=rngs)
         kind = type(self)
         dense = kind.dense_layer_indices(cfg)
         main = cfg.num_hidden_layers - len(dense)
-        self.layers = stacked_blocks(cfg, rngs, kind.make_attention, kind.make_mlp, count=main)
+        self.layers = stacked_blocks(cfg, rngs, kind.make_attention, kind.make_mlp, count=main, make_block=kind.make_block)
         self.dense_layers = (
-            stacked_blocks(cfg, rngs, kind.make_attention, kind.make_dense_mlp, count=len(dense), axis=kind.dense_layers_axis)
+            stacked_blocks(cfg, rngs, kind.make_attention, kind.make_dense_mlp, count=len(dense), axis=kind.dense_layers_axis,
+                           make_block=kind.make_block)
             if dense else None
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -182,7 +211,7 @@ class Decoder(nnx.Module):
         # The vocab-parallel lookup first yields whole sequences (a masked gather + an all-reduce);
         # constraining it straight to the sequence-parallel layout made the partitioner gather the
         # whole table instead, and all-reduce its full gradient (found by `jaxpar.analysis`).
-        x = constrain(opts.rules, self.embed(tokens), ("batch", "seq", "act_embed"))
+        x = constrain(opts.rules, scaled(self.embed(tokens), type(self).embedding_scale(self.cfg)), ("batch", "seq", "act_embed"))
         return constrain(opts.rules, x, RESIDUAL)
 
     def run_layers(self, x, positions, opts: RunOptions, segment_ids=None):
@@ -212,8 +241,8 @@ class Decoder(nnx.Module):
 
     def logits_from_hidden(self, x, opts: RunOptions):
         """Final norm + LM head on the last block's output."""
-        tied = self.lm_head is None
-        return project_to_vocab(self.final_norm(x), self.head_weight(), self.cfg.vocab_size, opts, tied=tied)
+        tied, cap = self.lm_head is None, type(self).final_logit_softcap(self.cfg)
+        return project_to_vocab(self.final_norm(x), self.head_weight(), self.cfg.vocab_size, opts, tied=tied, softcap=cap)
 
     def head_weight(self):
         return self.embed.weight[...].T if self.lm_head is None else self.lm_head.weight[...]

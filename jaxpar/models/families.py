@@ -9,13 +9,13 @@ numbers (`jaxpar.model_facts.ModelFacts`), and never compares a `model_type` to 
 from __future__ import annotations
 
 from jaxpar.model_facts import ModelFacts
-from jaxpar.models import deepseek_v3, gpt_oss, llama, mixtral, qwen2_moe, qwen3, qwen3_moe
+from jaxpar.models import deepseek_v3, gemma3_text, gpt_oss, llama, mixtral, qwen2_moe, qwen3, qwen3_moe
 from jaxpar.models.family import Family
 
 FAMILIES = {
     record.name: record
     for record in (llama.FAMILY, mixtral.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, deepseek_v3.FAMILY,
-                   gpt_oss.FAMILY)
+                   gpt_oss.FAMILY, gemma3_text.FAMILY)
 }
 
 

@@ -179,6 +179,8 @@ def rope_from_hf(hf: dict, default_theta: float) -> tuple[float, dict]:
         raise ValueError(f"rope_type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
     scaling = decoder_config().rope_scaling.to_dict()  # llama3 fields unused by "default"
     scaling["rope_type"] = rope_type
+    if rope_type == "linear":
+        scaling["factor"] = float(field(rope, "factor"))
     if rope_type == "llama3":
         scaling.update({key: float(field(rope, key)) for key in LLAMA3_FACTORS})
         # transformers' fallback when the checkpoint omits it.
@@ -192,6 +194,8 @@ def rope_to_hf(cfg) -> tuple[dict, dict | None]:
     s = cfg.rope_scaling
     if s.rope_type == "default":
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}, None
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor, "rope_theta": cfg.rope_theta}, {"rope_type": "linear", "factor": s.factor}
     scaling = {key: s[key] for key in ("rope_type", "original_max_position_embeddings") + LLAMA3_FACTORS}
     return {**scaling, "rope_theta": cfg.rope_theta}, scaling
 
@@ -244,6 +248,27 @@ ATTENTION_AND_NORMS = {
     ("attention", "o"): Weight("self_attn.o_proj.weight", HEADS_OUT),
     ("post_attention_norm", "weight"): Weight("post_attention_layernorm.weight"),
 }
+
+
+@dataclass(frozen=True)
+class FromConfig:
+    """A layer value transformers keeps in its config, not among the tensors (each layer's attention
+    window: `jaxpar.models.attention_pattern.layer_windows`): `value(cfg, layer)` gives one layer's;
+    nothing is written or read from the files."""
+
+    value: Callable
+
+    def read(self, get, prefix: str, cfg) -> np.ndarray:
+        return np.asarray(self.value(cfg, int(prefix.rstrip(".").rsplit(".", 1)[1])), np.float32)
+
+    def write(self, w, prefix: str, cfg) -> dict:
+        return {}
+
+    def read_block(self, get, prefix: str, cfg, index: tuple, shape: tuple) -> np.ndarray:
+        return self.read(get, prefix, cfg)[index]
+
+    def on_disk(self, prefix: str, cfg, shape: tuple) -> list[dict]:
+        return [{}]
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,14 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inverse_frequencies(cfg) -> jnp.ndarray:
-    """Per-pair rotation frequencies, with transformers' `default` and `llama3` rope types."""
+    """Per-pair rotation frequencies, with transformers' `default`, `linear` and `llama3` rope types."""
     dim = head_dim_of(cfg)
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     scaling = cfg.rope_scaling
     if scaling.rope_type == "default":
         return inv_freq
+    if scaling.rope_type == "linear":  # every position divided by `factor`
+        return inv_freq / scaling.factor
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp in between.
     factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
     original = scaling.original_max_position_embeddings
@@ -164,7 +166,10 @@ def causal_attention(q, k, v, implementation: str, segment_ids=None):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: gate/up column-parallel, down row-parallel over `tensor`."""
+    """SwiGLU: gate/up column-parallel, down row-parallel over `tensor`. `activation`: the gate's
+    (a family's MLP may name another: Gemma's GeGLU takes tanh GELU)."""
+
+    activation = staticmethod(jax.nn.silu)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, ffn: int | None = None):
         """`ffn`: the hidden size (default `cfg.intermediate_size`; a shared expert's is its own)."""
@@ -181,7 +186,7 @@ class MLP(nnx.Module):
         with jax.named_scope("mlp"):
             gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split, **fp8_args(opts, "mlp_gate", history, 0)), "mlp_gate")
             up = checkpoint_name(project(x, self.up[...], splits_sequence=split, **fp8_args(opts, "mlp_up", history, 1)), "mlp_up")
-            hidden = constrain(opts.rules, jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+            hidden = constrain(opts.rules, type(self).activation(gate) * up, ("batch", "seq", "act_mlp"))
             down = project(hidden, self.down[...], splits_sequence=split, **fp8_args(opts, "mlp_down", history, 2))
             return checkpoint_name(down, "mlp_down"), {}
 
@@ -209,10 +214,11 @@ class LMHead(nnx.Module):
         self.weight = nnx.Param(jnp.pad(w, ((0, 0), (0, padded_vocab_size(v) - v))), out_sharding=("embed", "vocab"))
 
 
-def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions, tied: bool = False):
+def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions, tied: bool = False, softcap: float | None = None):
     """fp32 logits [B, S, padded V], sharded over vocab; padded columns pushed to -inf-like.
     `tied`: the weight is the embedding table transposed, whose gradient autodiff sums with the
-    embedding's before the data-parallel reduction (one all-reduce instead of two)."""
+    embedding's before the data-parallel reduction (one all-reduce instead of two). `softcap`:
+    logits become cap · tanh(logits / cap) before the padding is masked (None: not capped)."""
     with jax.named_scope("lm_head"):
         if x.dtype == jnp.float16:
             # fp16 has too little range for logits, and XLA:CPU has no fp16×fp16→fp32 dot: use fp32.
@@ -222,6 +228,8 @@ def project_to_vocab(x, weight_dv, vocab_size: int, opts: RunOptions, tied: bool
         else:
             logits = jnp.einsum("bsd,dv->bsv", x, weight_dv, preferred_element_type=jnp.float32)
         logits = constrain(opts.rules, logits, ("batch", "seq", "act_vocab"))
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
         if vocab_size == logits.shape[-1]:  # no padded columns: skip a pass over [B, S, V]
             return logits
         column = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)

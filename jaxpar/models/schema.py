@@ -11,7 +11,7 @@ from ml_collections.config_dict import placeholder
 from jaxpar.models.attention_pattern import MEANINGS as PATTERN_MEANINGS
 
 # `model.rope_scaling.rope_type` values (transformers' names).
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def decoder_config(**overrides) -> ConfigDict:
@@ -29,7 +29,7 @@ def decoder_config(**overrides) -> ConfigDict:
             head_dim=placeholder(int),
             rms_norm_eps=1e-6,
             rope_theta=10000.0,
-            # rope_type "default" or "llama3"; the other fields are used by llama3 only.
+            # rope_type "default", "linear" or "llama3"; the other fields are read by the type they name.
             rope_scaling=dict(
                 rope_type="default",
                 factor=8.0,
@@ -61,9 +61,9 @@ MEANINGS = {
     "head_dim": "the size of one head; None: hidden_size // num_attention_heads",
     "rms_norm_eps": "epsilon of the RMS norms",
     "rope_theta": "the base of the rotary position embedding",
-    "rope_scaling.rope_type": "default (plain RoPE), llama3 (Llama 3.1's frequency scaling) or yarn (YaRN, "
-    "DeepSeek-V3 and gpt-oss only); the fields below are read by the type they name",
-    "rope_scaling.factor": "llama3, yarn: the context extension factor",
+    "rope_scaling.rope_type": "default (plain RoPE), linear (positions divided by factor), llama3 (Llama 3.1's "
+    "frequency scaling) or yarn (YaRN, DeepSeek-V3 and gpt-oss only); the fields below are read by the type they name",
+    "rope_scaling.factor": "linear, llama3, yarn: the context extension factor",
     "rope_scaling.low_freq_factor": "llama3: wavelengths above original / low_freq_factor are scaled by factor",
     "rope_scaling.high_freq_factor": "llama3: wavelengths below original / high_freq_factor are kept",
     "rope_scaling.original_max_position_embeddings": "llama3, yarn: the context length before extension",
@@ -110,6 +110,9 @@ MEANINGS = {
     "1); trained with weight train.mtp_loss_weight, never run at inference",
     # The attention pattern's keys (`jaxpar.models.attention_pattern`) and Gemma 3's own.
     **PATTERN_MEANINGS,
+    "sliding_window_pattern": "with layer_types empty: every this-many-th layer is full, the others sliding (Gemma)",
+    "rope_local_base_freq": "the RoPE base of the sliding-window layers (rope_theta and rope_scaling: the full ones')",
+    "final_logit_softcapping": "the LM head's logits become cap · tanh(logits / cap); None: not capped",
     # gpt-oss's own.
     "attention_bias": "biases on the q, k, v and o projections",
     "swiglu_alpha": "gpt-oss's experts: the sigmoid's gain in gate · sigmoid(alpha · gate)",

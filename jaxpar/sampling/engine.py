@@ -42,7 +42,6 @@ from jaxpar.parallel.plan import make_plan
 from jaxpar.sampling.filters import SamplingParams, choose, problems
 from jaxpar.sharding import param_rules
 
-CACHE_NAMES = ("layers", "batch", "seq")  # then each cache array's own (`Decoder.cache_layout`)
 MIN_BUCKET = 16
 
 
@@ -134,9 +133,7 @@ class Sampler:
 
     def cache_layout(self, rows: int, slots: int) -> tuple:
         """Per cache array: (its shape, its logical names)."""
-        cfg = self.cfg
-        layout = family(cfg.model_type).module.cache_layout(cfg, self.opts.plan.tensor.kv_repeat)
-        return tuple(((cfg.num_hidden_layers, rows, slots) + tuple(shape), CACHE_NAMES + tuple(names)) for shape, names in layout)
+        return family(self.cfg.model_type).module.cache_shapes(self.cfg, self.opts.plan.tensor.kv_repeat, rows, slots)
 
     def cache_bytes_per_device(self, rows: int, slots: int) -> int:
         total = 0

@@ -35,7 +35,8 @@ VARIANTS = {
 
 def _configs():
     makes = (("llama", tiny.llama), ("mixtral", tiny.mixtral), ("qwen3", tiny.qwen3), ("qwen3_moe", tiny.qwen3_moe),
-             ("qwen2_moe", tiny.qwen2_moe), ("deepseek_v3", tiny.deepseek_v3), ("gpt_oss", tiny.gpt_oss))
+             ("qwen2_moe", tiny.qwen2_moe), ("deepseek_v3", tiny.deepseek_v3), ("gpt_oss", tiny.gpt_oss),
+             ("gemma3_text", tiny.gemma3_text))
     for name, make in makes:
         model = make().model
         yield f"{name}-untied", model

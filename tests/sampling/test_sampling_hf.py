@@ -4,7 +4,8 @@ The same random tiny models as the interop parity tests (large weights: decisive
 Mixtral, Qwen3 with QK-norm (untied and tied), Qwen3-MoE with 16 experts, and with a dense layer between two MoE layers
 (the decode cache is split into runs of one kind and joined back in layer order), Qwen2-MoE with
 its gated shared expert and q/k/v biases, and with `decoder_sparse_step` 2, DeepSeek-V3 (decoding from
-its latent cache with the up-projections absorbed; tests/support/hf_models.py `DEEPSEEK_CASES`). Saved
+its latent cache with the up-projections absorbed; tests/support/hf_models.py `DEEPSEEK_CASES`),
+Gemma 3 with sliding layers keeping only their window (tests/support/gemma3_hf.py). Saved
 with `save_pretrained` and read with `jaxpar.interop.hf.load`. Three prompts of different lengths
 go through one left-padded batch; transformers generates each on its own (no padding), 64 new
 tokens, fp32. Every cached step's logits are also compared with a full forward (no cache) over
@@ -21,6 +22,7 @@ from jaxpar import models  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 from jaxpar.models.families import FAMILIES  # noqa: E402
 from jaxpar.sampling import Sampler  # noqa: E402
+from tests.support.gemma3_hf import gemma3_model  # noqa: E402
 from tests.support.hf_models import DEEPSEEK_CASES, QWEN_CASES, deepseek_model, llama_model, mixtral_model, qwen_model  # noqa: E402
 from tests.support.tiers import slow_except  # noqa: E402
 
@@ -34,10 +36,15 @@ CASES = {
     "mixtral_e4_top2": (mixtral_model, "e4_top2"),
     **{case: (qwen_model, case) for case in QWEN_CASES},
     **{f"deepseek_v3_{case}": (deepseek_model, case) for case in DEEPSEEK_CASES},
+    # Layers sliding, full, sliding with an 8-token window: prompts of up to 11 tokens and 64 new
+    # ones run far past it, the sliding layers on their 8-slot rings (`jaxpar.models.attention_cache`);
+    # untied (tied, these random weights repeat 4 tokens).
+    "gemma3_text_window8": (gemma3_model, dict(sliding_window=8, final_logit_softcapping=None, max_position_embeddings=128,
+                                                 tie_word_embeddings=False)),
 }
 # The fast tier: one case per family, with the features a planted bug in decoding would break.
 FAST = ("llama_gqa_untied", "mixtral_e4_top2", "qwen3_gqa_head_dim", "qwen3_moe_dense_layer_tied", "qwen2_moe_shared_qkv_bias",
-        "deepseek_v3_q_lora_yarn_groups")
+        "deepseek_v3_q_lora_yarn_groups", "gemma3_text_window8")
 
 
 def prompts_for(vocab_size: int) -> list[list[int]]:

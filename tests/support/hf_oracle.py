@@ -39,6 +39,12 @@ MODELS = {
     # MLA with a query latent, YaRN, interleaved RoPE; a dense layer, then group-limited routing with
     # selection biases (transformers' DeepSeek-V3 has no load-balancing loss).
     "deepseek_v3_q_lora_yarn_groups": lambda: deepseek_config("q_lora_yarn_groups", attn_implementation="eager"),
+    # Gemma 3: sliding (window 4 < 16 tokens) then full, scores scaled by 24^-1/2; no pad token (torch
+    # would never update its embedding row, which jaxpar has no notion of).
+    "gemma3_text_window": lambda: transformers.Gemma3TextConfig(
+        vocab_size=300, num_key_value_heads=2, head_dim=16, sliding_window=4, sliding_window_pattern=2,
+        query_pre_attn_scalar=24, pad_token_id=None, **BASE,
+    ),
 }
 
 

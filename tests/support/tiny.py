@@ -7,6 +7,7 @@ import copy
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import base_config
 from jaxpar.models.deepseek_v3 import model_config as deepseek_v3_model_config
+from jaxpar.models.gemma3_text import model_config as gemma3_text_model_config
 from jaxpar.models.gpt_oss import model_config as gpt_oss_model_config
 from jaxpar.models.llama import model_config as llama_model_config
 from jaxpar.models.mixtral import model_config as mixtral_model_config
@@ -51,6 +52,12 @@ DEEPSEEK_V3 = dict(
 GPT_OSS = dict(
     LLAMA, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, swiglu_limit=2.0,
     router_aux_loss_coef=0.05, router_z_loss_coef=0.01,
+)
+# Gemma 3 on Llama's sizes: layers sliding, sliding, full (a 4-token window, under seq_len 16), the
+# full layer with linear RoPE scaling, scores scaled by 24^-1/2.
+GEMMA3_TEXT = dict(
+    LLAMA, num_hidden_layers=3, sliding_window=4, sliding_window_pattern=3, query_pre_attn_scalar=24.0,
+    rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=dict(rope_type="linear", factor=2.0),
 )
 TRAIN = dict(global_batch_size=16, seq_len=16, steps=3, learning_rate=1e-2, warmup_steps=0)
 
@@ -102,6 +109,13 @@ def deepseek_v3(train: dict | None = None, **model):
 def gpt_oss(train: dict | None = None, **model):
     """A 2-layer gpt-oss (sliding then full) with 8 experts, top-2, sinks, biases and YaRN."""
     return _config(gpt_oss_model_config(**{**GPT_OSS, **model}), train)
+
+
+def gemma3_text(train: dict | None = None, **model):
+    """A 3-layer Gemma 3 text model (`GEMMA3_TEXT`: two sliding layers, then a full one)."""
+    model = {**GEMMA3_TEXT, **model}
+    scaling = gemma3_text_model_config().rope_scaling.to_dict() | model.pop("rope_scaling")
+    return _config(gemma3_text_model_config(**model, rope_scaling=scaling), train)
 
 
 def with_overrides(config, mesh: dict, **sections):

@@ -192,7 +192,8 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
         if not spread:  # this rank holds the whole (tensor-sharded) head
             return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt, w)
         normed = model.final_norm(vary_everywhere_wide(h))  # the transpose sums every rank's share of d h
-        return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules, w)
+        return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules, w,
+                         softcap=stage_model.logit_softcap)
 
     # Branch groups by the kind of stage (`slots`: FIRST, LAST): None, any stage's layers; FIRST,
     # the first stage's with the model's blocks before them; LAST, the last stage's followed by
@@ -341,8 +342,8 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
             # Stage 0's inputs for this step's F and B/W (used by its rank only). "spread": every
             # rank looks up the tokens it holds rows for, one psum completes both.
             table = shared["embed"]["weight"]
-            part_fwd = lookup(table, inputs[step["embed_fwd_mb"]], offset)
-            part_back, embed_pullback = jax.vjp(lambda t: lookup(t, inputs[step["embed_back_mb"]], offset), table)
+            part_fwd = lookup(table, inputs[step["embed_fwd_mb"]], offset, stage_model.embed_scale)
+            part_back, embed_pullback = jax.vjp(lambda t: lookup(t, inputs[step["embed_back_mb"]], offset, stage_model.embed_scale), table)
             embedded = jnp.stack([part_fwd, part_back])
             embedded = psum_wide(embedded, PIPELINE) if spread else embedded
             embedded = vary_everywhere(rules.constrain(embedded, (None,) + RESIDUAL))
@@ -381,7 +382,7 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
         """`time_step` without B/W: the F of the table's step, its stage-0 lookup and the head."""
         row, step = xs
         with jax.named_scope("pipeline_eval_step"):
-            embedded = lookup(shared["embed"]["weight"], inputs[step["embed_fwd_mb"]], offset)
+            embedded = lookup(shared["embed"]["weight"], inputs[step["embed_fwd_mb"]], offset, stage_model.embed_scale)
             embedded = psum_wide(embedded, PIPELINE) if spread else embedded
             embedded = vary_everywhere(rules.constrain(embedded, RESIDUAL))
             carry, y = forward_part(carry, row, step, embedded, None)

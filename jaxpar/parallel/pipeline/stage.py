@@ -56,6 +56,8 @@ class StageModel:
     aux_losses: Callable  # router statistics stacked over layers -> (extra loss, metrics); ({}: dense)
     hidden_size: int
     vocab_size: int
+    embed_scale: float | None = None  # the embedded tokens' scale (`Decoder.embedding_scale`)
+    logit_softcap: float | None = None  # the LM head logits' cap (`Decoder.final_logit_softcap`)
 
 
 @dataclass(frozen=True)

@@ -43,24 +43,30 @@ def shard_offset(rows_here: int):
     return jax.lax.axis_index(PIPELINE) * rows_here
 
 
-def lookup(table, tokens, offset):
+def lookup(table, tokens, offset, scale: float | None = None):
     """This rank's part of the embedding of `tokens`: its rows, zeros where another rank holds the
-    token. A psum over `pipeline` completes it."""
+    token. A psum over `pipeline` completes it. `scale`: the model's embedding scale
+    (`Decoder.embedding_scale`: rounded to fp32, then to the table's dtype), None: none."""
     local = tokens - offset
     mine = (local >= 0) & (local < table.shape[0])
     rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+    if scale is not None:
+        rows = rows * jnp.asarray(scale, jnp.float32).astype(rows.dtype)
     return jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
 
 
-def head_loss(normed, head, targets, offset, vocab_size: int, rules, weights=None):
+def head_loss(normed, head, targets, offset, vocab_size: int, rules, weights=None, softcap: float | None = None):
     """Mean cross-entropy of [mb, S, D] final-normed activations against targets [mb, S], with this
     rank's head shard [D, V/p] (fp32 logits, padded columns masked, combined over `pipeline`);
-    with `weights` [mb, S] the mean of loss · weight (packed documents)."""
+    with `weights` [mb, S] the mean of loss · weight (packed documents); `softcap`: the logits
+    capped first (`Decoder.final_logit_softcap`)."""
     with jax.named_scope("lm_head"):
         if normed.dtype == jnp.float16:  # as `jaxpar.models.layers.project_to_vocab`
             normed, head = normed.astype(jnp.float32), head.astype(jnp.float32)
         logits = jnp.einsum("bsd,dv->bsv", normed, head, preferred_element_type=jnp.float32)
         logits = constrain(rules, logits, ("batch", "seq", "act_vocab"))
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
         column = offset + jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
         logits = jnp.where(column < vocab_size, logits, jnp.finfo(jnp.float32).min)
     with jax.named_scope("loss"):
