@@ -2,7 +2,7 @@
 one RoPE key a token shares over its heads rotate; YaRN context extension with its two corrections;
 DeepSeek's interleaved pairs.
 
-YaRN (rope_type "yarn", transformers' `_compute_yarn_parameters`): frequencies with wavelengths
+YaRN (rope_type "yarn", transformers' `_compute_yarn_parameters`, `jaxpar.models.rope`): frequencies with wavelengths
 beyond the original context are divided by `factor`, those shorter than `1 / beta_fast` of it kept,
 a linear ramp between (over the rotary dims whose rotation counts over the original context fall
 between `beta_fast` and `beta_slow`). Its attention factor scales cos and sin (so the RoPE part of
@@ -17,16 +17,10 @@ and keys come out in that order alike, so their dot products are the interleaved
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from jaxpar.models.layers import apply_rope
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction 0.1 · mscale · ln(factor) + 1 (1 when not extending)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+from jaxpar.models.rope import yarn_inverse_frequencies, yarn_mscale
 
 
 def is_yarn(cfg) -> bool:
@@ -36,20 +30,10 @@ def is_yarn(cfg) -> bool:
 def inverse_frequencies(cfg) -> jnp.ndarray:
     """Per-pair rotation frequencies [qk_rope_head_dim / 2] (default RoPE, or YaRN's)."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    inv_freq = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     if not is_yarn(cfg):
-        return inv_freq
+        return 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
     s = cfg.rope_scaling
-
-    def correction_dim(rotations):  # the rotary dim that turns `rotations` times over the original context
-        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
-    high = high + 0.001 if low == high else high  # transformers' guard against a zero-width ramp
-    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-    kept = 1.0 - ramp  # 1: the frequency as it is (short wavelengths); 0: divided by factor
-    return inv_freq / s.factor * (1.0 - kept) + inv_freq * kept
+    return yarn_inverse_frequencies(dim, base, s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow)
 
 
 def rotary_scale(cfg) -> float:
