@@ -25,7 +25,7 @@ EXTRAS = {
     "lm_eval": ("[eval]", "lm_eval"),  # scripts/harness.py, eval.harness_every_steps (jaxpar.downstream)
     "wandb": ("[trackers]", "wandb"),  # train.loggers=wandb
     "mlflow": ("[trackers]", "mlflow"),  # train.loggers=mlflow
-    "safetensors": ("[lora]", "safetensors"),  # PEFT adapters: scripts/convert.py peft-*, train.lora.init_from_peft
+    "safetensors": ("[lora]", "safetensors"),  # PEFT adapters: scripts/convert.py --to_peft, train.lora.init_from_peft
 }
 
 

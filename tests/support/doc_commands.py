@@ -56,6 +56,7 @@ SHRINK = {
     ("scripts/bench.py", "generate"): {"new_tokens": "8", "repeats": "1"},
     ("scripts/bench.py", "moe"): {"steps": "1", "repeats": "1"},
     ("scripts/bench.py", "packing"): {"steps": "1", "repeats": "1"},
+    ("scripts/bench.py", "lora"): {"steps": "1", "repeats": "1"},
     ("scripts/bench.py", "mesh"): {"steps": "4", "repeats": "1"},
     ("scripts/bench.py", "checkpoint"): {"steps": "2", "every": "1", "repeats": "1"},
     ("scripts/bench.py", "window"): {"seq": "256", "window": "16", "repeats": "1"},
