@@ -23,6 +23,8 @@ CASES = {
     "llama_zero3_tensor2_sp": (tiny.llama, {"data": 2, "tensor": 2}, {"zero_stage": 3, "sequence_parallel": True}),
     "llama_pipeline2_data2": (tiny.llama, {"data": 2, "pipeline": 2}, {"pipeline_schedule": "1f1b", "num_microbatches": 4}),
     "mixtral_expert2_data2": (tiny.mixtral, {"data": 2, "expert": 2}, {}),
+    "llama_context2_data2_zero1": (tiny.llama, {"data": 2, "context": 2}, {"zero_stage": 1}),
+    "llama_data4_accum2": (lambda train: tiny.llama({**train, "grad_accum": 2}), {"data": 4}, {}),
 }
 
 
