@@ -152,8 +152,10 @@ def run(args, _) -> int:
     n_rows, _, slots = sampler.buckets(rows, args.max_new_tokens)
     mesh = " ".join(f"{k}={v}" for k, v in sampler.mesh.shape.items())
     print(f"sampling from {loaded.source} on mesh {mesh}")
-    print(f"KV cache: {sampler.cache_bytes_per_device(n_rows, slots) / 2**20:.2f} MiB per device ({n_rows} rows x {slots} slots)",
-          flush=True)
+    kept, full = sampler.cache_bytes_per_sequence(slots)
+    bounded = f"; sliding layers keep their window: {kept / 2**20:.2f} MiB per sequence, not {full / 2**20:.2f}" if kept < full else ""
+    print(f"KV cache: {sampler.cache_bytes_per_device(n_rows, slots) / 2**20:.2f} MiB per device ({n_rows} rows x {slots} slots)"
+          f"{bounded}", flush=True)
     # Each of a prompt's samples draws differently: the batch rows differ, the seed is shared.
     result = sampler.generate(loaded.params, rows, args.max_new_tokens, args.sampling, args.seed, eos)
     records = []

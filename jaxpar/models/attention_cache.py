@@ -75,10 +75,3 @@ def layer_runs(windows) -> list[tuple[bool, int, int, int]]:
             runs.append([sliding, i, i + 1, seen[sliding]])
         seen[sliding] += 1
     return [tuple(r) for r in runs]
-
-
-def cache_bytes_per_sequence(layers: int, sliding: int, window: int, slots: int, per_slot: int) -> tuple[int, int]:
-    """(bytes with the rings, bytes of a full cache) of one sequence of `slots` slots, `per_slot`
-    bytes per slot and layer, `sliding` of `layers` layers keeping min(window, slots) slots."""
-    full = layers * slots * per_slot
-    return full - sliding * (slots - min(window, slots)) * per_slot, full

@@ -142,6 +142,16 @@ class Sampler:
             total += math.prod(shape if sharding is None else sharding.shard_shape(shape))
         return total * jnp.dtype(self.opts.compute_dtype).itemsize
 
+    def cache_bytes_per_sequence(self, slots: int) -> tuple[int, int]:
+        """(this model's decode cache, a cache of every layer over all `slots`) in bytes for one
+        sequence on one device: a sliding layer's ring (`jaxpar.models.attention_cache`) keeps
+        min(window, slots) slots, so the first is smaller for a model with sliding layers."""
+        module, cfg = family(self.cfg.model_type).module, self.cfg
+        kept = sum(math.prod(shape) for shape, _ in module.cache_shapes(cfg, 1, 1, slots))
+        full = cfg.num_hidden_layers * slots * sum(math.prod(shape) for shape, _ in module.cache_layout(cfg, 1))
+        itemsize = jnp.dtype(self.opts.compute_dtype).itemsize
+        return kept * itemsize, full * itemsize
+
     def empty_cache(self, rows: int, slots: int):
         key = (rows, slots)
         if key not in self._empty:
