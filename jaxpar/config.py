@@ -165,7 +165,8 @@ def base_config() -> ConfigDict:
     c.train.update({key.name: key.default for key in trackers.KEYS})  # each tracker's own keys
     c.train.update(fp8.KEYS)  # FP8 matmuls: `jaxpar.fp8`
     # LoRA fine-tuning (`jaxpar.models.lora`): rank 0 trains every parameter.
-    c.train.lora = ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down", init_from_peft=""))
+    c.train.lora = ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down", init_from_peft="",
+                                 base_in_compute_dtype=False))
     for section, keys in optim.SECTIONS.items():
         c.train[section] = ConfigDict(optim.hyperparameters.defaults(keys))
 
@@ -290,6 +291,8 @@ MEANINGS = {
     "train.lora.dropout": "LoRA: dropout on the adapters' input (only 0 today: adapters are folded into the weights)",
     "train.lora.targets": "LoRA: the matrices adapted, by their parameter names, comma-separated (q,k,v,o attention; "
     "gate,up,down MLP and expert; a family's own, e.g. q_a,q_b,kv_a,kv_b)",
+    "train.lora.base_in_compute_dtype": "LoRA: hold the frozen base in train.compute_dtype (what the forward casts it to "
+    "anyway) instead of train.param_dtype; the adapters stay in train.param_dtype",
     "train.lora.init_from_peft": "LoRA: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) a fresh "
     "run starts its adapters from (with train.init_from_hf its base)",
     "train.peak_flops_per_device": "one device's peak FLOP/s for MFU (0: a table per device kind, or on CPU a matmul "

@@ -73,7 +73,12 @@ def build(config, devices=None) -> TrainProgram:
     adapting = lora.settings(model_config) is not None
     logical = models.logical_axes(model_config)
     param_dtype = DTYPES[config.train.param_dtype]
-    params_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype), models.param_shapes(model_config))
+    # LoRA's frozen base may be held in the compute dtype (train.lora.base_in_compute_dtype): the
+    # forward casts it there anyway, and nothing updates it.
+    base_dtype = DTYPES[config.train.compute_dtype] if adapting and config.train.lora.get("base_in_compute_dtype") else param_dtype
+    dtypes = jax.tree_util.tree_map_with_path(lambda p, _: param_dtype if lora.is_adapter(p) else base_dtype, logical,
+                                              is_leaf=is_logical_names)
+    params_shape = jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, d), models.param_shapes(model_config), dtypes)
 
     param_shardings = rules.tree_shardings(logical)
     opt_param_shardings = opt_rules.tree_shardings(logical)
@@ -112,7 +117,7 @@ def build(config, devices=None) -> TrainProgram:
         With LoRA, base params alone get fresh adapters (a transformers checkpoint's weights)."""
         if adapting and not lora.adapters_of(params):
             params = lora.with_init(params, lora.base_of(logical), lora.settings(model_config), seed)
-        params = permute(order.to_storage, jax.tree.map(lambda p: p.astype(param_dtype), params), axes.params)
+        params = permute(order.to_storage, jax.tree.map(lambda p, d: p.astype(d), params, dtypes), axes.params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
 
     def init_state():
