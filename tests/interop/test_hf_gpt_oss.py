@@ -221,3 +221,17 @@ def test_mxfp4_checkpoint_loads_its_dequantized_experts(checkpoint, tmp_path):
     assert cfg == cfg_dense
     assert_same_tree(params, params_dense)
     assert np.any(params["layers"]["mlp"]["experts"]["gate"] != hf.load(directory / "hf")[1]["layers"]["mlp"]["experts"]["gate"])
+
+    # What `train.init_from_hf` does: preflight finds the MXFP4 layout acceptable, and each device's
+    # blocks (experts over expert, their hidden dim over tensor) are those of the whole-tensor load.
+    from jaxpar.interop import sharded
+    from jaxpar.train.setup import build
+    from tests.support import tiny
+
+    assert sharded.problems(str(tmp_path / "mxfp4"), cfg) == []
+    config = tiny.with_overrides(tiny.gpt_oss(), {"data": 2, "expert": 2, "tensor": 2})
+    config.model = cfg
+    program = build(config)
+    loaded = sharded.load_params_onto(str(tmp_path / "mxfp4"), cfg, program.state_shardings.params)
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
