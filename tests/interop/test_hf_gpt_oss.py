@@ -235,3 +235,40 @@ def test_mxfp4_checkpoint_loads_its_dequantized_experts(checkpoint, tmp_path):
     loaded = sharded.load_params_onto(str(tmp_path / "mxfp4"), cfg, program.state_shardings.params)
     for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(loaded)[0], jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=jax.tree_util.keystr(path))
+
+
+# ---- the released models' config.json ----
+
+
+def _released(layers: int, experts: int) -> dict:
+    """openai/gpt-oss-20b's and -120b's config.json as published (they differ in these two sizes)."""
+    return {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+        "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+        "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+        "num_hidden_layers": layers, "num_key_value_heads": 8, "num_local_experts": experts, "output_router_logits": False,
+        "pad_token_id": 199999, "quantization_config": {
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05, "rope_scaling": {
+            "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096, "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
+
+
+@pytest.mark.parametrize("name, layers, experts", [("gpt_oss_20b", 24, 32), ("gpt_oss_120b", 36, 128)])
+def test_shipped_configs_are_the_released_models(name, layers, experts, tmp_path):
+    """configs/gpt_oss_{20b,120b}.py's model is what the released config.json reads as (so
+    `train.init_from_hf` takes the released weights with the shipped config as it is)."""
+    from jaxpar.command.config_file import load_config
+    from tests.support.paths import REPO
+
+    (tmp_path / "config.json").write_text(json.dumps(_released(layers, experts)))
+    released = hf.model_config(tmp_path)
+    shipped = load_config(str(REPO / "configs" / f"{name}.py")).model
+    assert released.to_dict() == shipped.to_dict()
