@@ -25,7 +25,7 @@ import pytest
 from jaxpar import models
 from jaxpar.interop import hf
 from jaxpar.models.gpt_oss import mxfp4
-from tests.support.hf_models import randomized
+from tests.support.gpt_oss_hf import LAYER_TYPES, VOCAB, WINDOW, gpt_oss_model
 from tests.support.hf_testing import assert_same_tree, max_err
 
 torch = pytest.importorskip("torch")
@@ -33,21 +33,9 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
-WINDOW, SEQ, VOCAB = 4, 20, 300
+SEQ = 20
 # Each row's documents (lengths); the rest of the row is padding.
 DOCUMENTS = [[13, 7], [5, 9, 4]]
-
-
-def _model():
-    config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-        layer_types=LAYER_TYPES, max_position_embeddings=64, swiglu_limit=2.0, rms_norm_eps=1e-5,
-        attn_implementation="eager", experts_implementation="eager",
-    )
-    torch.manual_seed(0)
-    return randomized(transformers.GptOssForCausalLM(config)).eval()
 
 
 def _batch():
@@ -83,7 +71,7 @@ def _targets(tokens, segments):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpt_oss")
-    model = _model()
+    model = gpt_oss_model()
     model.save_pretrained(directory / "hf")
     return model, directory
 

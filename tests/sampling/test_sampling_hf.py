@@ -5,7 +5,8 @@ Mixtral, Qwen3 with QK-norm (untied and tied), Qwen3-MoE with 16 experts, and wi
 (the decode cache is split into runs of one kind and joined back in layer order), Qwen2-MoE with
 its gated shared expert and q/k/v biases, and with `decoder_sparse_step` 2, DeepSeek-V3 (decoding from
 its latent cache with the up-projections absorbed; tests/support/hf_models.py `DEEPSEEK_CASES`),
-Gemma 3 with sliding layers keeping only their window (tests/support/gemma3_hf.py). Saved
+Gemma 3 with sliding layers keeping only their window (tests/support/gemma3_hf.py), gpt-oss with
+its sinks, biases and windows (tests/support/gpt_oss_hf.py). Saved
 with `save_pretrained` and read with `jaxpar.interop.hf.load`. Three prompts of different lengths
 go through one left-padded batch; transformers generates each on its own (no padding), 64 new
 tokens, fp32. Every cached step's logits are also compared with a full forward (no cache) over
@@ -23,6 +24,7 @@ from jaxpar.interop import hf  # noqa: E402
 from jaxpar.models.families import FAMILIES  # noqa: E402
 from jaxpar.sampling import Sampler  # noqa: E402
 from tests.support.gemma3_hf import gemma3_model  # noqa: E402
+from tests.support.gpt_oss_hf import gpt_oss_model  # noqa: E402
 from tests.support.hf_models import DEEPSEEK_CASES, QWEN_CASES, deepseek_model, llama_model, mixtral_model, qwen_model  # noqa: E402
 from tests.support.tiers import slow_except  # noqa: E402
 
@@ -41,6 +43,10 @@ CASES = {
     # untied (tied, these random weights repeat 4 tokens).
     "gemma3_text_window8": (gemma3_model, dict(sliding_window=8, final_logit_softcapping=None, max_position_embeddings=128,
                                                  tie_word_embeddings=False)),
+    # gpt-oss: sliding, full, sliding with an 8-token window far under the 64 new tokens; sinks, every
+    # bias and YaRN in the cached path, the biased experts decoding one token at a time. Slow tier
+    # (transformers' generate with the experts' eager loop: 27 s); Gemma 3's case covers the rings.
+    "gpt_oss_window8": (gpt_oss_model, dict(sliding_window=8, max_position_embeddings=128)),
 }
 # The fast tier: one case per family, with the features a planted bug in decoding would break.
 FAST = ("llama_gqa_untied", "mixtral_e4_top2", "qwen3_gqa_head_dim", "qwen3_moe_dense_layer_tied", "qwen2_moe_shared_qkv_bias",
