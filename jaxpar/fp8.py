@@ -52,6 +52,25 @@ MEANINGS = {
 }
 
 
+# The cost model's matmul parts (`jaxpar.analysis.cost.efficiency.part_shapes`) and the FP8 matmuls
+# each is made of: a part is priced at the FP8 peak when all of them run in FP8.
+COST_PARTS = {
+    "qo": ("q_proj", "o_proj"),
+    "kv": ("k_proj", "v_proj"),
+    "mlp": ("mlp_gate", "mlp_up", "mlp_down"),
+    "experts": ("experts",),
+}
+
+
+def cost_parts(train) -> frozenset:
+    """The cost model's parts that run in FP8 under `train` (empty: none; configs saved before
+    `train.fp8` existed have none)."""
+    if train.get("fp8", "none") not in RECIPE_NAMES or recipe(train.fp8).scaling is None:
+        return frozenset()
+    names = set(matmul_names(train))
+    return frozenset(part for part, members in COST_PARTS.items() if set(members) <= names)
+
+
 def recipe(name: str) -> Recipe:
     return next(r for r in RECIPES if r.name == name)
 

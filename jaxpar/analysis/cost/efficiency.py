@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar import fp8
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.cost.planned import Planned
@@ -106,20 +107,23 @@ class Compute:
 
 
 def compute_seconds(layout: Layout, flops_by_part: dict, hardware: hw.Hardware) -> Compute:
-    """Seconds of the step's matmuls, part by part at each part's efficiency (rules 1 and 2)."""
+    """Seconds of the step's matmuls, part by part at each part's efficiency (rules 1 and 2).
+    The parts `train.fp8` runs in FP8 (`jaxpar.fp8.cost_parts`) at the FP8 peak, reading 1-byte
+    operands, where the hardware has one (else at the compute dtype's: no FP8 GEMMs there)."""
     dtype = layout.compute_dtype_name
-    peak = hardware.peak(dtype)
     shapes = part_shapes(layout)
+    in_fp8 = fp8.cost_parts(layout.config.train) if hw.FLOAT8 in hardware.peak_flops else frozenset()
     by_part, eff = {}, {}
     for part, flops in flops_by_part.items():
         if flops <= 0:
             continue
+        part_dtype, part_bytes = (hw.FLOAT8, 1) if part in in_fp8 else (dtype, layout.compute_bytes)
         if part == "attention":
             eff[part] = attention_efficiency(layout, hardware)
         else:
             m, n, k = shapes[part]
-            eff[part] = matmul_efficiency(m, n, k, layout.compute_bytes, hardware, dtype)
-        by_part[part] = flops / (peak * eff[part])
+            eff[part] = matmul_efficiency(m, n, k, part_bytes, hardware, part_dtype)
+        by_part[part] = flops / (hardware.peak(part_dtype) * eff[part])
     return Compute(sum(by_part.values()), by_part, eff)
 
 

@@ -11,10 +11,12 @@ Sources (vendor datasheets / docs, figures as published):
   FP32 (non-tensor) 19.5; 80GB HBM2e at 2,039 GB/s; NVLink 3 600 GB/s (bidirectional, 12 links).
   DGX A100 user guide: 8 GPUs per node, one 200 Gb/s HDR InfiniBand port per GPU.
 - H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet: BF16/FP16 1,979 TFLOPS *with sparsity*
-  (989.5 dense), TF32 989 with sparsity (494.5 dense), FP32 67; 80GB HBM3 at 3.35 TB/s; NVLink 4
-  900 GB/s (bidirectional, 18 links). DGX H100: 8 GPUs, one 400 Gb/s ConnectX-7 per GPU.
+  (989.5 dense), FP8 3,958 with sparsity (1,979 dense), TF32 989 with sparsity (494.5 dense),
+  FP32 67; 80GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s (bidirectional, 18 links). DGX H100: 8 GPUs,
+  one 400 Gb/s ConnectX-7 per GPU.
 - H200 SXM 141GB: NVIDIA H200 datasheet: compute as H100 SXM (BF16 1,979 sparse / 989.5 dense,
-  TF32 989 sparse); 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s. DGX H200: 8 GPUs, 400 Gb/s per GPU.
+  FP8 3,958 sparse / 1,979 dense, TF32 989 sparse); 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
+  DGX H200: 8 GPUs, 400 Gb/s per GPU.
 - TPU v5p: Google Cloud TPU v5p documentation (system architecture): 459 TFLOPS bf16 per chip,
   95 GiB HBM2e at 2,765 GB/s, 4,800 Gbps inter-chip interconnect (ICI) per chip, 3D torus, up to
   8,960 chips per pod. No fp32 peak is published (the MXU multiplies bf16), so `float32` is absent.
@@ -42,6 +44,7 @@ import dataclasses
 GB = 1e9
 GIB = 2**30
 TFLOPS = 1e12
+FLOAT8 = "float8"  # the peak of FP8 GEMMs (e4m3 / e5m2 operands): `train.fp8`'s matmuls run at it
 
 # The fraction of the bf16 peak a large GEMM reaches end to end in a training step, one constant per
 # GPU generation, fitted on one published run each (`jaxpar.analysis.reports.published.FITTED`; refit with
@@ -58,7 +61,7 @@ class HardwareError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     name: str
-    peak_flops: dict  # compute dtype ("bfloat16", "float16", "float32") -> dense FLOP/s
+    peak_flops: dict  # compute dtype ("bfloat16", "float16", "float32"; "float8": FP8 GEMMs) -> dense FLOP/s
     hbm_bytes: float
     hbm_bandwidth: float  # bytes/s
     intra_node_bandwidth: float  # bytes/s, unidirectional, per device (NVLink / ICI)
@@ -93,7 +96,7 @@ A100_80G = Hardware(
 
 H100_80G = Hardware(
     name="h100-80g",
-    peak_flops={"bfloat16": 989.5 * TFLOPS, "float16": 989.5 * TFLOPS, "float32": 494.5 * TFLOPS},
+    peak_flops={"bfloat16": 989.5 * TFLOPS, "float16": 989.5 * TFLOPS, "float32": 494.5 * TFLOPS, FLOAT8: 1979 * TFLOPS},
     hbm_bytes=80 * GIB,  # nvidia-smi reports 81559 MiB usable; 80 GiB as sold
     hbm_bandwidth=3350 * GB,
     intra_node_bandwidth=450 * GB,  # NVLink 4: 900 GB/s bidirectional
@@ -105,7 +108,7 @@ H100_80G = Hardware(
 
 H200 = Hardware(
     name="h200",
-    peak_flops={"bfloat16": 989.5 * TFLOPS, "float16": 989.5 * TFLOPS, "float32": 494.5 * TFLOPS},
+    peak_flops={"bfloat16": 989.5 * TFLOPS, "float16": 989.5 * TFLOPS, "float32": 494.5 * TFLOPS, FLOAT8: 1979 * TFLOPS},
     hbm_bytes=141 * GIB,
     hbm_bandwidth=4800 * GB,
     intra_node_bandwidth=450 * GB,

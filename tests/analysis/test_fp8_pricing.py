@@ -1,0 +1,56 @@
+"""The cost model prices `train.fp8`'s matmuls at the FP8 peak (H100: 1,979 TFLOP/s dense, twice bf16's).
+
+Closed form: a compute-bound part's seconds are flops / (η · peak) plus a fixed time per kernel
+(`jaxpar.analysis.cost.efficiency`, rule 1), so moving a part from bf16 to FP8 saves exactly
+flops / (η · P_bf16) · (1 − P_bf16 / P_fp8) = half of its bf16 compute time on H100; the kernel times
+cancel. Parts that never run in FP8 (attention, the LM head) cost the same; a profile with no FP8
+peak (A100) prices FP8 runs as bf16 ones; `train.fp8_matmuls` decides which parts move.
+"""
+
+import os
+
+import pytest
+
+from jaxpar.analysis.cost import hardware as hw
+from jaxpar.analysis.cost.cost_model import flops_by_part
+from jaxpar.analysis.cost.efficiency import compute_seconds
+from jaxpar.analysis.cost.layout import Layout
+from jaxpar.command.config_file import load_config
+from tests.support.paths import REPO
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    config = load_config(os.path.join(REPO, "configs", "llama3_8b.py"))
+    config.train.compute_dtype = "bfloat16"
+    return config
+
+
+def _seconds(config, hardware, **train):
+    c = config.copy_and_resolve_references()
+    c.train.update(train)
+    layout = Layout.from_config(c, num_devices=8)
+    flops = flops_by_part(layout)
+    return compute_seconds(layout, flops, hardware).by_part, flops
+
+
+def test_fp8_parts_cost_half_their_bf16_compute_on_h100(llama8b):
+    h100 = hw.get("h100-80g")
+    bf16, flops = _seconds(llama8b, h100)
+    fp8, _ = _seconds(llama8b, h100, fp8="tensorwise")
+    for part in ("qo", "kv", "mlp"):
+        saved = flops[part] / (h100.matmul_efficiency * h100.peak("bfloat16")) * (1 - 989.5 / 1979)
+        assert bf16[part] - fp8[part] == pytest.approx(saved, rel=1e-9), part
+    for part in ("attention", "head"):
+        assert fp8[part] == bf16[part], part
+
+
+def test_only_the_listed_matmuls_move_and_only_where_fp8_exists(llama8b):
+    h100, a100 = hw.get("h100-80g"), hw.get("a100-80g")
+    bf16, _ = _seconds(llama8b, h100)
+    mlp_only, _ = _seconds(llama8b, h100, fp8="rowwise", fp8_matmuls="mlp_gate,mlp_up,mlp_down")
+    assert mlp_only["mlp"] < bf16["mlp"] and mlp_only["qo"] == bf16["qo"] and mlp_only["kv"] == bf16["kv"]
+    # q_proj without o_proj: the "qo" part is not all FP8, priced as bf16.
+    half, _ = _seconds(llama8b, h100, fp8="delayed", fp8_matmuls="q_proj")
+    assert half == bf16
+    assert _seconds(llama8b, a100, fp8="tensorwise")[0] == _seconds(llama8b, a100)[0]
