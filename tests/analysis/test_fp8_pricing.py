@@ -54,3 +54,19 @@ def test_only_the_listed_matmuls_move_and_only_where_fp8_exists(llama8b):
     half, _ = _seconds(llama8b, h100, fp8="delayed", fp8_matmuls="q_proj")
     assert half == bf16
     assert _seconds(llama8b, a100, fp8="tensorwise")[0] == _seconds(llama8b, a100)[0]
+
+
+def test_delayed_scaling_state_is_in_the_memory_model(llama8b):
+    """Its amax histories are parameters to the memory model: per layer (4 attention + 3 MLP matmuls)
+    × (H + 1) × 3 fp32 values, and as model state the optimizer holds moments for them too."""
+    from jaxpar.analysis.cost.memory import param_counts
+
+    def counts(**train):
+        c = llama8b.copy_and_resolve_references()
+        c.train.update(train)
+        return param_counts(Layout.from_config(c, num_devices=8))
+
+    plain, delayed = counts(), counts(fp8="delayed", fp8_amax_history=16)
+    layers = llama8b.model.num_hidden_layers
+    assert delayed.total - plain.total == layers * 7 * 17 * 3
+    assert counts(fp8="tensorwise").total == plain.total  # current scaling keeps no state

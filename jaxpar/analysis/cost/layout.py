@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 
+from jaxpar import fp8
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.dtypes import DTYPE_BYTES
 from jaxpar.mesh import resolve_mesh_shape
@@ -85,8 +86,10 @@ class Layout:
     @functools.cached_property
     def model_json(self) -> str:
         # With train.lora, the adapted model: its adapters are parameters, and the only trained ones.
+        # With delayed FP8 scaling, its amax histories (model state, held like parameters).
         train = self.config.train
-        return (lora.adapted(self.config.model, train.lora) if "lora" in train else self.config.model).to_json()
+        model = lora.adapted(self.config.model, train.lora) if "lora" in train else self.config.model
+        return fp8.with_state(model, train).to_json()
 
     @functools.cached_property
     def train_json(self) -> str:
