@@ -45,7 +45,7 @@ class PatternedAttention(Attention):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         super().__init__(cfg, rngs=rngs)
         fixed = static_pattern(cfg)
-        self.softcap, self.scale = fixed.softcap, fixed.scale
+        self.softcap, self.scale, self.span = fixed.softcap, fixed.scale, fixed.span
         # Shape [1], not a scalar: nnx.vmap names the stacked axis `layers` only on a leaf with names.
         self.window = LayerWindow(jnp.zeros((1,), jnp.float32), out_sharding=(None,))
         self.has_sinks = bool(cfg.attention_sinks)
@@ -54,7 +54,7 @@ class PatternedAttention(Attention):
 
     def pattern(self) -> Pattern:
         sinks = self.sinks[...] if self.has_sinks else None
-        return Pattern(self.window[...][0].astype(jnp.int32), sinks, self.softcap, self.scale)
+        return Pattern(self.window[...][0].astype(jnp.int32), sinks, self.softcap, self.scale, self.span)
 
     def layer_frequencies(self, inv_freq):
         """This layer's RoPE frequencies: `inv_freq` itself, or, given one row per layer kind

@@ -24,7 +24,8 @@ Layers of different kinds still run in one scan: the pattern is data, `layer_win
 int per layer (0: full), scanned with the layers, and every attention path takes the window as an
 int32 scalar that may be traced. `Pattern` is what one layer's call receives; `attend` runs it on
 one device for each `parallel.attention_impl`: "xla" by `xla_attention` below (autodiff of the
-definition), "jaxpar_xla" by the hand-written kernel (`jaxpar.kernels.attention.patterned_attention`);
+definition), "jaxpar_xla" by the hand-written kernel (`jaxpar.kernels.attention.patterned_attention`),
+whose sliding layers compute only the band their window reaches (`jaxpar.kernels.local_attention`);
 cuDNN has no sinks or soft-capping in `jax.nn.dot_product_attention` and only a static window, so
 patterned layers take the XLA path there. Context parallelism: `jaxpar.parallel.context.local`.
 """
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections.config_dict import placeholder
 
-from jaxpar.kernels import attention as attention_kernel
+from jaxpar.kernels.local_attention import patterned_or_banded
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 SIXTEEN_BITS = (jnp.bfloat16, np.float16)
@@ -116,22 +117,24 @@ def ranges(model) -> list[str]:
 
 class Pattern(NamedTuple):
     """One layer's call: window int32 scalar (0: full; may be traced) or None (no window op), sinks
-    [H] or None, softcap and scale Python floats or None (no cap; 1/√head_dim)."""
+    [H] or None, softcap and scale Python floats or None (no cap; 1/√head_dim); span the model's
+    `sliding_window`, static (None: none), the band the jaxpar_xla path computes for sliding layers."""
 
     window: jax.Array | int | None = None
     sinks: jax.Array | None = None
     softcap: float | None = None
     scale: float | None = None
+    span: int | None = None
 
 
 PLAIN = Pattern()
 
 
 def static_pattern(model) -> Pattern:
-    """The static parts of a model's pattern (soft-cap, scale), the window and sinks left empty."""
-    scalar = _get(model, "query_pre_attn_scalar")
-    cap = _get(model, "attn_logit_softcapping")
-    return Pattern(softcap=None if cap is None else float(cap), scale=None if scalar is None else float(scalar) ** -0.5)
+    """The static parts of a model's pattern (soft-cap, scale, span), the window and sinks left empty."""
+    scalar, cap, window = _get(model, "query_pre_attn_scalar"), _get(model, "attn_logit_softcapping"), _get(model, "sliding_window")
+    return Pattern(softcap=None if cap is None else float(cap), scale=None if scalar is None else float(scalar) ** -0.5,
+                   span=int(window) if window else None)
 
 
 def is_plain(pattern: Pattern | None) -> bool:
@@ -174,8 +177,8 @@ def xla_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
 
 def attend(q, k, v, implementation: str, segment_ids=None, pattern: Pattern = PLAIN):
     """One device, a patterned layer: the implementation's path (see the module docstring)."""
-    if implementation == "jaxpar_xla":
-        return attention_kernel.patterned_attention(q, k, v, segment_ids, pattern.window, pattern.sinks,
-                                                    pattern.softcap, pattern.scale)
+    if implementation == "jaxpar_xla":  # sliding layers on the band of their span (jaxpar.kernels.local_attention)
+        return patterned_or_banded(q, k, v, segment_ids, pattern.window, pattern.span, pattern.sinks, pattern.softcap,
+                                   pattern.scale)
     return xla_attention(q, k, v, segment_ids, pattern)
 
