@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpar.data.tokenizer import TextTokenizer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -62,14 +62,23 @@ def has_generation_markers(tokenizer) -> bool:
 
 def check_messages(messages) -> list[dict]:
     """The record's messages, checked: a non-empty list of {"role", "content"} with known roles and
-    text content, at least one assistant turn."""
+    text content, at least one assistant turn. An assistant turn may call tools instead of (or beside)
+    answering — `tool_calls`, a list the template renders, with content null or text — and "tool"
+    turns give the results back; only the assistant's tokens (its calls included) are trained."""
     if not isinstance(messages, list) or not messages:
         raise RecordError(f"'messages' must be a non-empty list of {{'role', 'content'}} objects, got {_kind(messages)}")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        calls = isinstance(message, dict) and message.get("role") == "assistant" and "tool_calls" in message
+        if not isinstance(message, dict) or "role" not in message or ("content" not in message and not calls):
             raise RecordError(f"message {i} must be an object with 'role' and 'content', got {_kind(message)}")
         if message["role"] not in ROLES:
             raise RecordError(f"message {i} has role {message['role']!r}, not one of {', '.join(ROLES)}")
+        if calls:
+            if not isinstance(message["tool_calls"], list) or not message["tool_calls"]:
+                raise RecordError(f"message {i} (assistant) has tool_calls of type {_kind(message['tool_calls'])}, not a "
+                                  "non-empty list")
+            if message.get("content") is None or isinstance(message["content"], str):
+                continue
         if not isinstance(message["content"], str):
             raise RecordError(f"message {i} ({message['role']}) has content of type {_kind(message['content'])}, not text")
     if not any(m["role"] == "assistant" for m in messages):

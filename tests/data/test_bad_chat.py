@@ -40,7 +40,7 @@ class ChatProbe(Probe):
 
 
 def _role(i):
-    return {"line": i, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"},
+    return {"line": i, "messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"},
                          {"role": "assistant", "content": "y"}]}
 
 
@@ -52,7 +52,7 @@ CASES = [
     ("chat_template_not_prefix_stable", lambda t: (t.chat(t.chats("a.jsonl"), tokenizer="rewrites"), "is not prefix-stable")),
     ("chat_from_a_token_file", lambda t: (t.chat(t.tokens("a.bin", [5] * 600), source="tokens"), "reads records")),
     ("chat_folder_with_text", lambda t: (t.chat(t.chat_folder()), "notes.txt is not a .jsonl file")),
-    ("chat_unknown_role", lambda t: (t.chat(t.chats("a.jsonl", bad={4: _role(4)})), "a.jsonl line 4: message 1 has role 'tool'")),
+    ("chat_unknown_role", lambda t: (t.chat(t.chats("a.jsonl", bad={4: _role(4)})), "a.jsonl line 4: message 1 has role 'robot'")),
     ("chat_no_assistant", lambda t: (t.chat(t.chats("a.jsonl", bad={6: NO_ASSISTANT})), "a.jsonl line 6: the conversation has no "
                                                                                          "assistant turn")),
     ("chat_messages_not_a_list", lambda t: (t.chat(t.chats("a.jsonl", bad={3: {"messages": "hi"}})),
@@ -62,7 +62,7 @@ CASES = [
                                          "line 5: message 0 (user) has content of type int")),
     ("chat_not_json", lambda t: (t.chat(t.chats("a.jsonl", bad={7: "{oops"})), "a.jsonl line 7 is not a JSON record")),
     ("chat_datasets_unknown_role", lambda t: (t.chat(t.chats("a.jsonl", bad={4: _role(4)}), source="datasets"),
-                                              "a.jsonl line 4: message 1 has role 'tool'")),
+                                              "a.jsonl line 4: message 1 has role 'robot'")),
     ("chat_eval_no_assistant", lambda t: (t.chat(t.chats("a.jsonl"), f"--config.eval.path={t.chats('e.jsonl', bad={2: NO_ASSISTANT})}"),
                                           "e.jsonl line 2: the conversation has no assistant turn")),
     ("chat_rows_too_short", lambda t: (t.chat(t.chats("a.jsonl"), "--config.train.seq_len=8"),

@@ -7,6 +7,7 @@ The loss itself, packed and masked, against transformers' Llama run on each conv
 labels -100 outside the assistant's turns: tests/data/test_chat_oracle.py.
 """
 
+import json
 import logging
 
 import jax.numpy as jnp
@@ -22,7 +23,15 @@ from jaxpar.data.formats import RecordFormat, fit_row  # noqa: E402
 from jaxpar.data.packing import ListStream, Packer  # noqa: E402
 from jaxpar.data.tokenizer import TextTokenizer  # noqa: E402
 from jaxpar.parallel.context.sequence import document_batch, target_count  # noqa: E402
-from tests.support.chat import CHATML_MARKED, REWRITES_LAST, conversation, conversations, make_chat_tokenizer, write_records  # noqa: E402
+from tests.support.chat import (  # noqa: E402
+    CHATML_MARKED,
+    REWRITES_LAST,
+    conversation,
+    conversations,
+    make_chat_tokenizer,
+    tool_conversation,
+    write_records,
+)
 from tests.support.documents import documents_in  # noqa: E402
 
 
@@ -55,6 +64,22 @@ def test_assistant_mask_equals_transformers_generation_mask(tok):
     assert tok["chatml"].tokenizer.decode(ours.ids[ours.mask == 1]) == said
 
 
+def test_tool_calls_are_trained_and_tool_results_are_not(tok):
+    """An assistant turn that calls a tool (no text) and the tool's result: the prefix mask equals
+    transformers' generation mask, and what it holds is exactly the assistant's call and reply."""
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        messages = tool_conversation(rng)
+        ours = prefix_mask(tok["chatml"].tokenizer, messages)
+        theirs = marker_mask(tok["marked"].tokenizer, messages)
+        np.testing.assert_array_equal(ours.ids, theirs.ids)
+        np.testing.assert_array_equal(ours.mask, theirs.mask)
+    call = json.dumps(messages[1]["tool_calls"])
+    trained = tok["chatml"].tokenizer.decode(ours.ids[ours.mask == 1])
+    assert trained == f"<tool_call>{call}</tool_call><|im_end|>\n{messages[3]['content']}<|im_end|>\n"
+    assert messages[2]["content"] not in trained, "the tool's result is given, not trained"
+
+
 def test_template_that_rewrites_earlier_turns_is_refused(tok):
     messages = conversation(np.random.default_rng(0), 2)
     with pytest.raises(RecordError, match="not prefix-stable"):
@@ -64,7 +89,10 @@ def test_template_that_rewrites_earlier_turns_is_refused(tok):
 
 @pytest.mark.parametrize("messages,words", [
     ([{"role": "user", "content": "hi"}], "no assistant turn"),
-    ([{"role": "tool", "content": "hi"}, {"role": "assistant", "content": "x"}], "role 'tool'"),
+    ([{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}], "role 'robot'"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": {"name": "f"}}],
+     "has tool_calls of type dict, not a non-empty list"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "has content of type null"),
     ([{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}], "content of type list"),
     ([{"role": "user"}], "must be an object with 'role' and 'content'"),
     ("hello", "non-empty list"),

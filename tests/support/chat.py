@@ -1,6 +1,7 @@
 """A byte-level BPE tokenizer with chat templates, and random conversations, made on the spot (no downloads).
 
-The templates are ChatML as Qwen's tokenizers write it (`<|im_start|>role\\n...<|im_end|>\\n`): `CHATML`
+The templates are ChatML as Qwen's tokenizers write it (`<|im_start|>role\\n...<|im_end|>\\n`, an assistant's
+tool calls as `<tool_call>JSON</tool_call>`, tool results as "tool" turns): `CHATML`
 without `{% generation %}` markers (jaxpar tells the assistant's tokens by rendering prefixes),
 `CHATML_MARKED` with them (transformers' own assistant mask, the reference), and `REWRITES_LAST`, a
 template that renders the last assistant turn unlike earlier ones (as templates that drop earlier
@@ -16,12 +17,15 @@ import numpy as np
 
 from tests.support.documents import WORDS
 
-_TURN = "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+# A turn's body: its text, and an assistant's tool calls as JSON (Qwen's <tool_call> form).
+_BODY = ("{{ message['content'] or '' }}{% if message.tool_calls is defined %}"
+         "{{ '<tool_call>' + (message.tool_calls | tojson) + '</tool_call>' }}{% endif %}")
+_TURN = "{{ '<|im_start|>' + message['role'] + '\\n' }}" + _BODY + "{{ '<|im_end|>' + '\\n' }}"
 _PROMPT = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 CHATML = "{% for message in messages %}" + _TURN + "{% endfor %}" + _PROMPT
 CHATML_MARKED = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' + '\\n' }}{% endgeneration %}"
+    "{% generation %}" + _BODY + "{{ '<|im_end|>' + '\\n' }}{% endgeneration %}"
     "{% else %}" + _TURN + "{% endif %}{% endfor %}" + _PROMPT
 )
 REWRITES_LAST = (
@@ -65,6 +69,13 @@ def conversation(rng, turns: int, system: bool = False, high: int = 12) -> list[
     for _ in range(turns):
         messages += [{"role": "user", "content": sentence(rng, 1, high)}, {"role": "assistant", "content": sentence(rng, 1, high)}]
     return messages
+
+
+def tool_conversation(rng) -> list[dict]:
+    """A user asks, the assistant calls a tool (no text), the tool answers, the assistant replies."""
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"query": sentence(rng, 1, 3)}}}
+    return [{"role": "user", "content": sentence(rng)}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": sentence(rng)}, {"role": "assistant", "content": sentence(rng)}]
 
 
 def conversations(count: int, seed: int = 0, max_turns: int = 3, high: int = 12) -> list[list[dict]]:
