@@ -1,7 +1,7 @@
 """Convert between transformers checkpoints and jaxpar (Orbax) training checkpoints.
 
   python scripts/convert.py --from_hf=HF_DIR --to_checkpoint=OUT --config=configs/X.py [--config.K=V ...]
-  python scripts/convert.py --from_checkpoint=DIR --to_hf=OUT [--overwrite] [--max_shard_bytes=N]
+  python scripts/convert.py --from_checkpoint=DIR --to_hf=OUT [--overwrite] [--max_shard_bytes=N] [--hf_dtype=bfloat16]
   python scripts/convert.py --from_checkpoint=DIR --to_peft=OUT [--base_model=NAME]
 
 --from_hf: the model comes from HF_DIR/config.json (fields config.json cannot hold, such as
@@ -38,6 +38,8 @@ FLAGS = (
     Flag("base_model", str, "", "--to_peft: the adapter's base_model_name_or_path (a hub name or the base's folder)"),
     Flag("overwrite", bool, False, "replace the checkpoint in a non-empty --to_hf"),
     Flag("max_shard_bytes", int, None, "largest safetensors file --to_hf writes (default 5 GiB, as transformers)", at_least=1),
+    Flag("hf_dtype", str, "float32", "what --to_hf writes: float32 (exact) or bfloat16 (as released checkpoints hold them)",
+         choices=("float32", "bfloat16")),
 )
 
 
@@ -204,7 +206,8 @@ def to_hf(args) -> int:
         if args.to_hf:
             if adapters is not None:  # the merged model: each adapter folded into its matrix
                 params = jax.jit(lambda p: lora.merged(p, adapters, models.logical_axes(program.model_config)))(params)
-            hf.save(args.to_hf, config.model, params, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes)
+            hf.save(args.to_hf, config.model, params, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
+                    dtype=args.hf_dtype)
     except (CheckpointError, OSError, ValueError) as e:
         return command.error(e)
     if jax.process_index() == 0:

@@ -19,6 +19,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
@@ -32,6 +33,8 @@ from jaxpar.models.hf_adapter import Adapter
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
+# What `save` writes tensors as (`--hf_dtype` of scripts/convert.py).
+SAVED_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16}
 
 
 def _adapter(model_type, where: str = "config.json") -> Adapter:
@@ -153,11 +156,11 @@ def _at(tree, path):
     return tree
 
 
-def _plan_shards(groups, max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(groups, max_shard_bytes: int, itemsize: int = 4) -> list[list[str]]:
     shards, current, size = [], [], 0
     for shapes, _ in groups:
         for name, s in shapes.items():
-            nbytes = int(np.prod(s.shape)) * 4
+            nbytes = int(np.prod(s.shape)) * itemsize
             if current and size + nbytes > max_shard_bytes:
                 shards.append(current)
                 current, size = [], 0
@@ -181,10 +184,14 @@ def hf_config(model_config) -> dict:
     return dict(architectures=[adapter.hf_class], model_type=model_config.model_type, **adapter.to_hf_config(model_config))
 
 
-def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Writes config.json + float32 safetensors for `from_pretrained`: one model.safetensors, or
-    shards of at most `max_shard_bytes` with an index. `params`: numpy, or jax.Arrays on any mesh
-    (every process must call; process 0 writes)."""
+def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+         dtype: str = "float32") -> None:
+    """Writes config.json + safetensors for `from_pretrained`: one model.safetensors, or shards of
+    at most `max_shard_bytes` with an index. `params`: numpy, or jax.Arrays on any mesh (every
+    process must call; process 0 writes). `dtype`: one of `SAVED_DTYPES`, float32 (exact) or
+    bfloat16 (each value rounded to nearest even, as the released checkpoints hold them)."""
+    if dtype not in SAVED_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(SAVED_DTYPES)}")
     directory, cfg = os.fspath(path), model_config
     adapter = _adapter(cfg.model_type)
     _check_shapes(params, cfg)
@@ -193,8 +200,10 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
     if os.path.isdir(directory) and os.listdir(directory) and not overwrite:
         raise FileExistsError(f"{directory} is not empty; pass overwrite=True (convert.py --overwrite) to replace the checkpoint in it")
     hf_json = hf_config(cfg)  # a model transformers cannot express is refused here, before anything is written
+    hf_json.update({key: dtype for key in ("torch_dtype", "dtype") if key in hf_json})
+    saved = SAVED_DTYPES[dtype]
     groups = _tensor_groups(params, cfg, adapter)
-    shards = _plan_shards(groups, max_shard_bytes)
+    shards = _plan_shards(groups, max_shard_bytes, np.dtype(saved).itemsize)
     writer = jax.process_index() == 0
     if writer:
         os.makedirs(directory, exist_ok=True)
@@ -206,7 +215,7 @@ def save(path, model_config, params, *, overwrite: bool = False, max_shard_bytes
     total = 0
     for _, producer in groups:  # one group (a layer) on the host at a time, plus the shard being filled
         for name, w in producer().items():
-            array = np.ascontiguousarray(_fetch(w))
+            array = np.ascontiguousarray(_fetch(w).astype(saved, copy=False))
             total += array.nbytes
             file = file_of[name]
             pending[file][name] = array

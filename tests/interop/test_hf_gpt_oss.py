@@ -147,6 +147,22 @@ def test_bfloat16_checkpoint_loads_its_values_exactly(checkpoint, tmp_path):
     assert_same_tree(params, rounded)
 
 
+def test_bfloat16_export_is_the_weights_rounded(checkpoint, tmp_path):
+    """`save(dtype="bfloat16")` (convert.py --hf_dtype=bfloat16) writes what torch's own rounding of
+    the weights to bf16 is, bit for bit, and transformers loads it as bf16 with no missing keys."""
+    model, directory = checkpoint
+    cfg, params = hf.load(directory / "hf")
+    hf.save(tmp_path, cfg, params, dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    reloaded, info = transformers.GptOssForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", experts_implementation="eager", output_loading_info=True
+    )
+    assert not any(info.values()), info
+    saved = reloaded.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert saved[name].dtype == torch.bfloat16 and torch.equal(saved[name], tensor.to(torch.bfloat16)), name
+
+
 # ---- MXFP4 ----
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
