@@ -45,6 +45,14 @@ MODELS = {
         vocab_size=300, num_key_value_heads=2, head_dim=16, sliding_window=4, sliding_window_pattern=2,
         query_pre_attn_scalar=24, pad_token_id=None, **BASE,
     ),
+    # gpt-oss: sliding (window 4 < 16 tokens) then full, sinks, every bias, YaRN, the SwiGLU clamp at
+    # 2, a large aux coefficient as for Mixtral; the experts' eager loop (training mode's default is
+    # a grouped matmul kernel).
+    "gpt_oss_sinks_biases": lambda: transformers.GptOssConfig(
+        vocab_size=300, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], swiglu_limit=2.0, router_aux_loss_coef=0.5,
+        experts_implementation="eager", **BASE,
+    ),
 }
 
 
