@@ -29,7 +29,7 @@ from jaxpar.trackers import KEYS as TRACKER_KEYS
 MUST_MATCH = ("model.", "data.")
 FREE = (
     "mesh", "parallel", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
-    "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf", "train.skip_fit_check",
+    "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf", "train.lora.init_from_peft", "train.skip_fit_check",
     "train.predicted_step_s", "train.loggers", "train.tensorboard", *(f"train.{key.name}" for key in TRACKER_KEYS),
 )
 _ABSENT = object()
@@ -83,7 +83,7 @@ def compare_configs(saved: str | Mapping, current: str | Mapping, *, checkpoint:
             f"{_describe(fixed, saved_flat, current_flat)}; "
             f"resuming needs the same {' and '.join('config.' + s.rstrip('.') for s in MUST_MATCH)}"
         )
-    if problem := _optimizer_change(saved_flat, current_flat, checkpoint):
+    if problem := _optimizer_change(saved_flat, current_flat, checkpoint) or _lora_change(saved_flat, current_flat, checkpoint):
         raise CheckpointError(problem)
     noted = [n for n in differing if not _under(n, FREE)]
     if not noted:
@@ -113,4 +113,19 @@ def _optimizer_change(saved: dict, current: dict, checkpoint: str) -> str | None
     return (
         f"checkpoint {checkpoint} was saved with other {now} hyperparameters: {_describe(changed, saved, current)}; "
         f"its optimizer state means something else under them; resume with the saved values ({allowed})"
+    )
+
+
+# LoRA's keys that shape the saved adapters or say what they mean (`jaxpar.models.lora`).
+LORA_KEYS = ("train.lora.rank", "train.lora.alpha", "train.lora.targets")
+
+
+def _lora_change(saved: dict, current: dict, checkpoint: str) -> str | None:
+    """One line if the run asks for other LoRA adapters than the checkpoint holds (or LoRA on / off)."""
+    changed = [k for k in LORA_KEYS if saved.get(k, _ABSENT) != current.get(k, _ABSENT)]
+    if not changed:
+        return None
+    return (
+        f"checkpoint {checkpoint} was saved with other LoRA adapters: {_describe(changed, saved, current)}; resume with "
+        f"the saved values (a new adapter on the same base: train.init_from_hf, or scripts/convert.py --to_hf first)"
     )

@@ -36,3 +36,18 @@ def test_mismatched_peft_adapter(tmp_path, capsys, monkeypatch):
     save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": __import__("numpy").zeros((4, 3), "float32")},
               f"{folder}/adapter_model.safetensors")
     t.refused("train", t.train(*flags), "adapter_model.safetensors: tensor base_model.model.model.layers.0.self_attn.q_proj")
+
+
+@pytest.mark.parametrize("key, value", [("rank", 8), ("alpha", 32.0), ("targets", "q,v")])
+def test_resuming_with_other_adapters_is_refused(key, value):
+    """A run resuming a LoRA checkpoint with another rank, alpha or targets (shapes or meaning of the
+    saved adapters) is refused in one line naming the key; init_from_peft may change (unused on resume)."""
+    from jaxpar.checkpoint import CheckpointError, compare_configs
+    from tests.support import tiny
+
+    saved = tiny.llama(dict(lora=dict(rank=4, alpha=8.0)))
+    current = tiny.llama(dict(lora=dict(rank=4, alpha=8.0, init_from_peft="elsewhere")))
+    assert compare_configs(saved.to_json_best_effort(), current.to_json_best_effort(), checkpoint="ckpt") == []
+    current.train.lora[key] = value
+    with pytest.raises(CheckpointError, match=rf"other LoRA adapters: train\.lora\.{key} \(saved"):
+        compare_configs(saved.to_json_best_effort(), current.to_json_best_effort(), checkpoint="ckpt")
