@@ -64,6 +64,8 @@ SHRINK = {
     ("scripts/pipeline.py", "report"): {"steps": "1"},
     ("scripts/pipeline.py", "balance"): {"steps": "1"},
     ("scripts/sweep.py", None): {"limit": "2"},
+    ("scripts/fp8.py", "curves"): {"steps": "2"},
+    ("scripts/fp8.py", "step"): {"steps": "1", "repeats": "1"},
 }
 # Benchmarks whose block would repeat, at a larger size, what a test already runs with the same flags at a
 # tiny size (measured at 77 s and 60 s in the slow tier): checked in the fast tier, run by that test.
