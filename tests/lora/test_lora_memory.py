@@ -35,3 +35,18 @@ def _logical(program):
     from jaxpar import models
 
     return models.logical_axes(program.model_config)
+
+
+def test_planner_header_says_only_the_adapters_train():
+    """The plan's state line: 18 B per parameter for full fine-tuning of a bf16-compute model, and
+    for LoRA the frozen base's bytes with the adapters' gradients and moments named."""
+    from jaxpar.analysis.cost import hardware
+    from jaxpar.analysis.planner.plan_text import header
+
+    full = tiny.llama(dict(compute_dtype="bfloat16"))
+    adapted = tiny.llama(dict(compute_dtype="bfloat16", lora=dict(rank=16, alpha=32.0, targets="q,v")))
+    h100 = hardware.PROFILES["h100-80g"]
+    assert "state: 18 B per parameter (float32 parameters 4 + AdamW moments 8 + fp32 gradients 4 + bfloat16 copy 2)" in header(
+        full, h100, 8)
+    assert ("state: LoRA rank 16 on q,v: the base frozen (float32 parameters 4, bfloat16 copy 2), gradients and AdamW "
+            "moments of the adapters only") in header(adapted, h100, 8)

@@ -78,6 +78,12 @@ def header(config, hardware: hw.Hardware, num_devices: int, usable_fraction: flo
     if train.compute_dtype != train.param_dtype:
         parts.append(f"{train.compute_dtype} copy {pb[train.compute_dtype]}")
     usable = usable_fraction * hardware.hbm_bytes
+    state = (f"state: {per:g} B per parameter ({' + '.join(parts)}) = {total * per / 1e12:.2f} TB before activations; "
+             f"{num_devices} devices offer {num_devices * usable / 1e12:.2f} TB usable")
+    if "lora" in train and int(train.lora.rank) > 0:  # jaxpar.models.lora: only the adapters train
+        state = (f"state: LoRA rank {train.lora.rank} on {train.lora.targets}: the base frozen ({parts[0]}"
+                 f"{', ' + parts[3] if len(parts) > 3 else ''}), gradients and AdamW moments of the adapters only; "
+                 f"{num_devices} devices offer {num_devices * usable / 1e12:.2f} TB usable")
     return "\n".join([
         f"model: {config.model.model_type}, {total / 1e9:.1f}B parameters; global batch {train.global_batch_size} x "
         f"{train.seq_len} tokens; compute {train.compute_dtype}",
@@ -85,8 +91,7 @@ def header(config, hardware: hw.Hardware, num_devices: int, usable_fraction: flo
         f"({usable_fraction:.0%}); {hardware.peak(train.compute_dtype) / 1e12:.0f} TFLOP/s {train.compute_dtype}; "
         f"{hardware.intra_node_link} {hardware.intra_node_bandwidth / 1e9:.0f} GB/s per direction within "
         f"{hardware.devices_per_node}-device nodes, {hardware.inter_node_link} {hardware.inter_node_bandwidth / 1e9:.1f} GB/s across",
-        f"state: {per:g} B per parameter ({' + '.join(parts)}) = {total * per / 1e12:.2f} TB before activations; "
-        f"{num_devices} devices offer {num_devices * usable / 1e12:.2f} TB usable",
+        state,
     ])
 
 
