@@ -99,6 +99,10 @@ class ModelFacts:
     # Blocks the pipeline stages (0: `layers`); the others run on its end stages (DeepSeek-V3's
     # leading dense layers on the first, its prediction modules on the last: `jaxpar.parallel.pipeline.stage`).
     staged_layers: int = 0
+    # Sliding-window attention (`jaxpar.models.attention_pattern`): this many layers see only the last
+    # `sliding_window` tokens (a query and the window - 1 before it); the others attend causally to all.
+    sliding_layers: int = 0
+    sliding_window: int = 0
 
     @property
     def pipeline_layers(self) -> int:
@@ -125,10 +129,20 @@ class ModelFacts:
         """Forward FLOPs per token of the embedding lookup, final norm, LM head and loss."""
         return float(self.flops_head + 4 * self.vocab + 5 * self.hidden)
 
+    def visible_keys(self, seq_len: int) -> float:
+        """Keys a query sees, summed over the layers: S/2 per causal layer (half of all pairs), and per
+        sliding layer the mean over positions of min(position + 1, W) = W - W(W-1)/(2S) (S ≥ W)."""
+        full = seq_len / 2
+        window = self.sliding_window
+        sliding = full if window <= 0 or window >= seq_len else window - window * (window - 1) / (2 * seq_len)
+        return (self.layers - self.sliding_layers) * full + self.sliding_layers * sliding
+
     def model_flops_per_step(self, batch: int, seq_len: int) -> float:
         """Training model FLOPs per step for MFU: 6·N·T for the matmuls (N = `params_active`) plus
-        causal attention, 3 × half of all (query, key) pairs' forward FLOPs (6·L·T·S·D when the
-        heads span the hidden size)."""
+        attention, 3 × the forward FLOPs of every (query, key) pair a query sees (`visible_keys`:
+        6·L·T·S·D when the heads span the hidden size and every layer is causal over all)."""
         tokens = batch * seq_len
         attention = 3 * self.layers * tokens * self.flops_attention_per_key * seq_len / 2
+        if self.sliding_layers:  # (without windows exactly the expression it always was)
+            attention = 3 * tokens * self.flops_attention_per_key * self.visible_keys(seq_len)
         return 6 * self.params_active * tokens + attention

@@ -8,6 +8,7 @@ exactly; tests/models/test_families.py checks every family's `params_total` agai
 from __future__ import annotations
 
 from jaxpar.model_facts import ModelFacts, MoEFacts, head_dim_of, padded_vocab_size
+from jaxpar.models.attention_pattern import layer_windows
 
 
 def attention_params(model) -> int:
@@ -45,6 +46,7 @@ def decoder_facts(
     in_layers, active_in_layers = stack_params or (layers * layer_params, layers * active_layer_params)
     table = vocab * d
     head = 0 if model.tie_word_embeddings else table
+    windows = layer_windows(model)
     total = in_layers + table + d + head
     # The embedding lookup is no matmul; a tied table is the head's matmul.
     active = active_in_layers + d + table
@@ -70,4 +72,6 @@ def decoder_facts(
         flops_router=float(flops_router),
         flops_head=2.0 * d * vocab,
         qk_norm=qk_norm,
+        sliding_layers=int((windows > 0).sum()),
+        sliding_window=int(windows.max(initial=0)),
     )

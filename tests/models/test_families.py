@@ -9,9 +9,11 @@ import ast
 import math
 
 import jax
+import numpy as np
 import pytest
 
 from jaxpar import models
+from jaxpar.models.attention_pattern import layer_windows
 from jaxpar.models.families import FAMILIES, facts
 from tests.support import tiny
 from tests.support.paths import REPO as ROOT
@@ -89,6 +91,13 @@ def test_model_flops_follow_the_peer_convention(name):
     # A training step runs one more routed block per multi-token prediction depth (DeepSeek-V3's).
     blocks = model.num_hidden_layers + models.prediction_depth(model)
     attention = 6 * blocks * tokens * seq * model.num_attention_heads * f.head_dim
+    # A sliding layer counts the pairs its window leaves visible (MaxText's convention for Gemma 3's
+    # local layers), counted here on the mask: per query (pairs / S), 12·H·hd FLOPs each (3 × QKᵀ and PV).
+    for window in layer_windows(model):
+        if 0 < window < seq:
+            i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+            pairs = int(((j <= i) & (i - j < window)).sum())
+            attention += 12 * tokens * model.num_attention_heads * f.head_dim * (pairs / seq - seq / 2)
     assert f.model_flops_per_step(batch, seq) == pytest.approx(6 * f.params_active * tokens + attention)
     # The hardware FLOPs of a layer's matmuls: twice its active matmul weights per token (the
     # stacked weights of rank >= 3: no norm scales, q/k/v biases or router bias), plus attention over

@@ -39,6 +39,7 @@ from jaxpar.analysis.cost.efficiency import compute_seconds, overlapped
 from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.cost.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
 from jaxpar.analysis.cost.optimizer_terms import optimizer_terms
+from jaxpar.kernels import local_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,20 @@ def _attention_factor(layout: Layout, skip_masked: bool = True) -> float:
     return 0.5 if layout.flash_attention else 1.0
 
 
+def computed_keys(layout: Layout, skip_masked: bool = True) -> float:
+    """Keys per query the attention kernels compute, a mean over the layers: the whole sequence times
+    the share the kernel skips (`_attention_factor`); a sliding layer on jaxpar_xla's band only the
+    band's keys (`jaxpar.kernels.local_attention`). Elsewhere a sliding layer is priced as a full one:
+    XLA and cuDNN mask the window, and the context implementations' skipped blocks are not priced."""
+    full = layout.seq * _attention_factor(layout, skip_masked)
+    f = layout.facts
+    if not f.sliding_layers or not layout.attention_kernel or layout.seq <= 2 * f.sliding_window:
+        return full
+    tile = -(-f.sliding_window // local_attention.TILES)
+    band = (local_attention.TILES + 1) * tile * (-(-layout.seq // tile) * tile / layout.seq)  # padded to whole tiles
+    return (f.sliding_layers * min(band, full) + (f.layers - f.sliding_layers) * full) / f.layers
+
+
 def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
     """Matmul FLOPs of one token's forward on one device, by part (layers' parts per layer): the
     model's FLOPs per part (`ModelFacts`) split as the plan shards them. Parts: `qo` (query and
@@ -149,6 +164,8 @@ def forward_flops_per_token(layout: Layout, skip_masked: bool = True) -> dict:
         "experts": 0.0,
         "head": f.flops_head / t,
     }
+    if f.sliding_layers:  # (without windows exactly the expression above)
+        parts["attention"] = f.flops_attention_per_key * computed_keys(layout, skip_masked) / t
     if layout.is_moe:
         # The router is not split (every device routes all its tokens); the experts' hidden dim is.
         # With dense layers among the MoE layers, a mean over the layers (`MoEFacts.layer_share`).
