@@ -13,7 +13,7 @@ import copy
 
 from ml_collections import ConfigDict, FieldReference
 
-from jaxpar import fp8, optim, trackers
+from jaxpar import fp8, objective, optim, trackers
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.llama.schema import model_config as llama_model_config
 
@@ -142,6 +142,7 @@ def base_config() -> ConfigDict:
             weight_decay_exclude="norm",  # logical names, comma-separated, whose params are not decayed
             max_grad_norm=1.0,
             mtp_loss_weight=0.3,  # multi-token prediction (models with such modules: DeepSeek-V3's)
+            objective="lm",  # lm | dpo (`jaxpar.objective`, its keys in train.dpo)
             seed=0,
             param_dtype="float32",
             compute_dtype="float32",
@@ -167,6 +168,7 @@ def base_config() -> ConfigDict:
     # LoRA fine-tuning (`jaxpar.models.lora`): rank 0 trains every parameter.
     c.train.lora = ConfigDict(dict(rank=0, alpha=16.0, dropout=0.0, targets="q,k,v,o,gate,up,down", init_from_peft="",
                                  base_in_compute_dtype=False))
+    c.train.dpo = ConfigDict(dict(objective.KEYS))
     for section, keys in optim.SECTIONS.items():
         c.train[section] = ConfigDict(optim.hyperparameters.defaults(keys))
 
@@ -295,6 +297,7 @@ MEANINGS = {
     "anyway) instead of train.param_dtype; the adapters stay in train.param_dtype",
     "train.lora.init_from_peft": "LoRA: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) a fresh "
     "run starts its adapters from (with train.init_from_hf its base)",
+    **objective.MEANINGS,
     "train.peak_flops_per_device": "one device's peak FLOP/s for MFU (0: a table per device kind, or on CPU a matmul "
     "measured once)",
     "train.skip_fit_check": "skip the check, before anything is allocated, that the compiled step fits the devices' "
@@ -309,7 +312,8 @@ MEANINGS = {
     "data.tokenizer": "a local transformers tokenizer folder (stdlib, text, datasets); empty: bytes are the tokens",
     "data.text_field": "the field of a jsonl / json / parquet / arrow record that holds its text",
     "data.format": "what a record holds: text (data.text_field, every token counts), chat (messages rendered by "
-    "data.tokenizer's chat template, the assistant's tokens count) or prompt_completion (the completion's tokens count)",
+    "data.tokenizer's chat template, the assistant's tokens count), prompt_completion (the completion's tokens count) "
+    "or preference (prompt, chosen and rejected: pairs for train.objective='dpo', both completions count)",
     "data.text_documents": "text files: a document per file or per line",
     "data.eos_id": "tokens without an offsets sidecar: a document ends after each eos_id; -1: no boundaries",
     "data.packing": "pack documents into rows (false: one document per row, cut and padded)",

@@ -24,7 +24,9 @@ channel [G, 3, S+1], 1 where the token is a target the loss counts (the assistan
 completion's), 0 elsewhere and in padding; a masked document reaches the packer as [n, 2] (its ids
 and its mask), a plain one (1-D) counts every token. The channel count is the stream's (`channels`,
 2 when it holds only plain text: those batches are exactly as before). Masked documents are never
-longer than a row (`jaxpar.data.formats` cuts them at a turn), so none is ever split.
+longer than a row (`jaxpar.data.formats` cuts them at a turn), so none is ever split. A preference
+pair arrives as [n, 3] (ids, mask, part): each part becomes its own segment of the same row (part p
+of a pair starting at segment s is segment s + p), so chosen and rejected never attend to each other.
 
 A stream whose draws depend on the step (`StepStream`: a mixture whose weights change by stage) is
 told which batch is packed next; where its draws change, a whole document drawn for the batch before
@@ -121,8 +123,10 @@ class Packer:
             start = int(filled[row])
             segments[row] += 1
             ids, mask = (piece[:, 0], piece[:, 1]) if piece.ndim == 2 else (piece, 1)
+            part = piece[:, 2] if piece.ndim == 2 and piece.shape[1] > 2 else np.zeros(1, np.int32)
             batch[row, TOKENS, start : start + len(piece)] = ids
-            batch[row, SEGMENTS, start : start + len(piece)] = segments[row]
+            batch[row, SEGMENTS, start : start + len(piece)] = segments[row] + part
+            segments[row] += int(part.max())
             if self.channels > LOSS_MASK:
                 batch[row, LOSS_MASK, start : start + len(piece)] = mask
             filled[row] += len(piece)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ml_collections import ConfigDict
 
-from jaxpar import models
+from jaxpar import models, objective
 from jaxpar.axes import MESH_AXES
 from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
@@ -177,6 +177,7 @@ def _config_problems(
                 peft.load(train.lora.init_from_peft, lora.adapted(config.model, train.lora))
             except ValueError as e:
                 errors.append(f"train.lora.init_from_peft={train.lora.init_from_peft}: {e}")
+    errors += objective.checks(config, mesh)
     if parallel.attention_impl == "cudnn" and platform is not None:
         if platform != "gpu":
             errors.append(f"parallel.attention_impl='cudnn' needs a GPU but this run has {platform} devices; set it to 'auto' or 'xla'")

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import fp8, models, optim
+from jaxpar import fp8, models, objective, optim
 from jaxpar.dtypes import DTYPES
 from jaxpar.mesh import make_mesh
 from jaxpar.models import lora
@@ -61,7 +61,9 @@ def model_config_of(config):
 def run_options(config, rules: Rules | None, plan: ParallelPlan) -> RunOptions:
     return RunOptions(
         rules=rules, plan=plan, compute_dtype=DTYPES[config.train.compute_dtype],
-        mtp_loss_weight=float(config.train.mtp_loss_weight), fp8=fp8.from_config(config.train),
+        # DPO's surrogate weights are no next-token weights the multi-token modules could reuse.
+        mtp_loss_weight=0.0 if objective.settings(config.train) else float(config.train.mtp_loss_weight),
+        fp8=fp8.from_config(config.train),
     )
 
 
@@ -71,6 +73,9 @@ def build(config, devices=None) -> TrainProgram:
     rules, opt_rules = param_rules(plan, mesh), opt_state_rules(plan, mesh)
     model_config = model_config_of(config)
     adapting = lora.settings(model_config) is not None
+    preference = objective.settings(config.train)
+    # DPO's reference model: with LoRA the base itself, else a frozen copy of the starting params.
+    full_reference = preference is not None and not adapting
     logical = models.logical_axes(model_config)
     param_dtype = DTYPES[config.train.param_dtype]
     # LoRA's frozen base may be held in the compute dtype (train.lora.base_in_compute_dtype): the
@@ -98,6 +103,7 @@ def build(config, devices=None) -> TrainProgram:
             optim.optimizer(config.train.optimizer), config.train, tx, params_shape, logical, opt_param_shardings, mesh
         ),
         loss_scale=jax.tree.map(lambda _: replicated, loss_scale),
+        reference=param_shardings if full_reference else None,
     )
     seed = config.train.seed
     # Each leaf's axis over the stacked layers (-1: none), for the storage order (`pipeline/order.py`).
@@ -109,6 +115,7 @@ def build(config, devices=None) -> TrainProgram:
         ),
         loss_scale=jax.tree.map(lambda _: order.NO_AXIS, loss_scale),
     )
+    axes = axes.replace(reference=axes.params if full_reference else None)
     permute = lambda to, tree, part: to(tree, part, plan.pipeline, mesh)  # noqa: E731
     reordered = plan.pipeline is not None and plan.pipeline.stored_order is not None
 
@@ -118,13 +125,15 @@ def build(config, devices=None) -> TrainProgram:
         if adapting and not lora.adapters_of(params):
             params = lora.with_init(params, lora.base_of(logical), lora.settings(model_config), seed)
         params = permute(order.to_storage, jax.tree.map(lambda p, d: p.astype(d), params, dtypes), axes.params)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale)
+        reference = jax.tree.map(jnp.copy, params) if full_reference else None
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), loss_scale=loss_scale,
+                          reference=reference)
 
     def init_state():
         return state_from_params(models.init_params(model_config, seed))
 
     opts = run_options(config, rules, plan)
-    train_step = make_train_step(model_config, tx, schedule, opts, opt_param_shardings)
+    train_step = make_train_step(model_config, tx, schedule, opts, opt_param_shardings, dpo=preference)
     batch_sharding = rules.sharding(("batch", None))
     return TrainProgram(
         config=config,

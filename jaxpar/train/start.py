@@ -33,7 +33,10 @@ def memory_report(program) -> str:
     shard = program.state_shardings
     params = bytes_per_device(abstract.params, shard.params)
     opt = bytes_per_device(abstract.opt_state, shard.opt_state)
-    return f"per device: params {_human(params)}, optimizer state {_human(opt)}"
+    report = f"per device: params {_human(params)}, optimizer state {_human(opt)}"
+    if abstract.reference is not None:  # train.objective dpo without LoRA: the frozen reference model
+        report += f", DPO reference {_human(bytes_per_device(abstract.reference, shard.reference))}"
+    return report
 
 
 def _agree(ok: bool) -> list[int]:

@@ -24,6 +24,7 @@ from jaxpar.parallel.data import GradientStrategy
 from jaxpar.parallel.pipeline.engine import pipelined_loss_and_grads
 from jaxpar.parallel.pipeline.stage import StageModel
 from jaxpar.parallel.zero import constrain_grads
+from jaxpar.train import dpo as dpo_objective
 from jaxpar.train.loss import model_loss, token_loss
 from jaxpar.train.loss_scale import LossScale, all_finite
 
@@ -34,6 +35,8 @@ class TrainState:
     params: Any
     opt_state: Any
     loss_scale: LossScale
+    # train.objective dpo without LoRA: the frozen reference model (the starting params); else None.
+    reference: Any = None
 
 
 def stage_model(model_config) -> StageModel:
@@ -71,14 +74,34 @@ def loss_and_grads(params, batch, *, model_config, opts: RunOptions, scale=1.0):
     return accumulate(loss_fn, params, batch, accum=opts.plan.grad_accum, rules=opts.rules, scale=scale)
 
 
-def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shardings):
+def dpo_loss_and_grads(state: TrainState, batch, *, model_config, opts: RunOptions, dpo, scale=1.0):
+    """(DPO loss, its gradient, metrics) of a preference batch [G, 3, S+1] (`jaxpar.train.dpo`): the
+    reference is `state.reference`, or with LoRA the params without their adapters."""
+    if state.reference is not None:
+        reference, reference_config = state.reference, model_config
+    else:
+        reference, reference_config = lora.base_of(state.params), lora.base_config(model_config)
+    loss, metrics, surrogate = dpo_objective.dpo_pass(
+        state.params, reference, batch, model_config=model_config, reference_config=reference_config, opts=opts, dpo=dpo
+    )
+    _, grads, model_metrics = loss_and_grads(state.params, surrogate, model_config=model_config, opts=opts, scale=scale)
+    return loss, grads, {**model_metrics, **metrics}
+
+
+def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shardings, dpo=None):
     """(state, batch [G, S+1] or [G, 2, S+1] int32) → (state, metrics, grads). The jitted production step
-    (`jaxpar.train.setup`) drops the gradients; tests keep them to compare with one device."""
+    (`jaxpar.train.setup`) drops the gradients; tests keep them to compare with one device. `dpo`
+    (`jaxpar.train.dpo.Dpo`): the step minimises the DPO loss of preference batches [G, 3, S+1]."""
 
     def train_step(state: TrainState, batch):
-        loss, grads, model_metrics = loss_and_grads(
-            state.params, batch, model_config=model_config, opts=opts, scale=state.loss_scale.scale
-        )
+        if dpo is None:
+            loss, grads, model_metrics = loss_and_grads(
+                state.params, batch, model_config=model_config, opts=opts, scale=state.loss_scale.scale
+            )
+        else:
+            loss, grads, model_metrics = dpo_loss_and_grads(
+                state, batch, model_config=model_config, opts=opts, dpo=dpo, scale=state.loss_scale.scale
+            )
         # Model state (e.g. the loss-free router bias) is not trained: its gradient slot carries
         # what the forward observed, taken out before clipping (`jaxpar.models.state`).
         grads, observations = models.take_observations(model_config, grads)
@@ -107,6 +130,7 @@ def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shar
                 params=keep(params, state.params),
                 opt_state=keep(opt_state, state.opt_state),
                 loss_scale=state.loss_scale.update(finite),
+                reference=state.reference,
             )
         metrics = {
             "loss": loss,
