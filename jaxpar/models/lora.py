@@ -92,7 +92,8 @@ def matrices(base_logical) -> dict:
     and an output dim beyond its stacked ones), not the embedding, the LM head, norms or biases."""
     found = {}
     for path, names in _flat(base_logical, is_leaf=_is_names).items():
-        if path[0] in ("embed", "lm_head"):
+        # A per-head bias [kv_heads, head_dim] has two dims too: biases are named so (q_bias, k_bias, ...).
+        if path[0] in ("embed", "lm_head") or path[-1].endswith("bias"):
             continue
         batch, inputs = split_dims(names)
         if len(names) - batch > inputs:

@@ -19,7 +19,22 @@ FAMILIES = {
     "qwen3_moe": (tiny.qwen3_moe, "o,gate,down"),
     "qwen2_moe": (tiny.qwen2_moe, "q,k,v,gate,up,down,router"),
     "deepseek_v3": (tiny.deepseek_v3, "q_a,q_b,kv_a,kv_b,o,gate,up,down"),
+    "gpt_oss": (tiny.gpt_oss, "q,k,v,o,gate,up,down,router"),
+    "gemma3_text": (tiny.gemma3_text, "q,k,v,o,gate,up,down"),
 }
+# Every family's targetable names: its projections, never a norm or a bias.
+NAMES = {
+    "llama": "down,gate,k,o,q,up,v", "mixtral": "down,gate,k,o,q,router,up,v", "qwen3": "down,gate,k,o,q,up,v",
+    "qwen3_moe": "down,gate,k,o,q,router,up,v", "qwen2_moe": "down,gate,k,o,q,router,shared_expert_gate,up,v",
+    "deepseek_v3": "down,eh_proj,gate,kv_a,kv_b,o,q_a,q_b,router,up", "gpt_oss": "down,gate,k,o,q,router,up,v",
+    "gemma3_text": "down,gate,k,o,q,up,v",
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_target_names_are_the_projections(family):
+    config = FAMILIES[family][0]()
+    assert ",".join(lora.target_names(models.logical_axes(config.model))) == NAMES[family]
 RANK, ALPHA = 4, 8.0
 
 
