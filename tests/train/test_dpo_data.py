@@ -86,3 +86,24 @@ def test_bad_dpo_input(name, tmp_path, capsys, monkeypatch):
 def test_dpo_needs_preference_data(tmp_path, capsys, monkeypatch):
     t = Probe(tmp_path, capsys, monkeypatch)
     t.refused("train", t.train("--config.train.objective=dpo"), "train.objective='dpo' trains preference pairs, but data.format is text")
+
+
+def test_message_pairs_render_as_the_chat_template_does(tmp_path):
+    """Pairs of messages: each half is what transformers' `apply_chat_template` renders for the prompt
+    plus that completion, its mask starting where the prompt with the generation prompt ends."""
+    transformers = pytest.importorskip("transformers")
+    from tests.support.chat import make_chat_tokenizer
+
+    folder = make_chat_tokenizer(tmp_path / "chatml")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = [{"role": "user", "content": "hello be brief"}]
+    record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "hi"}],
+              "rejected": [{"role": "assistant", "content": "goodbye goodbye"}]}
+    config = tiny.llama({"global_batch_size": 1, "seq_len": 63, "objective": "dpo"}, vocab_size=384)
+    config.data.update(source="text", path=write_records(tmp_path / "p.jsonl", [record]), format="preference", tokenizer=folder)
+    ids, segments, mask = next(Packer(training_stream(config), 1, 64))[0]
+    start = len(tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    for s, half, mark in ((1, "chosen", 1), (2, "rejected", 2)):
+        whole = tokenizer.apply_chat_template(prompt + record[half], tokenize=True, return_dict=True)["input_ids"]
+        assert list(ids[segments == s]) == list(whole)
+        assert list(mask[segments == s]) == [0] * start + [mark] * (len(whole) - start)
