@@ -51,6 +51,11 @@ REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.save_only_these_names(*SAVED_DOTS),
+    # save_dots' projection outputs, kept in host memory instead of the device's and brought back for
+    # the backward: device memory as with full, compute as with save_dots, plus the host traffic.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_DOTS), offload_src="device",
+        offload_dst="pinned_host"),
 }
 
 

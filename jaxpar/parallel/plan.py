@@ -23,7 +23,7 @@ from jaxpar.parallel.tensor import TensorPlan, tensor_plan
 from jaxpar.parallel.zero import ZeroPlan, resolve_axes, zero_plan
 
 # `parallel.remat` names (the policies themselves: `jaxpar.models.decoder.REMAT_POLICIES`).
-REMAT_NAMES = ("none", "full", "save_dots")
+REMAT_NAMES = ("none", "full", "save_dots", "offload")
 # `parallel.remat="auto"` per backend: the fastest policy measured there. XLA:CPU, fp32, 2 cores:
 # the bench config on one device, none 940 / full 1093 / save_dots 1078 tokens/s (issue 11's
 # machine); MaxText's tiny Llama on 8 emulated devices, none 5.3-5.8k / full 7.4-7.9k. Saving every

@@ -37,7 +37,13 @@ from jaxpar.analysis.cost.comm import Planned, planned_collectives
 from jaxpar.analysis.cost.context_work import attention_fraction
 from jaxpar.analysis.cost.efficiency import compute_seconds, overlapped
 from jaxpar.analysis.cost.layout import Layout
-from jaxpar.analysis.cost.memory import MemoryEstimate, estimate_memory, moe_matmul_rows_per_token, param_counts
+from jaxpar.analysis.cost.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    moe_matmul_rows_per_token,
+    offloaded_bytes_per_step,
+    param_counts,
+)
 from jaxpar.analysis.cost.optimizer_terms import optimizer_terms
 from jaxpar.kernels import local_attention
 
@@ -50,6 +56,7 @@ class StepTime:
     bubble_fraction: float
     overlap_by_axes: dict = dataclasses.field(default_factory=dict)  # axes -> seconds XLA can run behind compute
     compute_by_part: dict = dataclasses.field(default_factory=dict)  # part -> seconds
+    host: float = 0.0  # activation offload's transfers to host memory and back (copies XLA runs behind compute)
 
     @property
     def comm(self) -> float:
@@ -75,8 +82,13 @@ class StepTime:
         return self.comm - self.hidden
 
     @property
+    def exposed_host(self) -> float:
+        """Offload transfers that compute not already hiding collectives cannot hide."""
+        return max(0.0, self.host - (self.compute - self.hidden))
+
+    @property
     def seconds(self) -> float:
-        return self.compute + self.bubble + self.exposed_comm
+        return self.compute + self.bubble + self.exposed_comm + self.exposed_host
 
     @property
     def overlapped_seconds(self) -> float:
@@ -257,7 +269,8 @@ def step_time(layout: Layout, flops: dict, collectives: list[Planned], hardware:
         comm[p.axes] = comm.get(p.axes, 0.0) + seconds
         if efficiency is None and overlapped(p):
             overlap[p.axes] = overlap.get(p.axes, 0.0) + seconds
-    return StepTime(compute, compute * fraction / (1 - fraction), comm, fraction, overlap, by_part)
+    host = 2 * offloaded_bytes_per_step(layout) / hardware.host_bandwidth
+    return StepTime(compute, compute * fraction / (1 - fraction), comm, fraction, overlap, by_part, host)
 
 
 def estimate(

@@ -75,6 +75,9 @@ class Hardware:
     matmul_efficiency: float = 0.8
     attention_efficiency: float = 0.5
     kernel_seconds: float = 4e-6
+    # Host memory <-> device per device, one direction (activation offload, parallel.remat=offload):
+    # PCIe 4.0 x16 (A100) and 5.0 x16 (H100, H200) at about 80% of their 32 and 64 GB/s.
+    host_bandwidth: float = 25 * GB
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -102,6 +105,7 @@ H100_80G = Hardware(
     intra_node_bandwidth=450 * GB,  # NVLink 4: 900 GB/s bidirectional
     inter_node_bandwidth=50 * GB,  # 400 Gb/s ConnectX-7 per GPU
     devices_per_node=8,
+    host_bandwidth=50 * GB,
     matmul_efficiency=H100_MATMUL_EFFICIENCY,
     attention_efficiency=0.35,  # fused flash attention on H100, bf16, head dim 128: see module doc
 )
@@ -114,6 +118,7 @@ H200 = Hardware(
     intra_node_bandwidth=450 * GB,
     inter_node_bandwidth=50 * GB,
     devices_per_node=8,
+    host_bandwidth=50 * GB,
     matmul_efficiency=H100_MATMUL_EFFICIENCY,
     attention_efficiency=0.35,  # fused flash attention on H100, bf16, head dim 128: see module doc
 )

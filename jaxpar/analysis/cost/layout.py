@@ -200,7 +200,13 @@ class Layout:
 
     @property
     def remat(self) -> str:
-        return self.plan.remat
+        """What the backward recomputes: offload recomputes what save_dots does (it saves the same names)."""
+        return "save_dots" if self.plan.remat == "offload" else self.plan.remat
+
+    @property
+    def offloads(self) -> bool:
+        """remat offload: the saved projection outputs live in host memory between forward and backward."""
+        return self.plan.remat == "offload"
 
     @property
     def sequence_parallel(self) -> bool:

@@ -199,6 +199,20 @@ def _param_counts(model_json: str, plan) -> ParamCounts:
 # ---- activations ------------------------------------------------------------------------------------
 
 
+def device_saved_per_token_layer(layout: Layout) -> float:
+    """What one layer keeps on the device for the backward, per token: with offload, as much as
+    remat full keeps (the layer input); the projection outputs wait in host memory."""
+    return saved_per_token_layer(layout, "full" if layout.offloads else None)
+
+
+def offloaded_bytes_per_step(layout: Layout) -> float:
+    """Bytes one device moves to host memory per step under remat offload (and back again for the
+    backward): the projection outputs save_dots would keep, every layer and token (0 otherwise)."""
+    if not layout.offloads:
+        return 0.0
+    return layout.layers * layout.tokens * (saved_per_token_layer(layout, "save_dots") - saved_per_token_layer(layout, "full"))
+
+
 def saved_per_token_layer(layout: Layout, remat: str | None = None, routing: bool = False) -> float:
     """Bytes one decoder layer saves for the backward, per token, on one device (see module doc).
 
@@ -340,7 +354,7 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
             if layout.zero.gathers_updated_params:
                 carry = 3 * 4 * counts.trained_as_optimizer + (counts.as_params * cb if cb != pb else 0)
     micro_tokens = layout.tokens / layout.microbatches  # grad_accum: one microbatch at a time
-    stash = layout.layers * micro_tokens * saved_per_token_layer(layout)
+    stash = layout.layers * micro_tokens * device_saved_per_token_layer(layout)
     param_cast = counts.as_params * cb if cb != pb else 0
     working = _working_set(layout, counts, micro_tokens, layout.layers)
     return MemoryEstimate(
@@ -444,7 +458,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     grads = 4 * counts.gradients(layout.zero.shard_params)
     accumulators = 4 * counts.as_params  # engine carry: layer grads + shared grads, fp32
     chunk_layers = layout.layers // (layout.p * layout.virtual_stages)
-    stage = chunk_layers * mb_tokens * saved_per_token_layer(layout)
+    stage = chunk_layers * mb_tokens * device_saved_per_token_layer(layout)
     working = _working_set(layout, counts, mb_tokens, chunk_layers)
     return MemoryEstimate(
         params=counts.as_params * pb,
