@@ -95,10 +95,11 @@ def oracle(tmp_path_factory):
     pr, rr = (torch.stack([s[i] for s in sums[1::2]]) for i in (0, 1))
     loss, chosen, rejected = trl_sigmoid_loss(pc, pr, rc.detach(), rr.detach(), BETA, SMOOTHING)
     loss.backward()
+    loss, chosen, rejected = loss.detach(), chosen.detach(), rejected.detach()
     hf_grads = as_jaxpar(policy, {n: p.grad.numpy() for n, p in policy.named_parameters()}, root / "grads")[1]
     return {
         "pairs": len(found), "metrics": jax.device_get(metrics), "grads": jax.device_get(grads), "hf_grads": hf_grads,
-        "hf": {"loss": float(loss.detach()), "rewards_chosen": float(chosen.mean()), "rewards_rejected": float(rejected.mean()),
+        "hf": {"loss": float(loss), "rewards_chosen": float(chosen.mean()), "rewards_rejected": float(rejected.mean()),
                "rewards_margin": float((chosen - rejected).mean()),
                "rewards_accuracy": float((chosen > rejected).float().mean())},
     }
