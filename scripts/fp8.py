@@ -1,7 +1,7 @@
 """FP8 training on CPU: each recipe's loss curve against bf16's, and the emulated step time beside bf16's.
 
   python scripts/fp8.py curves [--train_config=configs/llama_tiny.py] [--steps=200] [--out=docs/figures/fp8_loss.png]
-  python scripts/fp8.py step [--train_config=configs/bench_llama.py] [--steps=3] [--repeats=3]
+  python scripts/fp8.py step [--train_config=configs/llama_tiny.py] [--steps=3] [--repeats=3]
 
 `curves` trains the config in fp32, bf16 and bf16 with each `train.fp8` recipe (same seed, same
 data), writes the plot and prints each curve's gap to bf16 (means over 20-step windows). `step`
@@ -72,7 +72,7 @@ COMMANDS = (
         Flag("json", str, "", "also write the losses and gaps here"),
     )),
     Command("step", "the train step's time in bf16 and each FP8 recipe, alternated", run_step, flags=(
-        Flag("train_config", str, os.path.join(ROOT, "configs", "bench_llama.py"), "the config file timed"),
+        Flag("train_config", str, os.path.join(ROOT, "configs", "llama_tiny.py"), "the config file timed"),
         Flag("steps", int, 3, "timed steps per round", at_least=1),
         Flag("repeats", int, 3, "rounds over the precisions", at_least=1),
     )),
