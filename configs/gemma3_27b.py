@@ -5,9 +5,10 @@ Laid out for 32 x h100-80g (4 nodes of 8, NVLink within a node), the layout
 `python scripts/plan.py --config=configs/gemma3_27b.py --hardware=h100-80g --devices=32` ranks first
 of 26 that fit: data 8 with ZeRO-3 x tensor 4 (NVLink) with sequence parallelism, remat save_dots,
 16 accumulation steps (62.6 of the 72 GiB it lets a layout use; 27.8 s per step predicted, MFU
-42%; data 4 x tensor 8 is 8% slower). fp32 parameters with AdamW: 18 B per parameter, 0.49 TB
-over 32 devices. The planner prices every layer's attention over all its keys (sliding windows
-are not priced yet), so the local layers' share is an upper bound.
+40% with model FLOPs counting only the pairs a window leaves visible; data 4 x tensor 8 is 8%
+slower). fp32 parameters with AdamW: 18 B per parameter, 0.49 TB over 32 devices. The step time
+prices the sliding layers' attention as full layers' on the XLA path (only jaxpar_xla's band
+skips keys), so it is an upper bound there.
 """
 
 from jaxpar.config import base_config
