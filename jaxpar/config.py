@@ -233,8 +233,8 @@ MEANINGS = {
     "with a pipeline (data only)",
     "parallel.sequence_parallel": "also split the residual stream between blocks along the sequence over tensor "
     "(reduce-scatter + all-gather instead of all-reduce; less activation memory)",
-    "parallel.remat": "what the backward recomputes; offload: save_dots' projection outputs wait in host memory; auto: the "
-    "fastest measured on the backend (full on CPU, none elsewhere)",
+    "parallel.remat": "what the backward recomputes; offload: save_dots' projection outputs wait in host memory; auto: full "
+    "on CPU (measured), on an accelerator the cost model's fastest that fits (scripts/train.py)",
     "parallel.attention_impl": "the attention kernel; auto: cudnn on GPU for 16-bit compute, jaxpar_xla on CPU, xla "
     "otherwise",
     "parallel.pipeline_schedule": "the order in which pipeline ranks run forwards and backwards",

@@ -60,6 +60,7 @@ def run(args, config) -> int:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         if args.plan:
             apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
+        choose_remat(config, jax.devices())
         history = train(config, args.workdir, overwrite=args.overwrite)
     except DoesNotFit as e:  # before ConfigError, which it is: one line with the planner's way out
         error(f"{e}; {fit_advice(config, e)}")
@@ -82,6 +83,29 @@ def run(args, config) -> int:
     if history and jax.process_index() == 0:
         print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return 0
+
+
+def choose_remat(config, devices) -> None:
+    """`parallel.remat="auto"` on an accelerator whose memory limit is known: the cost model's fastest
+    policy that fits (`jaxpar.analysis.planner.remat`, imported only then); on a CPU the backend table."""
+    import jax
+
+    from jaxpar.train.fit import available_per_device
+    from jaxpar.train.preflight import ConfigError
+
+    if config.parallel.remat != "auto" or devices[0].platform == "cpu":
+        return
+    available, _ = available_per_device(devices)
+    if available is None:
+        return
+    from jaxpar.analysis.planner.remat import choose
+
+    try:
+        config.parallel.remat, line = choose(config, devices, available)
+    except ConfigError:  # a config the model cannot price: preflight says why, in its own words
+        return
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def fit_advice(config, error) -> str:

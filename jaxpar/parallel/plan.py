@@ -29,8 +29,8 @@ REMAT_NAMES = ("none", "full", "save_dots", "offload")
 # machine); MaxText's tiny Llama on 8 emulated devices, none 5.3-5.8k / full 7.4-7.9k. Saving every
 # layer's residuals through the layer scan costs XLA:CPU more than recomputing them. (On a slower
 # 2-core host on 2026-11-29 the one-device bench tied: none 782, full 764, save_dots 779.)
-# Elsewhere no recompute, the fastest whenever the activations fit (not measured here: no GPU was
-# lent; set parallel.remat to "full" or "save_dots" when they do not fit).
+# Elsewhere scripts/train.py resolves "auto" first, by the cost model (`jaxpar.analysis.planner.remat`:
+# the fastest policy that fits); a program that builds a run itself gets no recompute.
 AUTO_REMAT = {"cpu": "full"}
 # xla: jax.nn.dot_product_attention's XLA path; cudnn: its cuDNN path; jaxpar_xla:
 # `jaxpar.kernels.attention` (plain XLA, hand-written backward).
