@@ -89,3 +89,22 @@ def test_dpo_on_a_mesh_equals_one_device(case):
     # bounds for that: tests/support/reference.py).
     assert max_relative_error(many["final"], one["final"]) <= PARAM_RTOL
     assert l2_relative_error(many["final"], one["final"]) <= PARAM_L2_RTOL
+
+
+def test_memory_model_prices_the_reference_copy():
+    """The analytic memory model's parameter bytes under DPO: the params and the reference copy, as the
+    built program's state holds them (data 4 × tensor 2, ZeRO-3); with LoRA no copy."""
+    from jaxpar.analysis.cost.layout import Layout
+    from jaxpar.analysis.cost.memory import estimate_memory
+    from jaxpar.train.setup import bytes_per_device
+
+    for lora in (0, 4):
+        config = tiny.with_overrides(dpo_config(tiny.llama()), {"data": 4, "tensor": 2}, parallel={"zero_stage": 3})
+        config.train.lora.update(rank=lora, alpha=8.0)
+        program = build(config, jax.devices()[:8])
+        state = jax.eval_shape(program.init)
+        held = bytes_per_device(state.params, program.state_shardings.params)
+        if not lora:
+            held += bytes_per_device(state.reference, program.state_shardings.reference)
+        assert (state.reference is None) == bool(lora)
+        assert estimate_memory(Layout.from_config(config, 8)).params == held

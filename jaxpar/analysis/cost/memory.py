@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import math
 
+from jaxpar import objective
 from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.cost.leaves import model_leaves as _model_leaves
 from jaxpar.analysis.cost.leaves import shard_elements as _shard_elements
@@ -325,6 +326,8 @@ def estimate_memory(layout: Layout) -> MemoryEstimate:
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
     params = counts.as_params * pb
+    if objective.settings(layout.config.train) is not None and counts.trained_as_params == counts.as_params:
+        params *= 2  # DPO without LoRA: the frozen reference copy, sharded like the params (`jaxpar.objective`)
     optimizer = optimizer_terms(layout).state_bytes
     grads = 4 * counts.gradients(layout.zero.shard_optimizer_state)
     carry, buffers = 0, OPTIMIZER_GRAD_BUFFERS
