@@ -181,6 +181,7 @@ def to_hf(args) -> int:
     from jaxpar.checkpoint.storage import remote_problem
     from jaxpar.interop import hf, peft
     from jaxpar.models import lora
+    from jaxpar.models.fp8_state import without_histories
     from jaxpar.train.setup import build
 
     if problem := remote_problem(args.from_checkpoint, key="--from_checkpoint"):
@@ -206,6 +207,7 @@ def to_hf(args) -> int:
         if args.to_hf:
             if adapters is not None:  # the merged model: each adapter folded into its matrix
                 params = jax.jit(lambda p: lora.merged(p, adapters, models.logical_axes(program.model_config)))(params)
+            params = without_histories(params)  # delayed FP8 scaling's state steers training only
             hf.save(args.to_hf, config.model, params, overwrite=args.overwrite, max_shard_bytes=args.max_shard_bytes,
                     dtype=args.hf_dtype)
     except (CheckpointError, OSError, ValueError) as e:

@@ -22,6 +22,7 @@ from jaxpar import models
 from jaxpar.axes import MESH_AXES
 from jaxpar.config import with_defaults
 from jaxpar.models import lora
+from jaxpar.models.fp8_state import without_histories
 from jaxpar.sampling.engine import SampleError, Sampler
 from jaxpar.sampling.load import TOKENIZER_FILES, Loaded, eos_id, run_tokenizer, sampling_mesh, tokenizer_at
 
@@ -129,6 +130,7 @@ def _load_step(directory: str, step: int, requested: dict, devices) -> Loaded:
     params = restored.state.params
     if (adapters := lora.settings(program.model_config)) is not None:  # a LoRA run: the base with its adapters folded in
         params = jax.jit(lambda p: lora.merged(p, adapters, models.logical_axes(program.model_config)))(params)
+    params = without_histories(params)  # delayed FP8 scaling's state steers training only
     sampler = Sampler(config.model, mesh, config.train.compute_dtype)
     tokenizer = run_tokenizer(config)
     return Loaded(config.model, sampler, sampler.place(params), tokenizer, eos_id(tokenizer),

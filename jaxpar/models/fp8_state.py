@@ -49,3 +49,11 @@ def history_at(module_history, index: int):
 def fp8_args(opts, name: str, module_history, index: int) -> dict:
     """`project`'s FP8 keywords for matmul `name`, the module's `index`-th: its scaling, its history."""
     return dict(fp8=opts.fp8_at(name), history=history_at(module_history, index))
+
+
+def without_histories(params):
+    """`params` without the `Fp8History` leaves: what a model without FP8 state (sampling, export)
+    holds. The histories only steer training's scales."""
+    if not isinstance(params, dict):
+        return params
+    return {k: without_histories(v) for k, v in params.items() if k != "fp8_history"}

@@ -6,9 +6,11 @@
   row 0 holds the step's amaxes, which are those of the tensors (checked against the weights
   themselves: the weight amax of q is max |q|), and the optimizer never moves them;
 - resume with delayed scaling: stopped after step 2 and resumed, the 4 metrics lines are bitwise
-  those of the uninterrupted run (the histories ride in the checkpoint with the params).
+  those of the uninterrupted run (the histories ride in the checkpoint with the params); the run
+  then samples and exports to transformers, which hold no histories.
 """
 
+import importlib.util
 import json
 import os
 
@@ -21,6 +23,7 @@ from jaxpar.train.observe import TIMING_FIELDS
 from jaxpar.train.preflight import ConfigError, check
 from jaxpar.train.setup import build
 from tests.support import tiny
+from tests.support.paths import REPO
 from tests.support.reference import synthetic_batches
 
 
@@ -52,6 +55,13 @@ def test_delayed_histories_hold_the_step_amaxes():
     assert np.all(history[:, :, :2] > 0) and not np.any(history[:, :, 2:]), "two steps: two rows, the rest empty"
 
 
+def _script_main(name: str, argv: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location(f"{name}_script", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
 def _metrics(workdir) -> list[dict]:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -73,3 +83,7 @@ def test_resume_with_delayed_scaling_is_bitwise_identical(tmp_path):
     history = train(config(4), str(tmp_path / "run"), progress=False)
     assert [r["step"] for r in history] == [3, 4]
     assert _metrics(tmp_path / "run") == _metrics(tmp_path / "reference"), "resumed losses differ from the uninterrupted run"
+    # The histories steer training only: sampling and a transformers export read the run without them.
+    assert _script_main("sample", [f"--workdir={tmp_path / 'run'}", "--prompt=def ", "--max_new_tokens=2"]) == 0
+    assert _script_main("convert", [f"--from_checkpoint={tmp_path / 'run'}", f"--to_hf={tmp_path / 'hf'}"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").exists()
