@@ -64,6 +64,7 @@ class ReferenceError(ValueError):
 
 def choices() -> dict[str, tuple]:
     """`section.key` -> its allowed values, from the records and the modules that own them."""
+    from jaxpar import fp8
     from jaxpar.data.corpus import TEXT_DOCUMENTS
     from jaxpar.data.sources import SOURCES
     from jaxpar.dtypes import DTYPES
@@ -84,6 +85,7 @@ def choices() -> dict[str, tuple]:
         "parallel.context_impl": tuple(context.IMPLS),
         "train.optimizer": optim.OPTIMIZER_NAMES,
         "train.lr_schedule": optim.SCHEDULE_NAMES,
+        "train.fp8": fp8.RECIPE_NAMES,
         "train.param_dtype": tuple(DTYPES),
         "train.compute_dtype": tuple(DTYPES),
         "train.on_nonfinite": NONFINITE_POLICIES,
