@@ -12,7 +12,7 @@ Sections (each measured here, on emulated CPU devices, or priced by `jaxpar.anal
             loss-free balancing's router bias, and with neither: per-expert and per-device token shares.
   plan      the 70B recommendation for 8 x A100-80G (`scripts/plan.py`'s answer).
   fidelity  the compiled sweeps in --sweeps (`scripts/sweep.py` outputs), summarised.
-  published published bf16 GPU training runs beside the model's prediction (`jaxpar.analysis.reports.published`;
+  published published bf16 and FP8 GPU training runs beside the model's prediction (`...reports.published`, `_fp8`;
             --fit prints the constants its FITTED runs imply, for `jaxpar.analysis.cost.hardware`).
   zero_context  ZeRO over data x context, Llama-3-70B, long sequences (`jaxpar.analysis.reports.zero_memory`).
 The article: "这不是“背概念”，而是搞懂大模型训练时GPU到底在忙什么" (Chinese), sections 2, 4, 5, 6.
@@ -416,9 +416,9 @@ def section_fidelity(dirs: list[str]) -> list[str]:
 
 
 def section_published(with_planner: bool) -> list[str]:
-    from jaxpar.analysis.reports.published import section
+    from jaxpar.analysis.reports import published, published_fp8
 
-    return section(with_planner=with_planner)
+    return published.section(with_planner=with_planner) + published_fp8.section()
 
 
 def section_zero_context() -> list[str]:

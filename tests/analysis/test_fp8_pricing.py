@@ -1,10 +1,11 @@
-"""The cost model prices `train.fp8`'s matmuls at the FP8 peak (H100: 1,979 TFLOP/s dense, twice bf16's).
+"""The cost model prices `train.fp8`'s matmuls at the FP8 peak (H100: 1,979 TFLOP/s dense, twice bf16's) times an FP8 efficiency.
 
 Closed form: a compute-bound part's seconds are flops / (η · peak) plus a fixed time per kernel
-(`jaxpar.analysis.cost.efficiency`, rule 1), so moving a part from bf16 to FP8 saves exactly
-flops / (η · P_bf16) · (1 − P_bf16 / P_fp8) = half of its bf16 compute time on H100; the kernel times
-cancel. Parts that never run in FP8 (attention, the LM head) cost the same; a profile with no FP8
-peak (A100) prices FP8 runs as bf16 ones; `train.fp8_matmuls` decides which parts move.
+(`jaxpar.analysis.cost.efficiency`, rule 1), an FP8 GEMM's η times `Hardware.fp8_efficiency` r, so moving
+a part from bf16 to FP8 saves exactly flops / (η · P_bf16) · (1 − P_bf16 / (r · P_fp8)) = 1 − 1 / 2r of
+its bf16 compute time on H100 (half at r = 1); the kernel times cancel. Parts that never run in FP8
+(attention, the LM head) cost the same; a profile with no FP8 peak (A100) prices FP8 runs as bf16
+ones; `train.fp8_matmuls` decides which parts move.
 """
 
 import os
@@ -34,12 +35,14 @@ def _seconds(config, hardware, **train):
     return compute_seconds(layout, flops, hardware).by_part, flops
 
 
-def test_fp8_parts_cost_half_their_bf16_compute_on_h100(llama8b):
+def test_fp8_parts_save_the_closed_form_share_of_their_bf16_compute_on_h100(llama8b):
     h100 = hw.get("h100-80g")
     bf16, flops = _seconds(llama8b, h100)
     fp8, _ = _seconds(llama8b, h100, fp8="tensorwise")
     for part in ("qo", "kv", "mlp"):
-        saved = flops[part] / (h100.matmul_efficiency * h100.peak("bfloat16")) * (1 - 989.5 / 1979)
+        eta = h100.matmul_efficiency
+        saved = flops[part] / (eta * h100.peak("bfloat16")) - flops[part] / (eta * h100.fp8_efficiency * h100.peak("float8"))
+        assert saved == pytest.approx(flops[part] / (eta * 989.5e12) * (1 - 1 / (2 * h100.fp8_efficiency)), rel=1e-9)
         assert bf16[part] - fp8[part] == pytest.approx(saved, rel=1e-9), part
     for part in ("attention", "head"):
         assert fp8[part] == bf16[part], part

@@ -6,7 +6,8 @@ effects every GPU user sees, each a line or two of arithmetic:
 
 1. Matmul efficiency by shape and dtype. One GEMM [m, k] x [k, n] of b-byte operands takes
        t = max(2mnk / (eta * peak), b (mk + kn + mn) / HBM bandwidth) + t_kernel,
-   eta the fraction of peak a large GEMM reaches (`Hardware.matmul_efficiency`), the roofline
+   eta the fraction of peak a large GEMM reaches (`Hardware.matmul_efficiency`; an FP8 GEMM's times
+   `Hardware.fp8_efficiency`, of the FP8 peak), the roofline
    term for skinny shapes (few rows: operands stream in faster than they are used), and a fixed
    time per kernel (launch and tail, `Hardware.kernel_seconds`) that dominates small ones. The
    backward's two GEMMs per forward one (dX = dY W^T, dW = X^T dY) move the same three operands
@@ -60,7 +61,8 @@ def matmul_efficiency(m: float, n: float, k: float, dtype_bytes: int, hardware: 
         return 1.0
     peak = hardware.peak(dtype)
     flops = 2.0 * m * n * k
-    compute = flops / (hardware.matmul_efficiency * peak)
+    eta = hardware.matmul_efficiency * (hardware.fp8_efficiency if dtype == hw.FLOAT8 else 1.0)
+    compute = flops / (eta * peak)
     memory = dtype_bytes * (m * k + k * n + m * n) / hardware.hbm_bandwidth
     return flops / (peak * (max(compute, memory) + hardware.kernel_seconds))
 

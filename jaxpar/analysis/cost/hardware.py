@@ -52,6 +52,10 @@ FLOAT8 = "float8"  # the peak of FP8 GEMMs (e4m3 / e5m2 operands): `train.fp8`'s
 # price (element-wise kernels, clocks under load, launch gaps) is folded into it.
 A100_MATMUL_EFFICIENCY = 0.536
 H100_MATMUL_EFFICIENCY = 0.497
+# An FP8 GEMM's fraction of the FP8 peak over a bf16 GEMM's of the bf16 peak (`matmul_efficiency`), with
+# the quantization passes and amax reductions folded in (nothing else prices them): fitted on torchtitan's
+# Llama 3.1 8B FP8 run on 8 H100s (`jaxpar.analysis.reports.published_fp8.FITTED`).
+H100_FP8_EFFICIENCY = 0.699
 
 
 class HardwareError(ValueError):
@@ -73,6 +77,7 @@ class Hardware:
     # Achieved rates (`jaxpar.analysis.cost.efficiency`): the fraction of peak a large GEMM reaches, the
     # fraction the fused attention kernel reaches at long sequences, and a fixed time per kernel.
     matmul_efficiency: float = 0.8
+    fp8_efficiency: float = 1.0  # FP8 GEMMs reach matmul_efficiency x this of the FP8 peak
     attention_efficiency: float = 0.5
     kernel_seconds: float = 4e-6
     # Host memory <-> device per device, one direction (activation offload, parallel.remat=offload):
@@ -107,6 +112,7 @@ H100_80G = Hardware(
     devices_per_node=8,
     host_bandwidth=50 * GB,
     matmul_efficiency=H100_MATMUL_EFFICIENCY,
+    fp8_efficiency=H100_FP8_EFFICIENCY,
     attention_efficiency=0.35,  # fused flash attention on H100, bf16, head dim 128: see module doc
 )
 
@@ -120,6 +126,7 @@ H200 = Hardware(
     devices_per_node=8,
     host_bandwidth=50 * GB,
     matmul_efficiency=H100_MATMUL_EFFICIENCY,
+    fp8_efficiency=H100_FP8_EFFICIENCY,
     attention_efficiency=0.35,  # fused flash attention on H100, bf16, head dim 128: see module doc
 )
 
