@@ -111,6 +111,7 @@ def base_config() -> ConfigDict:
             zero_stage=0,
             zero_axes="auto",
             sequence_parallel=False,
+            collective_matmul=False,
             remat="auto",
             attention_impl="auto",
             pipeline_schedule="1f1b",  # the pipeline keys are read when mesh.pipeline > 1
@@ -233,6 +234,8 @@ MEANINGS = {
     "with a pipeline (data only)",
     "parallel.sequence_parallel": "also split the residual stream between blocks along the sequence over tensor "
     "(reduce-scatter + all-gather instead of all-reduce; less activation memory)",
+    "parallel.collective_matmul": "with sequence parallelism: the gathers before and the scatters after the dense "
+    "projections as rings of collective-permutes, each overlapping a partial matmul",
     "parallel.remat": "what the backward recomputes; offload: save_dots' projection outputs wait in host memory; auto: full "
     "on CPU (measured), on an accelerator the cost model's fastest that fits (scripts/train.py)",
     "parallel.attention_impl": "the attention kernel; auto: cudnn on GPU for 16-bit compute, jaxpar_xla on CPU, xla "

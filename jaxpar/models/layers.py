@@ -21,9 +21,15 @@ from jaxpar.kernels.dense import project
 from jaxpar.model_facts import head_dim_of, padded_vocab_size
 from jaxpar.models.fp8_state import fp8_args, histories
 from jaxpar.models.options import RunOptions
+from jaxpar.parallel.collective_matmul import column_parallel, row_parallel
 from jaxpar.parallel.context.sharded import model_attention
 from jaxpar.parallel.tensor import repeat_kv
 from jaxpar.sharding import constrain
+
+# Logical names of the projections' weights and outputs, for collective matmul's shard_map specs.
+QKV_NAMES, KV_NAMES = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+Q_OUT, KV_OUT = ("batch", "seq", "act_heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+MLP_IN, MLP_OUT = ("embed", "mlp"), ("batch", "seq", "act_mlp")
 
 # Names of the projection outputs (matmuls without batch dims) that the `save_dots` remat policy keeps.
 SAVED_DOTS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down", "router_logits")
@@ -99,6 +105,10 @@ class Attention(nnx.Module):
     def project_qkv(self, x, opts: RunOptions):
         """q [B, S, H, hd], k and v [B, S, Hkv, hd] of the normed input: the family hook. A
         family's attention class extends it (biases, per-head norms) before RoPE."""
+        if opts.plan.tensor.collective_matmul:  # one ring of the sequence for all three (parallel/collective_matmul.py)
+            q, k, v = column_parallel(x, (self.q[...], self.k[...], self.v[...]), opts.rules, (QKV_NAMES, KV_NAMES, KV_NAMES),
+                                      (Q_OUT, KV_OUT, KV_OUT))
+            return checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
         split = opts.plan.splits_sequence
         q = checkpoint_name(project(x, self.q[...], splits_sequence=split, **fp8_args(opts, "q_proj", self.fp8_history, 0)), "q_proj")
         k = checkpoint_name(project(x, self.k[...], splits_sequence=split, **fp8_args(opts, "k_proj", self.fp8_history, 1)), "k_proj")
@@ -121,6 +131,8 @@ class Attention(nnx.Module):
 
     def _output(self, out, opts: RunOptions):
         out = constrain(opts.rules, out, ("batch", "seq", "act_heads", "head_dim"))
+        if opts.plan.tensor.collective_matmul:
+            return checkpoint_name(row_parallel(out, self.o[...], opts.rules, Q_OUT, ("heads", "head_dim", "embed"), 2), "o_proj")
         fp8 = fp8_args(opts, "o_proj", self.fp8_history, 3)
         return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, **fp8), "o_proj")
 
@@ -183,6 +195,13 @@ class MLP(nnx.Module):
     def __call__(self, x, opts: RunOptions, real=None):
         """(out, aux): the same contract as the MoE block; a dense MLP reports nothing (`real` unused)."""
         split, history = opts.plan.splits_sequence, self.fp8_history
+        if opts.plan.tensor.collective_matmul:
+            with jax.named_scope("mlp"):
+                gate, up = column_parallel(x, (self.gate[...], self.up[...]), opts.rules, (MLP_IN, MLP_IN), (MLP_OUT, MLP_OUT))
+                gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+                hidden = constrain(opts.rules, type(self).activation(gate) * up, MLP_OUT)
+                down = row_parallel(hidden, self.down[...], opts.rules, MLP_OUT, ("mlp", "embed"))
+                return checkpoint_name(down, "mlp_down"), {}
         with jax.named_scope("mlp"):
             gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split, **fp8_args(opts, "mlp_gate", history, 0)), "mlp_gate")
             up = checkpoint_name(project(x, self.up[...], splits_sequence=split, **fp8_args(opts, "mlp_up", history, 1)), "mlp_up")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ml_collections import ConfigDict
 
 from jaxpar import models, objective
-from jaxpar.axes import MESH_AXES
+from jaxpar.axes import MESH_AXES, TENSOR
 from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.data.checks import corpus_problems, validate_data_config
@@ -164,6 +164,9 @@ def _config_problems(
         errors += tensor.checks(config, mesh)
         errors += zero.checks(config, mesh)
         facts = fam.facts(config.model)
+        if parallel.collective_matmul and mesh[TENSOR] > 1 and (facts.is_moe or facts.flops_latent):
+            errors.append("parallel.collective_matmul=True runs the dense attention and MLP projections; "
+                          f"{fam.name}'s experts or latent attention do not have it yet (set it False)")
         errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
         # Backend-dependent (ring inside pipeline branches deadlocks on XLA:CPU): checked when known.
         errors += context.checks(config, mesh, backend=platform)

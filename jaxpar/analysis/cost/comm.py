@@ -67,9 +67,10 @@ from jaxpar.analysis.cost.comm_context import (  # noqa: F401 (context_collectiv
     context_reduced_with_data,
     dispatch_manual_over_context,
 )
+from jaxpar.analysis.cost.comm_tensor import scatter_kind, tensor_collectives, tp_layers
 from jaxpar.analysis.cost.comm_zero import spans_context, zero1, zero3_embedding, zero3_gathers
 from jaxpar.analysis.cost.layout import CONTEXT, DATA, EXPERT, PIPELINE, TENSOR, Layout
-from jaxpar.analysis.cost.memory import ParamCounts, moe_matmul_rows_per_token, moe_rows_per_token, param_counts
+from jaxpar.analysis.cost.memory import ParamCounts, moe_rows_per_token, param_counts
 from jaxpar.analysis.cost.optimizer_terms import optimizer_collectives
 from jaxpar.analysis.cost.planned import (  # noqa: F401 (wire_bytes, XlaLowering, IDEAL, XLA_CPU: re-exported)
     IDEAL,
@@ -80,111 +81,8 @@ from jaxpar.analysis.cost.planned import (  # noqa: F401 (wire_bytes, XlaLowerin
     present_axes,
     wire_bytes,
 )
-from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
+from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE
 from jaxpar.parallel.data import GradientStrategy
-
-
-def _scatter(layout: Layout) -> str:
-    return ALL_REDUCE if lowering_for(layout).reduce_scatter_as_all_reduce else REDUCE_SCATTER
-
-
-# ---- tensor ----------------------------------------------------------------------------------
-
-
-def _tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> list[Planned]:
-    """The tensor-parallel exchanges of this device's layers over activations of `act` bytes:
-    two per layer per forward pass (attention and MLP outputs, row-parallel), one more per layer
-    with remat full (it recomputes the attention, not the MLP's down projection, whose output
-    the backward never needs: measured, tensor=4 remat full), and the backward's input
-    gradients as the lowering reduces them. With sequence parallelism every all-reduce is an
-    all-gather of the sequence plus a reduce-scatter of the same bytes."""
-    axes, low, L = (TENSOR,), lowering_for(layout), layout.layers_per_device
-    # XLA:CPU runs MoE experts as a tiled loop (`kernels.grouped_matmul`) and reduces each
-    # tile's partial sums over tensor inside it: per layer the forward's down projection, the
-    # backward's input gradient of gate and up (one grouped matmul over both), and the recomputed
-    # forward unless remat is none (measured: Mixtral-shaped, data 2 x tensor 4). The HLO counts
-    # every tile, taken or not.
-    tiled = layout.is_moe and layout.target == "cpu"
-    # Layers that route, layers with a dense MLP, and (Qwen2-MoE) routing layers whose shared
-    # expert is a row-parallel MLP too: its output reduced in every forward pass, its input
-    # gradient like the dense MLP's (measured: Qwen2-MoE-shaped expert 2 x tensor 2, exact).
-    share = layout.facts.moe.layer_share if layout.is_moe else 0.0
-    routed, dense = L * share, L * (1 - share)
-    shared_mlp = routed if layout.is_moe and layout.facts.moe.shared_ffn else 0.0
-    mlp_grads = dense + shared_mlp
-    fwd = ((1 if tiled else 2) * forward_passes + (1 if layout.remat == "full" else 0)) * L
-    fwd += forward_passes * (shared_mlp + (dense if tiled else 0))
-    # In a pipeline stage (two forward passes) remat full's extra attention recompute reuses the
-    # sequence the stage's recompute gathered: one SP gather fewer per layer (measured, pipeline
-    # 2 x tensor 4, remat full: 2 + 4 gathers and 2 + 1 + 5 reductions per layer and microbatch).
-    fwd_gathers = fwd - (L if layout.remat == "full" and forward_passes == 2 else 0)
-    out = []
-    if tiled:
-        rows = moe_matmul_rows_per_token(layout) * layout.tokens
-        # Forward passes (a pipeline stage's B re-runs F's, remat re-runs them once more) plus
-        # the backward's one (tensor bytes measured: Qwen2-MoE-shaped expert 2 x tensor 2, remat
-        # none exact, remat full -3.5%; Mixtral-shaped pipeline 2 x tensor 2, remat full +0.01%).
-        passes = forward_passes + (0 if layout.remat == "none" else 1) + 1
-        out.append(Planned(ALL_REDUCE, axes, rows * layout.hidden * 4, routed * passes,
-                           f"{tag}: expert partial sums per tile (XLA:CPU)", True))
-    widths = layout.facts.latent_widths
-    if layout.sequence_parallel:
-        scatter = _scatter(layout)
-        # (Every layer's MLP-sized scatters, MoE or not, as measured; a shared expert's on top is
-        # priced by analogy with the all-reduce case, not measured under SP.)
-        bwd_scatters = (low.attention_input_grad_all_reduces + low.mlp_input_grad_all_reduces) * L
-        bwd_scatters += low.mlp_input_grad_all_reduces * shared_mlp
-        if widths:  # MLA gathers its latents, not the layer input, and scatters their gradients
-            latent = act * sum(widths) / layout.hidden
-            out += [
-                Planned(ALL_GATHER, axes, latent, forward_passes * L, f"{tag}: SP gathers MLA's latents (fwd)"),
-                Planned(scatter, axes, latent, L, f"{tag}: SP scatters MLA's latent gradients (bwd)"),
-            ]
-            fwd_gathers -= forward_passes * L
-            bwd_scatters -= low.attention_input_grad_all_reduces * L
-        return out + [
-            Planned(ALL_GATHER, axes, act, fwd_gathers, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
-            Planned(scatter, axes, act, fwd, f"{tag}: SP scatters attention / MLP outputs (fwd)"),
-            Planned(ALL_GATHER, axes, act, low.sp_backward_gathers * L, f"{tag}: SP gathers output gradients (bwd)"),
-            Planned(scatter, axes, act, bwd_scatters, f"{tag}: SP scatters input gradients (bwd)"),
-        ]
-    out.append(Planned(ALL_REDUCE, axes, act, fwd, f"{tag}: attention and MLP outputs (fwd, row-parallel)"))
-    if widths:  # MLA: the up-projections' input gradients, one per latent, where the heads meet
-        out += [Planned(ALL_REDUCE, axes, act * w / layout.hidden, L, f"{tag}: MLA latent gradient (bwd)") for w in widths]
-    else:
-        out.append(Planned(ALL_REDUCE, axes, act, L * low.attention_input_grad_all_reduces, f"{tag}: attention input gradient (bwd)"))
-    if not layout.is_moe or mlp_grads:
-        count = L if not layout.is_moe else mlp_grads
-        out.append(Planned(ALL_REDUCE, axes, act, count * low.mlp_input_grad_all_reduces, f"{tag}: MLP input gradient (bwd)"))
-    return out
-
-
-def tensor_collectives(layout: Layout) -> list[Planned]:
-    if layout.t == 1 or layout.p > 1:  # inside pipeline stages: `pipeline_collectives`
-        return []
-    axes = (TENSOR,)
-    act = layout.tokens * layout.hidden * layout.activation_bytes
-    out = _tp_layers(layout, act, 1, "TP")
-    if layout.sequence_parallel:
-        out.append(Planned(ALL_GATHER, axes, act, 1, "SP: gather the sequence for the LM head"))
-        if layout.gradient is GradientStrategy.PER_REPLICA:
-            # Per-replica accumulation (vmapped over data) gathers each layer's attention and MLP
-            # inputs once more per forward pass (measured: data 2 x tensor 4, accum 2 and 4); the
-            # per-rank accumulation's shard_map does not (measured: Llama 3 70B data 2 x context 2
-            # x tensor 2 SP remat none, and at test size).
-            passes = 2 if layout.remat == "full" else 1
-            out.append(Planned(ALL_GATHER, axes, act, 2 * passes * layout.layers_per_device, "SP: per-replica re-gathers", True))
-    head_dx = layout.tokens * layout.hidden * 4
-    uses = layout.facts.table_uses  # multi-token prediction looks up and projects once more per depth
-    out += [
-        Planned(ALL_REDUCE, axes, act, uses, "TP: vocab-parallel embedding lookup"),
-        Planned(ALL_REDUCE, axes, head_dx, uses, "TP: LM head input gradient (fp32)"),
-        Planned(ALL_REDUCE, axes, layout.tokens * 4, 3 * uses, "TP: vocab-parallel loss (max, sum, label logit)"),
-    ]
-    return out
-
-
-# ---- data, ZeRO ---------------------------------------------------------------------------------
 
 
 def _reductions_per_step(layout: Layout) -> int:
@@ -225,7 +123,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         # sum): one all-reduce per MoE layer and microbatch.
         axes = _expert_grad_axes(layout)
         # ZeRO-3 slices its data shard out of the sum: a reduce-scatter where it is over data alone.
-        kind = _scatter(layout) if layout.zero.shard_params and axes == (DATA,) else ALL_REDUCE
+        kind = scatter_kind(layout) if layout.zero.shard_params and axes == (DATA,) else ALL_REDUCE
         if axes:
             out.append(Planned(kind, axes, expert_grads, k, "DP: expert weight gradients (dispatch transpose)"))
         grads -= expert_grads
@@ -241,7 +139,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     if spans_context(layout) and layout.zero.gathers_updated_params:  # ZeRO-1 over data x context
         reduced = context_reduced_with_data(layout)
         if reduced:
-            out.append(Planned(_scatter(layout), batch, grads, k, "ZeRO-1: gradient reduce-scatter"))
+            out.append(Planned(scatter_kind(layout), batch, grads, k, "ZeRO-1: gradient reduce-scatter"))
         return out + zero1(layout, counts, grads, k, reduced)
     # ZeRO over `data`: an expert axis (dense model) stays a plain all-reduce.
     data, zero_axes = present_axes(layout, DATA), batch
@@ -269,7 +167,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
             if layout.p == 1 and not by_all_to_all:
                 out.append(_embedding_cotangent_replicated(layout))
         out += [
-            Planned(_scatter(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
+            Planned(scatter_kind(layout), zero_axes, grads - embed_bytes, k, "ZeRO-1: gradient reduce-scatter"),
             Planned(ALL_GATHER, data, layout.param_bytes * (counts.as_params - counts.embedding), 1, "ZeRO-1: updated parameters"),
             Planned(ALL_GATHER, data, layout.param_bytes * counts.embedding, 1, "ZeRO-1: updated embedding"),
         ]
@@ -293,9 +191,9 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         out.append(Planned(ALL_GATHER, data, cb * counts.head, m, "ZeRO-3: LM head weights"))
     if not (layout.is_moe and layout.e > 1):
         scattered = layer - (counts.experts if apart else 0)
-        out.append(Planned(_scatter(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients", overlap=True))
+        out.append(Planned(scatter_kind(layout), data, 4 * scattered, L * m, "ZeRO-3: layer gradients", overlap=True))
     if not (spanned and layout.is_moe and layout.e > 1):
-        out.append(Planned(_scatter(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"))
+        out.append(Planned(scatter_kind(layout), data, 4 * counts.head, m, "ZeRO-3: LM head gradient"))
     if layout.e > 1 and not layout.is_moe:
         out.append(Planned(ALL_REDUCE, present_axes(layout, EXPERT), grads, k, "DP over expert axis: gradients"))
     if layout.is_moe and layout.e > 1:
@@ -310,7 +208,7 @@ def data_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
     else:  # the vocab-parallel table is gathered over data like a layer (measured, data 2 x tensor 4)
         out += [
             Planned(ALL_GATHER, data, cb * counts.embedding, m, "ZeRO-3: embedding table"),
-            Planned(_scatter(layout), data, 4 * counts.embedding, m, "ZeRO-3: embedding gradient"),
+            Planned(scatter_kind(layout), data, 4 * counts.embedding, m, "ZeRO-3: embedding gradient"),
         ]
     return out
 
@@ -396,7 +294,7 @@ def pipeline_collectives(layout: Layout, counts: ParamCounts) -> list[Planned]:
         # is a non-last rank's count, the busiest: with "ends" the last one skips F and adds the
         # head's exchanges (measured, pipeline 2 x tensor 4, per rank from the schedule's branch runs).
         act = layout.tokens * layout.hidden * layout.activation_bytes
-        out += _tp_layers(layout, act, 2, "PP+TP")
+        out += tp_layers(layout, act, 2, "PP+TP")
     return out
 
 
