@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ml_collections import ConfigDict
 
 from jaxpar import models, objective
-from jaxpar.axes import MESH_AXES, TENSOR
+from jaxpar.axes import CONTEXT, DATA, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.data.checks import corpus_problems, validate_data_config
@@ -168,6 +168,14 @@ def _config_problems(
             errors.append("parallel.collective_matmul=True runs the dense attention and MLP projections; "
                           f"{fam.name}'s experts or latent attention do not have it yet (set it False)")
         errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
+        strategy = data.gradient_strategy(
+            pipelined=mesh[PIPELINE] > 1, grad_accum=train.grad_accum, data_size=mesh[DATA], context_size=mesh[CONTEXT],
+            zero_shards_params=parallel.zero_stage == 3, has_aux_losses=facts.is_moe)
+        if train.get("fp8", "none") != "none" and strategy is data.GradientStrategy.PER_REPLICA:
+            # Each replica's vmapped accumulation would scale by its own amax, not the global one.
+            errors.append(f"train.fp8={train.fp8!r} with mesh.data={mesh[DATA]} and train.grad_accum={train.grad_accum} is not "
+                          "supported yet (each data replica would take its own amax); use parallel.zero_stage=3 or "
+                          "train.grad_accum=1")
         # Backend-dependent (ring inside pipeline branches deadlocks on XLA:CPU): checked when known.
         errors += context.checks(config, mesh, backend=platform)
     errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))

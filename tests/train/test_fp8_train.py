@@ -39,6 +39,18 @@ def test_bad_fp8_keys_are_refused_naming_the_key(key, value, named):
     assert named in str(error.value)
 
 
+def test_per_replica_accumulation_is_refused_and_zero3_is_not():
+    """data 2 with accumulation 2 runs each replica's microbatches under a vmap, where an amax is the
+    replica's own, not the step's: refused in one line naming the ways out; ZeRO-3 takes another path."""
+    config = tiny.with_overrides(tiny.llama({"fp8": "tensorwise", "grad_accum": 2}, vocab_size=256), {"data": 2})
+    with pytest.raises(ConfigError) as error:
+        check(config, 2)
+    assert str(error.value) == ("train.fp8='tensorwise' with mesh.data=2 and train.grad_accum=2 is not supported yet (each "
+                                "data replica would take its own amax); use parallel.zero_stage=3 or train.grad_accum=1")
+    config.parallel.zero_stage = 3
+    check(config, 2)
+
+
 def test_delayed_histories_hold_the_step_amaxes():
     config = tiny.llama({"fp8": "delayed", "fp8_amax_history": 3})
     program = build(config, jax.devices()[:1])
