@@ -112,6 +112,7 @@ def base_config() -> ConfigDict:
             zero_axes="auto",
             sequence_parallel=False,
             collective_matmul=False,
+            expert_overlap=False,
             remat="auto",
             attention_impl="auto",
             pipeline_schedule="1f1b",  # the pipeline keys are read when mesh.pipeline > 1
@@ -236,6 +237,8 @@ MEANINGS = {
     "(reduce-scatter + all-gather instead of all-reduce; less activation memory)",
     "parallel.collective_matmul": "with sequence parallelism: the gathers before and the scatters after the dense "
     "projections as rings of collective-permutes, each overlapping a partial matmul",
+    "parallel.expert_overlap": "with expert parallelism: each device's rows dispatched to the experts in two independent "
+    "chunks, so one chunk's all-to-all can run beside the other's expert matmuls",
     "parallel.remat": "what the backward recomputes; offload: save_dots' projection outputs wait in host memory; auto: full "
     "on CPU (measured), on an accelerator the cost model's fastest that fits (scripts/train.py)",
     "parallel.attention_impl": "the attention kernel; auto: cudnn on GPU for 16-bit compute, jaxpar_xla on CPU, xla "

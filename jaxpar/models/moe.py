@@ -209,7 +209,7 @@ class MoEBlock(nnx.Module):
         capacity = expert_capacity(x.shape[1], spec.top_k, spec.experts, spec.capacity_factor)
         out = moe_ffn(
             x, ids, weights.astype(x.dtype), self.experts.weights(), num_experts=spec.experts, capacity=capacity,
-            rules=opts.rules, activation=spec.activation, fp8=opts.fp8_at("experts"),
+            rules=opts.rules, activation=spec.activation, fp8=opts.fp8_at("experts"), chunks=opts.plan.expert_chunks,
         )
         if spec.shared_ffn and spec.shared_gate:  # profiled under the dense MLP's scope, "mlp"
             shared, _ = self.shared_expert(x, opts)

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import EXPERT
+from jaxpar.axes import DATA, EXPERT, PIPELINE
 from jaxpar.kernels.fp8 import fp8_input, fp8_output, fp8_weight
 from jaxpar.kernels.grouped_matmul import (
     group_tile,
@@ -63,6 +63,20 @@ from jaxpar.kernels.grouped_matmul import (
     resolve_impl,
 )
 from jaxpar.manual import manual_axes
+
+
+def overlap_checks(config, mesh: dict) -> list[str]:
+    """`parallel.expert_overlap`: whole rows per chunk on every device, outside a pipeline."""
+    if not config.parallel.expert_overlap or mesh[EXPERT] == 1:
+        return []
+    if mesh.get(PIPELINE, 1) > 1:
+        return ["parallel.expert_overlap=True is not supported with mesh.pipeline > 1 yet"]
+    train = config.train
+    rows = train.global_batch_size // (mesh[DATA] * mesh[EXPERT] * max(1, train.grad_accum))
+    if rows % 2:
+        return [f"parallel.expert_overlap=True splits each device's rows in two, but it holds {rows} per microbatch "
+                f"(train.global_batch_size / (mesh.data x mesh.expert x train.grad_accum)); make that even"]
+    return []
 
 
 def checks(experts: int, mesh: dict, key: str) -> list[str]:
@@ -88,21 +102,23 @@ def swiglu(gate, up):
 
 
 def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules, matmul_impl: str | None = None,
-            activation=swiglu, fp8=None):
+            activation=swiglu, fp8=None, chunks: int = 1):
     """Sum over k of weights[..., k] · expert_{ids[..., k]}(x), for x [B, S, D], ids / weights
     [B, S, k]; `experts` = (gate [E, D, F], up [E, D, F], down [E, F, D]) gated-MLP weights, and
     optionally their biases (gate [E, F], up [E, F], down [E, D]) after them (gpt-oss);
     `activation(gate, up)` the hidden state (default `swiglu`). `rules` None: no mesh.
     `matmul_impl`: see `grouped_matmul` (dropless only). `fp8`: the experts' matmuls in FP8 with
-    this scaling (`jaxpar.kernels.fp8`, quantize-dequantize form; None: compute dtype)."""
-    local = functools.partial(
+    this scaling (`jaxpar.kernels.fp8`, quantize-dequantize form; None: compute dtype). `chunks` > 1
+    (`parallel.expert_overlap`): each device's rows in that many chunks, each dispatched, computed and
+    returned on its own (`_in_chunks`)."""
+    local = _in_chunks(functools.partial(
         _capacity_local if capacity else _dropless_local,
         num_experts=num_experts,
         capacity=capacity,
         matmul_impl=matmul_impl,
         activation=activation,
         fp8=fp8,
-    )
+    ), chunks)
     if rules is None:
         return local(x, ids, weights, *experts, ep=1, exchange=None)
     ep = rules.mesh.shape[EXPERT]
@@ -145,6 +161,21 @@ def moe_ffn(x, ids, weights, experts, *, num_experts: int, capacity: int, rules,
         axis_names={*batch_axes, *seq_axes},
         check_vma=False,
     )(x, ids, weights, *experts)
+
+
+def _in_chunks(local, chunks: int):
+    """`local` over the rows in `chunks` independent chunks (DeepSeek's and MaxText's batch splitting):
+    no chunk's all-to-all waits for another chunk's expert matmuls, so a scheduler may run one chunk's
+    exchange behind the other's compute. Rows are whole sequences, so capacity mode (first C of each
+    row) and dropless mode give the same outputs as without chunks. Preflight keeps the rows divisible."""
+    if chunks == 1:
+        return local
+
+    def chunked(x, ids, weights, *experts, **kw):
+        parts = zip(*(jnp.split(a, chunks, axis=0) for a in (x, ids, weights)))
+        return jnp.concatenate([local(*part, *experts, **kw) for part in parts], axis=0)
+
+    return chunked
 
 
 def _all_to_all(a, axis: int):

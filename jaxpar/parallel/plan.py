@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import jax
 
-from jaxpar.axes import CONTEXT, DATA, MESH_AXES
+from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES
 from jaxpar.parallel.context.plan import ContextPlan, context_plan
 from jaxpar.parallel.data import BATCH_AXES, GradientStrategy, gradient_strategy
 from jaxpar.parallel.pipeline.options import PipelineOptions, pipeline_options
@@ -65,6 +65,9 @@ class ParallelPlan:
     context: ContextPlan | None = None  # None: mesh.context == 1
     remat: str = "none"  # a name of REMAT_NAMES (resolved for the backend, never "auto")
     attention: str = "xla"  # the attention kernel: "xla", "cudnn" or "jaxpar_xla" (resolved)
+    # Rows of each device's MoE batch dispatched as this many independent chunks (`parallel.expert_overlap`:
+    # 2 with expert parallelism, else 1), so one chunk's all-to-all can run beside another's experts.
+    expert_chunks: int = 1
 
     def size(self, axis: str) -> int:
         return dict(self.mesh_shape)[axis]
@@ -109,4 +112,5 @@ def make_plan(config, mesh: dict, facts, backend: str | None = None) -> Parallel
         context=context_plan(config, mesh, facts),
         remat=resolve_remat(config.parallel.remat, backend),
         attention=resolve_attention(config.parallel.attention_impl, config.train.compute_dtype, backend),
+        expert_chunks=2 if config.parallel.expert_overlap and mesh[EXPERT] > 1 else 1,
     )

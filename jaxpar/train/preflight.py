@@ -36,7 +36,7 @@ from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models import lora
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
-from jaxpar.parallel import data, tensor, zero
+from jaxpar.parallel import data, expert, tensor, zero
 from jaxpar.parallel.context import plan as context
 from jaxpar.parallel.pipeline import options as pipeline
 from jaxpar.parallel.plan import ATTENTION_IMPLS, REMAT_NAMES
@@ -162,6 +162,7 @@ def _config_problems(
     if sane and mesh is not None:
         errors += data.checks(config, mesh)
         errors += tensor.checks(config, mesh)
+        errors += expert.overlap_checks(config, mesh)
         errors += zero.checks(config, mesh)
         facts = fam.facts(config.model)
         if parallel.collective_matmul and mesh[TENSOR] > 1 and (facts.is_moe or facts.flops_latent):

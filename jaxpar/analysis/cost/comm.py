@@ -254,10 +254,13 @@ def expert_collectives(layout: Layout) -> list[Planned]:
         # (measured, Mixtral 8x7B pipeline 2/4 x expert 2/4, remat full: 8 per layer, not 6).
         fwd_passes += 1
     counts = layout.e * (layout.experts // layout.e) * 4
+    # parallel.expert_overlap: each exchange in k independent chunks of 1/k the rows, which XLA may run
+    # behind the other chunks' expert matmuls (`jaxpar.parallel.expert._in_chunks`).
+    k = layout.plan.expert_chunks
     return [
-        Planned(ALL_TO_ALL, axes, buffer, 2 * L * fwd_passes, "EP: dispatch and return (fwd)"),
-        Planned(ALL_TO_ALL, axes, buffer, 2 * L, "EP: dispatch and return (bwd)"),
-        Planned(ALL_TO_ALL, axes, counts, L * fwd_passes * layout.microbatches, "EP: per-expert counts"),
+        Planned(ALL_TO_ALL, axes, buffer / k, 2 * L * fwd_passes * k, "EP: dispatch and return (fwd)", k > 1),
+        Planned(ALL_TO_ALL, axes, buffer / k, 2 * L * k, "EP: dispatch and return (bwd)", k > 1),
+        Planned(ALL_TO_ALL, axes, counts, L * fwd_passes * layout.microbatches * k, "EP: per-expert counts"),
     ]
 
 
