@@ -183,7 +183,7 @@ def _config_problems(
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
     errors += train_choices(train) + optimizer_checks(train, config.model)
     if sane and "lora" in train:
-        errors += lora.problems(train.lora, models.logical_axes(config.model))
+        errors += lora.problems(train.lora, lambda: models.logical_axes(config.model))
         if not errors and train.lora.init_from_peft:
             try:  # the adapter's rank, alpha, targets and every tensor's shape, before anything compiles
                 peft.load(train.lora.init_from_peft, lora.adapted(config.model, train.lora))
