@@ -6,13 +6,13 @@ shardings built in `jaxpar.train.setup` from the rules table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
 
 from jaxpar import models
 from jaxpar.models import lora
@@ -28,15 +28,32 @@ from jaxpar.train import dpo as dpo_objective
 from jaxpar.train.loss import model_loss, token_loss
 from jaxpar.train.loss_scale import LossScale, all_finite
 
+_FIELDS = ("step", "params", "opt_state", "loss_scale")
 
-@struct.dataclass
+
+@jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass(frozen=True)
 class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
     loss_scale: LossScale
     # train.objective dpo without LoRA: the frozen reference model (the starting params); else None.
+    # Without one the pytree has exactly the four fields it always had, so checkpoints saved before
+    # the field existed restore (Orbax compares tree structures, and a None node is one).
     reference: Any = None
+
+    def replace(self, **changes) -> TrainState:
+        return dataclasses.replace(self, **changes)
+
+    def tree_flatten_with_keys(self):
+        names = _FIELDS + (("reference",) if self.reference is not None else ())
+        children = (self.step, self.params, self.opt_state, self.loss_scale, self.reference)[: len(names)]
+        return [(jax.tree_util.GetAttrKey(n), c) for n, c in zip(names, children)], len(names) > len(_FIELDS)
+
+    @classmethod
+    def tree_unflatten(cls, has_reference, children):
+        return cls(*children) if has_reference else cls(*children, reference=None)
 
 
 def stage_model(model_config) -> StageModel:
