@@ -121,3 +121,17 @@ def test_an_attention_soft_cap_is_refused(checkpoint, tmp_path):
         json.dumps({**json.loads((directory / "hf" / "config.json").read_text()), "attn_logit_softcapping": 50.0}))
     with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 is not supported"):
         hf.model_config(tmp_path)
+
+
+def test_the_two_rope_rows_are_each_kinds_own_base():
+    """Full layers: rope_theta with linear scaling (inverse frequencies divided by its factor); sliding
+    layers: rope_local_base_freq unscaled — each row against its closed form."""
+    from jaxpar.models.gemma3_text import rope_frequencies
+    from tests.support import tiny
+
+    cfg = tiny.gemma3_text().model
+    dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    exponents = np.arange(0, dim, 2) / dim
+    full, local = np.asarray(rope_frequencies(cfg))
+    np.testing.assert_allclose(full, 1.0 / (1e6**exponents) / 2.0, rtol=1e-6)
+    np.testing.assert_allclose(local, 1.0 / (1e4**exponents), rtol=1e-6)
