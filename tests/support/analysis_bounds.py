@@ -145,7 +145,6 @@ BOUNDS = {
     "accum2_bfloat16_per_replica": Bound(memory=0.052),
     # DeepSeek-V3 (tests/analysis/test_analysis_deepseek_v3.py).
     # memory -1.6%, FLOPs -0.5%; bytes data +0.0%, data,expert -0.0%, expert -0.0%
-    "expert4_deepseek_v3": Bound(memory=0.032),
     # memory -3.9%, FLOPs -0.4%; bytes data +0.0%, data,expert -0.0%, expert -0.0%
     "expert4_deepseek_v3_mtp": Bound(memory=0.078),
     # memory +10.9%, FLOPs -0.7%; bytes data -0.0%, tensor -0.0%
