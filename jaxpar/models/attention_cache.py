@@ -18,10 +18,9 @@ window is exact too.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from jaxpar.models.attention_pattern import _MASKED, Pattern
+from jaxpar.models.attention_pattern import _MASKED, Pattern, softmax_with_sinks
 
 
 def held_slots(last, size: int):
@@ -51,11 +50,7 @@ def ring_attention(q, k_new, v_new, ring, write_at, mask, pattern: Pattern):
     if pattern.softcap is not None:
         s = pattern.softcap * jnp.tanh(s / pattern.softcap)
     s = jnp.where(visible[:, None, None], s, _MASKED)
-    if pattern.sinks is not None:
-        sink = jnp.broadcast_to(pattern.sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1), s.shape[:-1] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-    else:
-        p = jax.nn.softmax(s, axis=-1)
+    p = softmax_with_sinks(s, pattern.sinks)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     kept = min(t, size)
     index = jnp.mod(write_at + t - kept + jnp.arange(kept, dtype=jnp.int32), size)

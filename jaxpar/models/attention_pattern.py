@@ -145,6 +145,15 @@ def is_plain(pattern: Pattern | None) -> bool:
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row gives no NaN
 
 
+def softmax_with_sinks(s, sinks):
+    """Softmax of masked fp32 scores [B, K, G, T, S] over keys, with one more logit per query head
+    (`sinks` [H] = [K·G], or None) in each denominator and no value."""
+    if sinks is None:
+        return jax.nn.softmax(s, axis=-1)
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, *s.shape[1:3], 1, 1), s.shape[:-1] + (1,))
+    return jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+
+
 def xla_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
     """The definition, differentiated by autodiff (`parallel.attention_impl` = xla): q [B, T, H, D]
     over k, v [B, T, K, D] in text order; padding rows (segment 0) give 0."""
@@ -163,11 +172,7 @@ def xla_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
     if segment_ids is not None:
         visible = visible & (segment_ids[:, None, None, :, None] == segment_ids[:, None, None, None, :])
     s = jnp.where(visible, s, _MASKED)
-    if pattern.sinks is not None:
-        sink = jnp.broadcast_to(pattern.sinks.astype(jnp.float32).reshape(1, kv, h // kv, 1, 1), s.shape[:-1] + (1,))
-        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-    else:
-        p = jax.nn.softmax(s, axis=-1)
+    p = softmax_with_sinks(s, pattern.sinks)
     out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out.reshape(b, t, h, d).astype(q.dtype)
     if segment_ids is None:
