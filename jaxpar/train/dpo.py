@@ -9,16 +9,16 @@ log-probabilities of a completion under the policy and the reference model,
 the loss is the mean of ℓ over the batch's pairs (`train.dpo.beta` β, `train.dpo.label_smoothing` ε).
 
 Two passes in one step:
-(a) forward only, the policy and the reference (`sequence_sums`): the per-segment sums, the loss
-    and its metrics, and c = ∂loss/∂(each completion's sum), a constant from here on;
+(a) forward only, the policy and the reference: every target's log-probability (`target_logps`;
+    on a pipeline mesh the engine's forward with the head per token,
+    `jaxpar.parallel.pipeline.engine.pipelined_target_logps`), the per-segment sums, the loss and
+    its metrics, and c = ∂loss/∂(each completion's sum), a constant from here on;
 (b) the loss depends on the policy only through those sums, so ∇loss = Σ_t c(t) ∇log p_t: the
     ordinary weighted next-token loss (`jaxpar.train.step.loss_and_grads`) with target weights
     −c(t)·N (N = the batch's target slots; `document_batch`'s weights are normalised so that
     mean(CE · weight) is the loss) has exactly DPO's gradient, on every gradient strategy (data,
-    ZeRO, tensor + SP, context, expert), with the model's auxiliary losses added as always. The step
-    reports the DPO loss of pass (a), not pass (b)'s surrogate.
-The pipeline's loss-only engine yields a mean, not per-segment sums: objective dpo refuses
-mesh.pipeline > 1 (`jaxpar.objective.checks`).
+    ZeRO, tensor + SP, context, expert, pipeline: any schedule), with the model's auxiliary losses
+    added as always. The step reports the DPO loss of pass (a), not pass (b)'s surrogate.
 
 The reference: with LoRA the same parameters without the adapters (`lora.base_of`, no copy);
 otherwise a frozen copy of the starting parameters, `TrainState.reference` (sharded like them,
@@ -94,14 +94,15 @@ def pair_loss(policy, reference, counts, dpo: Dpo):
     return mean(losses), metrics
 
 
-def dpo_pass(params, reference, batch, *, model_config, reference_config, opts, dpo: Dpo):
+def dpo_pass(params, reference, batch, *, model_config, reference_config, opts, dpo: Dpo, logps=target_logps):
     """Pass (a) of the module docstring on a preference batch [G, 3, S+1]: (DPO loss, metrics, the
-    surrogate batch for pass (b): `document_batch`'s dict with the weights −c(t)·N)."""
+    surrogate batch for pass (b): `document_batch`'s dict with the weights −c(t)·N). `logps`:
+    `target_logps`'s contract (the pipeline's engine on a pipeline mesh)."""
     rows, segments = batch[:, 0], batch[:, 1]
     marks = completion_marks(batch)
     plain = {"rows": rows, "segments": segments, "weights": (marks > 0).astype(jnp.float32)}
-    logps = [target_logps(p, plain, model_config=c, opts=opts) for p, c in ((params, model_config), (reference, reference_config))]
-    sums = [tuple(segment_sums(lp, marks, segments, m) for m in (CHOSEN, REJECTED)) for lp in logps]
+    per_target = [logps(p, plain, model_config=c, opts=opts) for p, c in ((params, model_config), (reference, reference_config))]
+    sums = [tuple(segment_sums(lp, marks, segments, m) for m in (CHOSEN, REJECTED)) for lp in per_target]
     ones = jnp.ones(marks.shape, jnp.float32)
     counts = tuple(segment_sums(ones, marks, segments, m) for m in (CHOSEN, REJECTED))
     (loss, metrics), slopes = jax.value_and_grad(

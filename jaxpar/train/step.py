@@ -21,7 +21,7 @@ from jaxpar.parallel import data
 from jaxpar.parallel.context.accumulation import per_rank_grads
 from jaxpar.parallel.context.sequence import document_batch
 from jaxpar.parallel.data import GradientStrategy
-from jaxpar.parallel.pipeline.engine import pipelined_loss_and_grads
+from jaxpar.parallel.pipeline.engine import pipelined_loss_and_grads, pipelined_target_logps
 from jaxpar.parallel.pipeline.stage import StageModel
 from jaxpar.parallel.zero import constrain_grads
 from jaxpar.train import dpo as dpo_objective
@@ -98,8 +98,12 @@ def dpo_loss_and_grads(state: TrainState, batch, *, model_config, opts: RunOptio
         reference, reference_config = state.reference, model_config
     else:
         reference, reference_config = lora.base_of(state.params), lora.base_config(model_config)
+    logps = dpo_objective.target_logps
+    if opts.plan.gradient is GradientStrategy.PIPELINED:
+        logps = lambda p, rows, model_config, opts: pipelined_target_logps(p, rows, model=stage_model(model_config), opts=opts)  # noqa: E731
     loss, metrics, surrogate = dpo_objective.dpo_pass(
-        state.params, reference, batch, model_config=model_config, reference_config=reference_config, opts=opts, dpo=dpo
+        state.params, reference, batch, model_config=model_config, reference_config=reference_config, opts=opts, dpo=dpo,
+        logps=logps,
     )
     _, grads, model_metrics = loss_and_grads(state.params, surrogate, model_config=model_config, opts=opts, scale=scale)
     return loss, grads, {**model_metrics, **metrics}

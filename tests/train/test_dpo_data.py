@@ -66,8 +66,6 @@ BAD = {
                   "train.dpo.label_smoothing=0.5 must be in [0.0, 0.5)"),
     "objective": (["--config.train.objective=ppo"], None, "train.objective='ppo' is not one of"),
     "lm_on_pairs": ([], None, "data.format='preference' holds preference pairs"),
-    "pipeline": (["--config.train.objective=dpo", "--config.mesh.pipeline=2"], None,
-                 "train.objective='dpo' does not run with mesh.pipeline=2"),
 }
 
 

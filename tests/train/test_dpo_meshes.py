@@ -20,7 +20,7 @@ from tests.support import tiny
 from tests.support.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error
 
 ROWS, SEQ, STEPS = 4, 32, 2
-METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "grad_norm")
+METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "grad_norm")
 
 
 def preference_batches(vocab: int, seed: int = 0):

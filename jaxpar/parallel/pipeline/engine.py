@@ -75,17 +75,18 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.axes import PIPELINE
 from jaxpar.manual import psum_wide, vary_everywhere, vary_everywhere_wide, vary_like
-from jaxpar.parallel.context.sequence import TokenBatch
+from jaxpar.parallel.context.sequence import TokenBatch, sequence_order
 from jaxpar.parallel.pipeline import router
 from jaxpar.parallel.pipeline.layout import from_stages, to_stages
 from jaxpar.parallel.pipeline.shard import setup
 from jaxpar.parallel.pipeline.slots import FIRST, LAST
 from jaxpar.parallel.pipeline.stage import Ends, Stage, StageModel
 from jaxpar.parallel.pipeline.vocab import head_loss, lookup, shard_offset
-from jaxpar.parallel.tensor import mean_cross_entropy
+from jaxpar.parallel.tensor import cross_entropy, mean_cross_entropy
 from jaxpar.parallel.zero import in_use
 from jaxpar.sharding import RESIDUAL, is_logical_names
 
@@ -115,9 +116,10 @@ def _zeros(tree, lead=(), dtype=jnp.float32):
 
 
 def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, steps, scale, *, plan, layout,
-            stage_model, opts, shared_names, batch_axes, vocab, ends: Ends, train=True):
+            stage_model, opts, shared_names, batch_axes, vocab, ends: Ends, train=True, per_token=False):
     """`train=False`: the loss only (eval) — the table's F actions and the head, every B and W
-    idle, no gradient carried. `ahead`: the microbatches' tokens ahead [m, D, mb, S] with
+    idle, no gradient carried; with `per_token`, every target's loss [m, mb, S] instead of their
+    mean (the carry's `ce` holds them per microbatch). `ahead`: the microbatches' tokens ahead [m, D, mb, S] with
     multi-token prediction on the last stage (`ends`), else ()."""
     p, m = plan.schedule.num_ranks, plan.schedule.num_microbatches
     dtype, zero3 = opts.compute_dtype, opts.plan.zero.shard_params
@@ -190,10 +192,15 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
         stage's output h."""
         model = stage.model(any_layer, sh)
         if not spread:  # this rank holds the whole (tensor-sharded) head
-            return mean_cross_entropy(model.logits_from_hidden(h, opts), tgt, w)
+            logits = model.logits_from_hidden(h, opts)
+            return cross_entropy(logits, tgt) if per_token else mean_cross_entropy(logits, tgt, w)
         normed = model.final_norm(vary_everywhere_wide(h))  # the transpose sums every rank's share of d h
         return head_loss(normed, model.head_weight(), tgt, offset, stage_model.vocab_size, rules, w,
-                         softcap=stage_model.logit_softcap)
+                         softcap=stage_model.logit_softcap, per_token=per_token)
+
+    def count_ce(total, ce, mb):
+        """The carry's `ce` with microbatch mb's loss added (per token: into its own row)."""
+        return total.at[mb].add(ce) if per_token else total + ce
 
     # Branch groups by the kind of stage (`slots`: FIRST, LAST): None, any stage's layers; FIRST,
     # the first stage's with the model's blocks before them; LAST, the last stage's followed by
@@ -293,7 +300,7 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
             tgt, w = targets[mb], weights_of(mb)
             if not train:
                 ce = head(shared, h, tgt, w)
-                return c._replace(ce=c.ce + jnp.where(on_last_rank, vary_everywhere(ce), 0.0))
+                return c._replace(ce=count_ce(c.ce, jnp.where(on_last_rank, vary_everywhere(ce), 0.0), mb))
             ce, pullback = jax.vjp(lambda sh, hh: head(sh, hh, tgt, w), shared, h)
             d_shared, d_h = pullback(vary_like(loss_cotangent, ce))
             c = c._replace(
@@ -324,8 +331,9 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
         mb = row["fwd_mb"]
         y, stats, d_head, shared_grads, ce, mtp = jax.lax.switch(
             branch, fwd_branches, x, targets[mb], weights_of(mb), of_microbatch(mb), ahead_of(mb), row["fwd_stage"],
-            shared_grads, carry.ce, carry.mtp,
+            shared_grads, carry.ce[mb] if per_token else carry.ce, carry.mtp,
         )
+        ce = carry.ce.at[mb].set(ce) if per_token else ce  # "ends": the branch added to microbatch mb's row
         carry = carry._replace(acts=acts, shared_grads=shared_grads, ce=ce, in_head=d_head, mtp=mtp)
         if train:
             carry = carry._replace(stats=jax.tree.map(lambda a, s: a.at[mb].add(s), carry.stats, stats))
@@ -391,10 +399,13 @@ def _engine(layers, shared, seq: TokenBatch, ahead, rank_tables, layout_tables, 
     if not train:
         start = Carry(
             acts=zeros_act((plan.act_slots + 1,)), grads=None, in_act=tuple(zeros_act() for _ in hops), in_grad=(),
-            in_head=zeros_act(), layer_grads=None, shared_grads=None, ce=vary_everywhere(jnp.zeros((), jnp.float32)),
+            in_head=zeros_act(), layer_grads=None, shared_grads=None,
+            ce=vary_everywhere(jnp.zeros(inputs.shape if per_token else (), jnp.float32)),
             aux=None, metrics=None, stats=_zeros(stats_shape, (m,)), totals=None,
         )
         end, _ = jax.lax.scan(eval_step, start, (rows, steps))
+        if per_token:  # counted on the last stage's rank ("ends") or the last rank ("spread"): zeros elsewhere
+            return jax.lax.psum(end.ce, PIPELINE)
         return jax.lax.psum(end.ce, (PIPELINE, *batch_axes)) / (m * replicas)
 
     start = Carry(
@@ -459,3 +470,13 @@ def pipelined_loss(params, batch, *, model: StageModel, opts):
     the engine without gradients: the table's F actions and the head only (eval)."""
     run, args, _ = setup(_engine, params, batch, model, opts, train=False)
     return run(*args, jnp.asarray(1.0, jnp.float32))
+
+
+def pipelined_target_logps(params, rows, *, model: StageModel, opts):
+    """log p of every next-token target [G, S] fp32 in text order (`rows`: a `document_batch`
+    dict), forward only as `pipelined_loss` runs, per token: DPO's sequence sums (`jaxpar.train.dpo`)."""
+    run, args, _ = setup(_engine, jax.lax.stop_gradient(params), rows, model, opts, train=False, per_token=True)
+    logps = -run(*args, jnp.asarray(1.0, jnp.float32))  # [m, mb, S] in the plan's sequence order
+    order = sequence_order(opts.plan.context, logps.shape[-1])
+    logps = logps if order is None else logps[..., np.argsort(order)]
+    return logps.swapaxes(0, 1).reshape(-1, logps.shape[-1])  # microbatch k holds rows j·m + k

@@ -44,9 +44,10 @@ def _layout(split, p, v, stages, stored):
     return stage_layout(split, p, v, stages, stored)
 
 
-def setup(engine, params, batch, model: StageModel, opts, train: bool):
-    """The shard_map of `engine` for this plan (`train`: with gradients; else the loss only), its
-    arguments (scale last, to fill in), and the batch axes it is manual over."""
+def setup(engine, params, batch, model: StageModel, opts, train: bool, per_token: bool = False):
+    """The shard_map of `engine` for this plan (`train`: with gradients; else the loss only, or
+    with `per_token` every target's loss [m, mb, S]), its arguments (scale last, to fill in), and
+    the batch axes it is manual over."""
     pipe, rules = opts.plan.pipeline, opts.rules
     mesh = rules.mesh
     plan = pipe.slot_plan
@@ -96,14 +97,14 @@ def setup(engine, params, batch, model: StageModel, opts, train: bool):
     run = jax.shard_map(
         functools.partial(
             engine, plan=plan, layout=layout, stage_model=model, opts=opts, shared_names=shared_names,
-            batch_axes=batch_axes, vocab=pipe.vocab, ends=ends, train=train,
+            batch_axes=batch_axes, vocab=pipe.vocab, ends=ends, train=train, per_token=per_token,
         ),
         mesh=mesh,
         in_specs=(
             layer_specs, shared_specs, jax.tree.map(lambda _: P(None, rows, seq_axes), seq),
             jax.tree.map(lambda _: P(None, None, rows, seq_axes), ahead), P(None, PIPELINE), P(PIPELINE), P(), P(),
         ),
-        out_specs=(P(), layer_grad_specs, shared_grad_specs, P()) if train else P(),
+        out_specs=(P(), layer_grad_specs, shared_grad_specs, P()) if train else P(None, rows, seq_axes) if per_token else P(),
         axis_names=manual,
     )
     return run, (params["layers"], shared, seq, ahead, rank_tables, layout_tables, steps), batch_axes

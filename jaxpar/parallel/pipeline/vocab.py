@@ -55,11 +55,13 @@ def lookup(table, tokens, offset, scale: float | None = None):
     return jnp.where(mine[..., None], rows, jnp.zeros((), rows.dtype))
 
 
-def head_loss(normed, head, targets, offset, vocab_size: int, rules, weights=None, softcap: float | None = None):
+def head_loss(normed, head, targets, offset, vocab_size: int, rules, weights=None, softcap: float | None = None,
+              per_token: bool = False):
     """Mean cross-entropy of [mb, S, D] final-normed activations against targets [mb, S], with this
     rank's head shard [D, V/p] (fp32 logits, padded columns masked, combined over `pipeline`);
     with `weights` [mb, S] the mean of loss · weight (packed documents); `softcap`: the logits
-    capped first (`Decoder.final_logit_softcap`)."""
+    capped first (`Decoder.final_logit_softcap`). `per_token`: each target's loss [mb, S] instead
+    (DPO's sequence sums), `weights` unused."""
     with jax.named_scope("lm_head"):
         if normed.dtype == jnp.float16:  # as `jaxpar.models.layers.project_to_vocab`
             normed, head = normed.astype(jnp.float32), head.astype(jnp.float32)
@@ -75,4 +77,6 @@ def head_loss(normed, head, targets, offset, vocab_size: int, rules, weights=Non
         log_normalizer = top + jnp.log(jax.lax.psum(jnp.exp(local - top), PIPELINE))
         label = jax.lax.psum(jnp.sum(jnp.where(column == targets[..., None], logits, 0.0), axis=-1), PIPELINE)
         losses = log_normalizer - label
+        if per_token:
+            return losses
         return jnp.mean(losses if weights is None else losses * weights)
