@@ -6,60 +6,14 @@ without adapters) on context 2 with load balancing (the per-rank gradient path a
 sequence).
 """
 
-import copy
-
 import jax
 import numpy as np
 import pytest
 
-from jaxpar.data.chat import Rendered
-from jaxpar.data.formats import pair_document
-from jaxpar.data.packing import ListStream, Packer
 from jaxpar.train.setup import build
 from tests.support import tiny
+from tests.support.dpo import METRICS, dpo_config, preference_batches, run
 from tests.support.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error
-
-ROWS, SEQ, STEPS = 4, 32, 2
-METRICS = ("loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "grad_norm")
-
-
-def preference_batches(vocab: int, seed: int = 0):
-    """STEPS packed batches [ROWS, 3, SEQ+1] of random pairs (prompt 2-6 tokens, completions 2-6)."""
-    rng = np.random.default_rng(seed)
-
-    def half(prompt):
-        completion = rng.integers(0, vocab, int(rng.integers(2, 7)))
-        ids = np.concatenate([prompt, completion])
-        return Rendered(ids.astype(np.int32), np.r_[np.zeros(len(prompt)), np.ones(len(completion))].astype(np.int32), (len(ids),))
-
-    docs = []
-    for _ in range(ROWS * STEPS * 3):
-        prompt = rng.integers(0, vocab, int(rng.integers(2, 7)))
-        docs.append(pair_document((half(prompt), half(prompt))))
-    packer = Packer(ListStream(docs), ROWS, SEQ + 1)
-    return [next(packer) for _ in range(STEPS)]
-
-
-def dpo_config(config, **train):
-    config = copy.deepcopy(config)
-    config.train.update(global_batch_size=ROWS, seq_len=SEQ, objective="dpo", learning_rate=1e-2, **train)
-    config.train.dpo.update(beta=0.5, label_smoothing=0.1)
-    config.data.format = "preference"
-    return config
-
-
-def run(config, batches, devices: int, params=None):
-    program = build(config, jax.devices()[:devices])
-    state = program.init() if params is None else program.init_from_params(params)
-    out = {"init": jax.device_get(program.to_natural(state).params), **{k: [] for k in METRICS}}
-    for step, batch in enumerate(batches):
-        state, metrics, grads = program.step_with_grads(state, jax.device_put(batch, program.batch_sharding))
-        out["grads"] = jax.device_get(grads) if step == 0 else out["grads"]
-        for key in METRICS:
-            out[key].append(float(metrics[key]))
-    out["final"] = jax.device_get(program.to_natural(state).params)
-    return out
-
 
 CASES = {
     "llama_data2_zero3_tensor2_accum2": (tiny.llama, {"data": 2, "tensor": 2}, {"zero_stage": 3}, {"grad_accum": 2}),
