@@ -6,6 +6,8 @@ without adapters) on context 2 with load balancing (the per-rank gradient path a
 sequence).
 """
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import pytest
 from jaxpar.train.setup import build
 from tests.support import tiny
 from tests.support.dpo import METRICS, dpo_config, preference_batches, run
+from tests.support.pipeline_cases import pp
 from tests.support.reference import PARAM_L2_RTOL, PARAM_RTOL, l2_relative_error, max_relative_error
 
 CASES = {
@@ -47,13 +50,15 @@ def test_dpo_on_a_mesh_equals_one_device(case):
 
 def test_memory_model_prices_the_reference_copy():
     """The analytic memory model's parameter bytes under DPO: the params and the reference copy, as the
-    built program's state holds them (data 4 × tensor 2, ZeRO-3); with LoRA no copy."""
+    built program's state holds them (data 4 × tensor 2, ZeRO-3; pipeline 2 × data 2 × tensor 2, zb_v);
+    with LoRA no copy."""
     from jaxpar.analysis.cost.layout import Layout
     from jaxpar.analysis.cost.memory import estimate_memory
     from jaxpar.train.setup import bytes_per_device
 
-    for lora in (0, 4):
-        config = tiny.with_overrides(dpo_config(tiny.llama()), {"data": 4, "tensor": 2}, parallel={"zero_stage": 3})
+    meshes = (({"data": 4, "tensor": 2}, {"zero_stage": 3}), ({"pipeline": 2, "data": 2, "tensor": 2}, pp("zb_v", 2, 2)))
+    for (mesh, parallel), lora in itertools.product(meshes, (0, 4)):
+        config = tiny.with_overrides(dpo_config(tiny.llama(num_hidden_layers=4)), mesh, parallel=parallel)
         config.train.lora.update(rank=lora, alpha=8.0)
         program = build(config, jax.devices()[:8])
         state = jax.eval_shape(program.init)

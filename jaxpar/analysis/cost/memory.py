@@ -320,14 +320,17 @@ def _moe_saved_per_token(layout: Layout, remat: str) -> float:
     return 0.0
 
 
+def _reference_copies(layout: Layout, counts) -> int:
+    """2 under DPO without LoRA (the frozen reference copy, sharded like the params: `jaxpar.objective`), else 1."""
+    return 2 if objective.settings(layout.config.train) is not None and counts.trained_as_params == counts.as_params else 1
+
+
 def estimate_memory(layout: Layout) -> MemoryEstimate:
     if layout.p > 1:
         return pipeline_memory(layout)
     counts = param_counts(layout)
     pb, cb = layout.param_bytes, layout.compute_bytes
-    params = counts.as_params * pb
-    if objective.settings(layout.config.train) is not None and counts.trained_as_params == counts.as_params:
-        params *= 2  # DPO without LoRA: the frozen reference copy, sharded like the params (`jaxpar.objective`)
+    params = counts.as_params * pb * _reference_copies(layout, counts)
     optimizer = optimizer_terms(layout).state_bytes
     grads = 4 * counts.gradients(layout.zero.shard_optimizer_state)
     carry, buffers = 0, OPTIMIZER_GRAD_BUFFERS
@@ -464,7 +467,7 @@ def pipeline_memory(layout: Layout) -> MemoryEstimate:
     stage = chunk_layers * mb_tokens * device_saved_per_token_layer(layout)
     working = _working_set(layout, counts, mb_tokens, chunk_layers)
     return MemoryEstimate(
-        params=counts.as_params * pb,
+        params=counts.as_params * pb * _reference_copies(layout, counts),
         optimizer=optimizer_terms(layout).state_bytes,
         grads=grads,
         stash=int(stage),
