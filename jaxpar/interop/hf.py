@@ -1,12 +1,14 @@
 """transformers (Hugging Face) checkpoints <-> jaxpar `(config.model, params)`.
 
 `load(path)` reads a `save_pretrained` directory (config.json + model.safetensors, or an index and
-shards) into a `config.model` ConfigDict and numpy float32 params; `save(path, model_config, params)`
-writes one that `transformers.<Arch>ForCausalLM.from_pretrained` loads. The family's adapter
-(its record in `jaxpar.models.families`) supplies the config converters and the layer table; the
-family-independent work is in `jaxpar.interop.hf_core`. For models larger than one host's memory,
-`jaxpar.interop.sharded` reads straight onto a mesh, and `save` streams: params may be global
-jax.Arrays on any mesh, fetched one layer at a time into shards of at most `max_shard_bytes`.
+shards) into a `config.model` ConfigDict and numpy float32 params (of a model that holds a family's
+model inside, such as Gemma 3's multimodal one, that inner model: `Adapter.wrappers`, `checkpoint`);
+`save(path, model_config, params)` writes one that `transformers.<Arch>ForCausalLM.from_pretrained`
+loads (the family's model alone). The family's adapter (its record in `jaxpar.models.families`)
+supplies the config converters and the layer table; the family-independent work is in
+`jaxpar.interop.hf_core`. For models larger than one host's memory, `jaxpar.interop.sharded` reads
+straight onto a mesh, and `save` streams: params may be global jax.Arrays on any mesh, fetched one
+layer at a time into shards of at most `max_shard_bytes`.
 
 Every error names the file (and the tensor) at fault. `save` refuses a non-empty directory unless
 `overwrite=True`, which first removes an earlier checkpoint's config, index and shards there.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ from jaxpar.config import resolve_derived
 from jaxpar.interop import hf_core
 from jaxpar.models import param_shapes
 from jaxpar.models.families import FAMILIES
-from jaxpar.models.hf_adapter import Adapter
+from jaxpar.models.hf_adapter import Adapter, Wrapper
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' default max_shard_size ("5GB")
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"
@@ -41,6 +44,41 @@ def _adapter(model_type, where: str = "config.json") -> Adapter:
     if model_type not in FAMILIES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported (only {', '.join(sorted(FAMILIES))})")
     return FAMILIES[model_type].hf
+
+
+def _reader(hf_config: dict, where: str) -> tuple[Adapter, Wrapper | None]:
+    """The adapter that reads a config.json, and the wrapper when the file is a model holding a
+    family's model inside (`Adapter.wrappers`: Gemma 3's multimodal checkpoints)."""
+    model_type = hf_config.get("model_type")
+    wrapped = {w.model_type: (family.hf, w) for family in FAMILIES.values() for w in family.hf.wrappers}
+    if model_type in FAMILIES or model_type not in wrapped:
+        return _adapter(model_type, where), None
+    return wrapped[model_type]
+
+
+def _inner_config(hf_config: dict, wrapper: Wrapper | None, where: str) -> dict:
+    if wrapper is None:
+        return hf_config
+    inner = hf_config.get(wrapper.config_key)
+    if not isinstance(inner, dict):
+        raise ValueError(f"{where}: model_type {wrapper.model_type!r} needs a {wrapper.config_key} object")
+    return {**wrapper.defaults, **inner, **wrapper.overrides}
+
+
+def checkpoint(path, announce: bool = False) -> hf_core.Checkpoint:
+    """The tensor reader of a checkpoint directory; for a wrapped model (a multimodal Gemma 3),
+    one that names the inner model's tensors as that model does and skips the rest, saying so on
+    stderr in one line when `announce`."""
+    directory = os.fspath(path)
+    hf_config = hf_core.read_config(directory)
+    adapter, wrapper = _reader(hf_config, os.path.join(directory, hf_core.CONFIG_FILE))
+    get = hf_core.Checkpoint(directory, wrapper)
+    if announce and wrapper is not None:
+        parts = sorted({name.removeprefix("model.").split(".")[0] for name in get.skipped})
+        print(f"{directory}: {wrapper.hf_class}: loading its text model ({hf_config[wrapper.config_key].get('model_type')}, "
+              f"as {adapter.hf_class}); {len(get.skipped)} tensors of {', '.join(parts) or 'its other parts'} are not loaded",
+              file=sys.stderr)
+    return get
 
 
 def _leaf_shapes(tree) -> dict[str, tuple]:
@@ -61,14 +99,14 @@ def model_config(path) -> ConfigDict:
     directory = os.fspath(path)
     hf_config = hf_core.read_config(directory)
     file = os.path.join(directory, hf_core.CONFIG_FILE)
-    adapter = _adapter(hf_config.get("model_type"), file)
+    adapter, wrapper = _reader(hf_config, file)
     try:
-        cfg = adapter.to_model_config(hf_config)
+        cfg = adapter.to_model_config(_inner_config(hf_config, wrapper, file))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{file}: {e}") from None
     if adapter.fit_to_tensors is None or not hf_core.has_weights(directory):
         return cfg
-    with hf_core.Checkpoint(directory) as get:  # tensor names only (the index, or headers)
+    with checkpoint(directory) as get:  # tensor names only (the index, or headers)
         return adapter.fit_to_tensors(cfg, set(get.file_of))
 
 
@@ -100,7 +138,7 @@ def load(path) -> tuple[ConfigDict, dict]:
     directory = os.fspath(path)
     cfg = model_config(directory)
     adapter = FAMILIES[cfg.model_type].hf
-    with hf_core.Checkpoint(directory) as get:
+    with checkpoint(directory, announce=True) as get:
         params = hf_core.outer_from_hf(get, cfg)
         for stack in adapter.layer_stacks(cfg):
             params[stack.key] = hf_core.layers_from_hf(get, cfg, stack.table, stack.indices)

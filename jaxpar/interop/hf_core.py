@@ -82,12 +82,28 @@ def _weight_map(directory: str) -> dict[str, str]:
 
 
 class Checkpoint(contextlib.ExitStack):
-    """`get(name)` -> float32 numpy tensor, opening each file once; records which names were read."""
+    """`get(name)` -> float32 numpy tensor, opening each file once; records which names were read.
 
-    def __init__(self, directory: str):
+    `wrapper` (`jaxpar.models.hf_adapter.Wrapper`, a model holding the family's model inside):
+    tensors are named as the inner model names them, and those of the wrapper's other parts are
+    left out (`skipped` lists them)."""
+
+    def __init__(self, directory: str, wrapper=None):
         super().__init__()
         self.directory, self.file_of = directory, _weight_map(directory)
-        self.read, self._handles = set(), {}
+        self.read, self._handles, self._stored, self.skipped = set(), {}, {}, []
+        if wrapper is not None:
+            self.file_of = self._unwrapped(wrapper)
+
+    def _unwrapped(self, wrapper) -> dict[str, str]:
+        file_of = {}
+        for name, file in self.file_of.items():
+            if name.startswith(wrapper.ignored):
+                self.skipped.append(name)
+                continue
+            inner = next((new + name[len(old):] for old, new in wrapper.renamed.items() if name.startswith(old)), name)
+            file_of[inner], self._stored[inner] = file, name
+        return file_of
 
     def _handle(self, name: str):
         if name not in self.file_of:
@@ -101,13 +117,13 @@ class Checkpoint(contextlib.ExitStack):
     def __call__(self, name: str) -> np.ndarray:
         handle = self._handle(name)
         try:
-            return handle.get_tensor(name).astype(np.float32)
+            return handle.get_tensor(self._stored.get(name, name)).astype(np.float32)
         except Exception as e:  # noqa: BLE001 - a damaged file: name it and the tensor
             raise ValueError(f"{self.where(name)}: cannot read tensor {name} ({e})") from None
 
     def get_slice(self, name: str):
         """safetensors' lazy slice of `name`: indexing it reads only those bytes."""
-        return self._handle(name).get_slice(name)
+        return self._handle(name).get_slice(self._stored.get(name, name))
 
     def where(self, name: str) -> str:
         return self.file_of.get(name, self.directory)

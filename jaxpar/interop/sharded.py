@@ -18,7 +18,6 @@ problem naming the file and tensor.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import numpy as np
@@ -64,7 +63,7 @@ def load_params_onto(directory: str, model_config, shardings, dtype: str = "floa
     stacks = {stack.key: stack for stack in FAMILIES[cfg.model_type].hf.layer_stacks(cfg)}
     shapes = param_shapes(cfg)
     leaves = {}
-    with hf_core.Checkpoint(os.fspath(directory)) as get:
+    with hf.checkpoint(directory, announce=True) as get:
         for path, abstract in _paths(shapes):
             shape = tuple(abstract.shape)
 
@@ -131,7 +130,7 @@ def problems(directory: str, model_config, key: str = "train.init_from_hf") -> l
         described = ", ".join(f"model.{k} (checkpoint {saved.get(k)!r}, config {wanted.get(k)!r})" for k in differing)
         return [f"{flag}: its config.json differs from config.model in {described}; set config.model to the checkpoint's"]
     try:
-        with hf_core.Checkpoint(directory) as get:
+        with hf.checkpoint(directory) as get:
             found = {}
             for name in sorted(get.file_of):
                 found[name] = tuple(get.get_slice(name).get_shape())

@@ -366,6 +366,24 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class Wrapper:
+    """A transformers model that holds the family's model inside it (Gemma 3's multimodal
+    Gemma3ForConditionalGeneration holds a Gemma3ForCausalLM): loading reads only that inner model.
+    `config_key` names its config.json section (`defaults`: the inner model's defaults for keys
+    that section omits, `overrides`: the values the wrapper computes with whatever it says);
+    `renamed` maps a prefix of the wrapper's tensor names to the inner model's own (every layout
+    transformers writes); tensors under `ignored` are the other parts (a vision tower), not loaded."""
+
+    model_type: str
+    hf_class: str
+    config_key: str
+    renamed: dict
+    ignored: tuple
+    defaults: dict = dataclass_field(default_factory=dict)
+    overrides: dict = dataclass_field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Adapter:
     """What a family needs to read and write transformers checkpoints."""
 
@@ -383,6 +401,8 @@ class Adapter:
     # (config.model from config.json, the checkpoint's tensor names) -> config.model of the tensors
     # it holds (parts of the format a checkpoint may leave out, e.g. DeepSeek-V3's MTP layers).
     fit_to_tensors: Callable[[ConfigDict, set], ConfigDict] | None = None
+    # The models that hold this one inside (`Wrapper`): read, never written.
+    wrappers: tuple = ()
 
     def layer_stacks(self, cfg) -> list[Stack]:
         if self.stacks is not None:

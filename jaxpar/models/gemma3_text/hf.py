@@ -6,6 +6,13 @@ model scales by 1 + weight). RoPE per layer kind: transformers 5 writes `rope_pa
 `full_attention` and a `sliding_attention` entry, older files `rope_theta` + `rope_scaling` (full
 layers) and `rope_local_base_freq`; both are read, the first written. The layers' windows are not
 tensors: they come from `sliding_window` and `layer_types` (`FromConfig`).
+
+The released checkpoints are multimodal (`MULTIMODAL`: Gemma3ForConditionalGeneration, model_type
+gemma3): their text model is read from `text_config` and the `language_model` tensors (named
+`language_model.model.*` in the released files and transformers 5's, `model.language_model.*` in
+transformers 4.5x's), without the final logit soft-cap the multimodal class never applies; the
+vision tower and the projector are not loaded. Saving writes the text model alone, as
+Gemma3ForCausalLM.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from jaxpar.models.hf_adapter import (
     Adapter,
     FromConfig,
     Weight,
+    Wrapper,
     decoder_hf_fields,
     decoder_model_fields,
     reject_unsupported,
@@ -102,4 +110,18 @@ def hf_config(cfg) -> dict:
     )
 
 
-ADAPTER = Adapter("Gemma3ForCausalLM", model_config, hf_config, LAYER)
+# Gemma3TextConfig's defaults (the family schema's) for the keys a released file's `text_config` omits.
+TEXT_DEFAULTS = {key: gemma3_config()[key] for key in (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "max_position_embeddings", "tie_word_embeddings",
+)}
+MULTIMODAL = Wrapper(
+    "gemma3", "Gemma3ForConditionalGeneration", "text_config",
+    renamed={"language_model.model.": "model.", "model.language_model.": "model.", "language_model.lm_head.": "lm_head."},
+    ignored=("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector."),
+    defaults=TEXT_DEFAULTS,
+    # Gemma3ForConditionalGeneration never applies text_config's final soft-cap (Gemma3ForCausalLM
+    # does); the released files leave it null.
+    overrides={"final_logit_softcapping": None},
+)
+ADAPTER = Adapter("Gemma3ForCausalLM", model_config, hf_config, LAYER, wrappers=(MULTIMODAL,))
