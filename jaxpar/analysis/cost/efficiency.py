@@ -18,7 +18,8 @@ effects every GPU user sees, each a line or two of arithmetic:
    QK^T and PV at `Hardware.attention_efficiency` of peak for long sequences and S / (S + 128) of
    that at S keys (flat from 1k tokens up: a fused kernel's tile work grows with S); the XLA paths,
    which materialise [S, S] scores, and context parallelism's blockwise kernels run them as batched
-   GEMMs of [S_q, head_dim] x [head_dim, S_kv] (blocks of `parallel.context_block_size`) by rule 1.
+   GEMMs of [S_q, head_dim] x [head_dim, S_kv] (blocks of `parallel.context_block_size`) by rule 1,
+   one kernel per block pair for all of a microbatch's rows and the device's KV heads.
 3. Communication XLA overlaps with compute. XLA's GPU compiler issues collectives asynchronously
    and its latency-hiding scheduler moves them off the critical path when no op waits for them
    (MaxText's GPU recipes turn it on with --xla_gpu_enable_latency_hiding_scheduler and the
@@ -55,16 +56,37 @@ from jaxpar.parallel.context.blockwise import chunk_size
 ATTENTION_HALF_SEQ = 128
 
 
-def matmul_efficiency(m: float, n: float, k: float, dtype_bytes: int, hardware: hw.Hardware, dtype: str) -> float:
-    """Fraction of `hardware`'s `dtype` peak one [m, k] x [k, n] GEMM reaches (rule 1)."""
+def matmul_efficiency(m: float, n: float, k: float, dtype_bytes: int, hardware: hw.Hardware, dtype: str,
+                      batch: float = 1) -> float:
+    """Fraction of `hardware`'s `dtype` peak one [m, k] x [k, n] GEMM reaches (rule 1); `batch` of
+    them in one batched kernel share its fixed time."""
     if min(m, n, k) <= 0:
         return 1.0
     peak = hardware.peak(dtype)
-    flops = 2.0 * m * n * k
+    flops = 2.0 * m * n * k * batch
     eta = hardware.matmul_efficiency * (hardware.fp8_efficiency if dtype == hw.FLOAT8 else 1.0)
     compute = flops / (eta * peak)
-    memory = dtype_bytes * (m * k + k * n + m * n) / hardware.hbm_bandwidth
+    memory = batch * dtype_bytes * (m * k + k * n + m * n) / hardware.hbm_bandwidth
     return flops / (peak * (max(compute, memory) + hardware.kernel_seconds))
+
+
+def context_block_shape(layout: Layout) -> tuple[float, int, float]:
+    """(m, n, batch) of the QK^T dot (n = the key chunk, contraction head_dim) that context
+    parallelism's blockwise kernels (`jaxpar.parallel.context.blockwise`) run per query chunk x key
+    chunk: one dot_general batched over the microbatch's rows and the device's KV heads, each
+    query-head group's G heads times the query chunk as its rows ("bqhgd,bkhd->bhgqk"). PV is the
+    same shape transposed. all_to_all: whole sequences, 1/c of the heads; all_gather: key chunks of
+    the gathered sequence; ring: of each rank's block."""
+    block, local, c = layout.plan.context.block, layout.seq // layout.c, layout.c
+    rows = max(layout.rows // layout.microbatches, 1)
+    q_heads = layout.heads / layout.t
+    kv_heads = layout.local_kv_heads
+    if layout.context_impl == "all_to_all":
+        size = chunk_size(layout.seq, block)
+        q_heads, kv_heads = q_heads / c, max(kv_heads / c, 1)
+        return size * q_heads / kv_heads, size, rows * kv_heads
+    keys = chunk_size(layout.seq if layout.context_impl == "all_gather" else local, block)
+    return chunk_size(local, block) * q_heads / kv_heads, keys, rows * kv_heads
 
 
 def attention_efficiency(layout: Layout, hardware: hw.Hardware) -> float:
@@ -73,9 +95,10 @@ def attention_efficiency(layout: Layout, hardware: hw.Hardware) -> float:
     if layout.flash_attention:
         return hardware.attention_efficiency * layout.seq / (layout.seq + ATTENTION_HALF_SEQ)
     if layout.c > 1:
-        local = layout.seq // layout.c
-        block = chunk_size(local, layout.plan.context.block)
-        return matmul_efficiency(block, block, layout.head_dim, layout.activation_bytes, hardware, dtype)
+        # Batched: one kernel time per block pair, not per head, as the traced kernel's dots show
+        # (per head it was 32 launches where XLA runs one: docs/planner.md has the before and after).
+        m, n, batch = context_block_shape(layout)
+        return matmul_efficiency(m, n, layout.head_dim, layout.activation_bytes, hardware, dtype, batch)
     return matmul_efficiency(layout.seq, layout.seq, layout.head_dim, layout.activation_bytes, hardware, dtype)
 
 
