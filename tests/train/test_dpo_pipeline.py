@@ -3,8 +3,9 @@ reference's log-probabilities, `pipelined_target_logps`) and its weighted-token 
 the one-device run's DPO loss, rewards, accuracy, margin, step-1 gradients and final parameters
 after two steps (the first with the policy equal to its reference, the second not). Schedules: a V
 (zb_v: both end stages on rank 0) on pipeline 2 × data 2 with the reference copy and the
-vocab-parallel head; 1F1B with LoRA (the reference is the base without adapters); GPipe with LoRA
-and the head on the last stage only (`pipeline_vocab="ends"`). The other schedules run the same engine.
+vocab-parallel head; GPipe with LoRA (the reference is the base without adapters) and the head on
+the last stage only (`pipeline_vocab="ends"`). The other schedules run the same engine (1F1B with
+LoRA, interleaved, context and MoE meshes were checked by hand: docs/fine_tuning.md).
 """
 
 import jax
@@ -21,7 +22,6 @@ LORA = {"rank": 4, "alpha": 8.0}
 # name: (mesh, parallel, LoRA). 4 layers: a V on pipeline 2 runs 4 stages.
 CASES = {
     "zb_v_p2_data2": ({"pipeline": 2, "data": 2}, pp("zb_v", 2, 2), None),
-    "1f1b_p2_lora": ({"pipeline": 2}, pp("1f1b", 2), LORA),
     "gpipe_p2_ends_lora": ({"pipeline": 2}, pp("gpipe", 4, pipeline_vocab="ends"), LORA),
 }
 
@@ -48,7 +48,7 @@ def one_device():
     return get
 
 
-# Fast tier: the V with data (one case for suite time; LoRA's reference is proven on pipelines in the slow tier).
+# Fast tier: the V with data (one case for suite time; LoRA's reference on a pipeline: the slow tier).
 @pytest.mark.parametrize("case", slow_except(CASES, "zb_v_p2_data2"))
 def test_dpo_on_a_pipeline_equals_one_device(case, one_device):
     mesh, parallel, lora = CASES[case]
