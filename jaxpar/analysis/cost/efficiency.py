@@ -54,19 +54,23 @@ from jaxpar.parallel.context.blockwise import chunk_size
 # at 1k, 2k, 4k, 8k, 16k tokens (pytorch/benchmark PR #2296, CUTLASS kernel): 0.93 of the 16k rate
 # at 1k, which 128 reproduces (0.89 at 1k, 0.98 at 8k).
 ATTENTION_HALF_SEQ = 128
+# Context parallelism's blockwise kernels write both dots' results in fp32 (`preferred_element_type`).
+BLOCK_RESULT_BYTES = 4
 
 
 def matmul_efficiency(m: float, n: float, k: float, dtype_bytes: int, hardware: hw.Hardware, dtype: str,
-                      batch: float = 1) -> float:
+                      batch: float = 1, out_bytes: int | None = None) -> float:
     """Fraction of `hardware`'s `dtype` peak one [m, k] x [k, n] GEMM reaches (rule 1); `batch` of
-    them in one batched kernel share its fixed time."""
+    them in one batched kernel share its fixed time; `out_bytes`: the result's element size when
+    not the operands' (an fp32 result)."""
     if min(m, n, k) <= 0:
         return 1.0
     peak = hardware.peak(dtype)
     flops = 2.0 * m * n * k * batch
     eta = hardware.matmul_efficiency * (hardware.fp8_efficiency if dtype == hw.FLOAT8 else 1.0)
     compute = flops / (eta * peak)
-    memory = batch * dtype_bytes * (m * k + k * n + m * n) / hardware.hbm_bandwidth
+    out_bytes = dtype_bytes if out_bytes is None else out_bytes
+    memory = batch * (dtype_bytes * (m * k + k * n) + out_bytes * m * n) / hardware.hbm_bandwidth
     return flops / (peak * (max(compute, memory) + hardware.kernel_seconds))
 
 
@@ -97,8 +101,13 @@ def attention_efficiency(layout: Layout, hardware: hw.Hardware) -> float:
     if layout.c > 1:
         # Batched: one kernel time per block pair, not per head, as the traced kernel's dots show
         # (per head it was 32 launches where XLA runs one: docs/planner.md has the before and after).
+        # QK^T writes its [m, n] scores in fp32 and PV reads the probabilities cast back to the
+        # input dtype: the two dots' mean rate (equal FLOPs each).
         m, n, batch = context_block_shape(layout)
-        return matmul_efficiency(m, n, layout.head_dim, layout.activation_bytes, hardware, dtype, batch)
+        d, b = layout.head_dim, layout.activation_bytes
+        qk = matmul_efficiency(m, n, d, b, hardware, dtype, batch, out_bytes=BLOCK_RESULT_BYTES)
+        pv = matmul_efficiency(m, d, n, b, hardware, dtype, batch, out_bytes=BLOCK_RESULT_BYTES)
+        return 2 / (1 / qk + 1 / pv)
     return matmul_efficiency(layout.seq, layout.seq, layout.head_dim, layout.activation_bytes, hardware, dtype)
 
 

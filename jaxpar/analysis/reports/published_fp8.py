@@ -205,8 +205,8 @@ def split(est: Estimate) -> str:
 # Why a held-out run misses (not measured: what the prediction's step split points at).
 WHY = {
     "Llama 3.1 8B 64k, FSDP 4 CP 2": "jaxpar's context attention is its XLA blockwise kernel (`jaxpar.parallel.context."
-    "blockwise`): per 512 x 512 block pair one dot batched over the 8 KV heads, whose fp32 scores go through HBM "
-    "(memory-bound: 15% of peak on these H100s, rule 2 of `jaxpar.analysis.cost.efficiency`), where torchtitan runs a "
+    "blockwise`): per 512 x 512 block pair two dots batched over the 8 KV heads, whose fp32 scores go through HBM "
+    "(memory-bound: 12% of peak on these H100s, rule 2 of `jaxpar.analysis.cost.efficiency`), where torchtitan runs a "
     "fused flash kernel per ring step (priced at the fused kernel's 35% instead, the model gives +16%)",
     "Llama 3 70B, TP 4 PP 8 VP 5": "the prediction prices jaxpar's pipeline engine, which re-runs each stage's forward "
     "in its backward (a quarter of a middle rank's layer compute) and waits for its tensor and pipeline exchanges in "
