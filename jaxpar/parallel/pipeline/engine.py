@@ -64,7 +64,8 @@ with data, expert-as-data, tensor + SP, ZeRO-1/3, remat, tied embeddings),
 `tests/parallel/pipeline/test_pipeline_stage_maps.py` (V-shaped stage maps: hops 0 and ±1, both ends on rank 0)
 and `tests/parallel/pipeline/test_pipeline_moe.py` (Mixtral with expert, data and tensor axes), the end
 stages' extra work by `tests/models/test_families_degeneracy.py` (DeepSeek-V3's `*_dense_mtp*` cases), with context
-parallelism by `tests/parallel/test_context.py`; the slot plan by `tests/parallel/pipeline/test_pipeline_slots.py`.
+parallelism by `tests/parallel/test_context.py`; the slot plan by `tests/parallel/pipeline/test_pipeline_slots.py`;
+the forward-only pass per target (`pipelined_target_logps`, DPO's log-probabilities) by `tests/train/test_dpo_pipeline.py`.
 """
 
 from __future__ import annotations
