@@ -20,6 +20,7 @@ from ml_collections import FrozenConfigDict
 
 from jaxpar.model_facts import padded_vocab_size
 from jaxpar.models import lora as lora_adapters
+from jaxpar.models import lora_dropout
 from jaxpar.models import state as model_state
 from jaxpar.models.families import facts, family
 from jaxpar.models.options import RunOptions
@@ -81,11 +82,27 @@ def init_params(model_config, seed: int):
     return lora_adapters.with_init(params, _base_logical(cfg), lora, seed)
 
 
-def merge(model_config, params):
+@functools.lru_cache(maxsize=8)
+def _side_abstract(cfg: FrozenConfigDict):
+    """(graphdef of the model with its adapters beside their matrices, the matrices left without one)."""
+    module = nnx.eval_shape(lambda: _build(cfg, 0))
+    missing = lora_dropout.attach(module, param_shapes(cfg), logical_axes(cfg), lora_adapters.settings(cfg))
+    return nnx.split(module)[0], tuple(missing)
+
+
+def side_path_misses(model_config) -> tuple[str, ...]:
+    """The adapted matrices that adapter dropout cannot reach (`jaxpar.models.lora_dropout`)."""
+    return _side_abstract(frozen(model_config))[1]
+
+
+def merge(model_config, params, dropout_key=None):
     """The model module holding `params` (inside a traced function: a view, not a copy); LoRA
-    adapters folded into their matrices, the base frozen (`jaxpar.models.lora.fold`)."""
+    adapters folded into their matrices, the base frozen (`jaxpar.models.lora.fold`), or with a
+    `dropout_key` (training with `train.lora.dropout` > 0) run beside them on dropped-out inputs."""
     cfg = frozen(model_config)
     if (lora := lora_adapters.settings(cfg)) is not None:
+        if dropout_key is not None and lora_dropout.rate(lora) > 0:
+            return nnx.merge(_side_abstract(cfg)[0], lora_dropout.side_params(params, logical_axes(cfg), dropout_key))
         params = lora_adapters.fold(params, lora, logical_axes(cfg))
     return nnx.merge(graphdef(cfg), params)
 
@@ -100,7 +117,7 @@ def apply(model_config, params, tokens, opts: RunOptions = RunOptions(), positio
     # Model state keeps its stored dtype (its observations are exact; `jaxpar.models.state`).
     mask = model_state.state_mask(params, _abstract(frozen(model_config))[1])
     params = jax.tree.map(lambda p, kept: p if kept else p.astype(opts.compute_dtype), params, mask)
-    module = merge(model_config, params)
+    module = merge(model_config, params, opts.lora_dropout_key)
     if ahead is None:
         return module(tokens, opts, positions, segment_ids)
     return module(tokens, opts, positions, segment_ids, ahead=ahead)

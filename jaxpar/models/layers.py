@@ -86,6 +86,8 @@ class Attention(nnx.Module):
     `segment_ids` [B, S] (int; None: one sequence per row): packed documents, each attending only
     to itself; 0 marks padding, whose outputs are 0 (`causal_attention`)."""
 
+    lora_side = None  # LoRA adapters beside the matrices (`jaxpar.models.lora_dropout.Side`: adapter dropout)
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg)
         std = cfg.initializer_range
@@ -108,11 +110,14 @@ class Attention(nnx.Module):
         if opts.plan.tensor.collective_matmul:  # one ring of the sequence for all three (parallel/collective_matmul.py)
             q, k, v = column_parallel(x, (self.q[...], self.k[...], self.v[...]), opts.rules, (QKV_NAMES, KV_NAMES, KV_NAMES),
                                       (Q_OUT, KV_OUT, KV_OUT))
-            return checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
-        split = opts.plan.splits_sequence
-        q = checkpoint_name(project(x, self.q[...], splits_sequence=split, **fp8_args(opts, "q_proj", self.fp8_history, 0)), "q_proj")
-        k = checkpoint_name(project(x, self.k[...], splits_sequence=split, **fp8_args(opts, "k_proj", self.fp8_history, 1)), "k_proj")
-        v = checkpoint_name(project(x, self.v[...], splits_sequence=split, **fp8_args(opts, "v_proj", self.fp8_history, 2)), "v_proj")
+            q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
+        else:
+            split = opts.plan.splits_sequence
+            q = checkpoint_name(project(x, self.q[...], splits_sequence=split, **fp8_args(opts, "q_proj", self.fp8_history, 0)), "q_proj")
+            k = checkpoint_name(project(x, self.k[...], splits_sequence=split, **fp8_args(opts, "k_proj", self.fp8_history, 1)), "k_proj")
+            v = checkpoint_name(project(x, self.v[...], splits_sequence=split, **fp8_args(opts, "v_proj", self.fp8_history, 2)), "v_proj")
+        if self.lora_side is not None:
+            q, k, v = (self.lora_side.add(name, x, y) for name, y in zip("qkv", (q, k, v)))
         return q, k, v
 
     def _rotated_qkv(self, x, positions, inv_freq, opts: RunOptions):
@@ -132,9 +137,11 @@ class Attention(nnx.Module):
     def _output(self, out, opts: RunOptions):
         out = constrain(opts.rules, out, ("batch", "seq", "act_heads", "head_dim"))
         if opts.plan.tensor.collective_matmul:
-            return checkpoint_name(row_parallel(out, self.o[...], opts.rules, Q_OUT, ("heads", "head_dim", "embed"), 2), "o_proj")
-        fp8 = fp8_args(opts, "o_proj", self.fp8_history, 3)
-        return checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, **fp8), "o_proj")
+            y = checkpoint_name(row_parallel(out, self.o[...], opts.rules, Q_OUT, ("heads", "head_dim", "embed"), 2), "o_proj")
+        else:
+            fp8 = fp8_args(opts, "o_proj", self.fp8_history, 3)
+            y = checkpoint_name(project(out, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, **fp8), "o_proj")
+        return y if self.lora_side is None else self.lora_side.add("o", out, y, contract=2)
 
     def __call__(self, x, positions, inv_freq, opts: RunOptions, segment_ids=None):
         with jax.named_scope("attention"):
@@ -182,6 +189,7 @@ class MLP(nnx.Module):
     (a family's MLP may name another: Gemma's GeGLU takes tanh GELU)."""
 
     activation = staticmethod(jax.nn.silu)
+    lora_side = None  # LoRA adapters beside the matrices (`jaxpar.models.lora_dropout.Side`: adapter dropout)
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, ffn: int | None = None):
         """`ffn`: the hidden size (default `cfg.intermediate_size`; a shared expert's is its own)."""
@@ -199,15 +207,20 @@ class MLP(nnx.Module):
             with jax.named_scope("mlp"):
                 gate, up = column_parallel(x, (self.gate[...], self.up[...]), opts.rules, (MLP_IN, MLP_IN), (MLP_OUT, MLP_OUT))
                 gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+                gate, up = self._side("gate", x, gate), self._side("up", x, up)
                 hidden = constrain(opts.rules, type(self).activation(gate) * up, MLP_OUT)
                 down = row_parallel(hidden, self.down[...], opts.rules, MLP_OUT, ("mlp", "embed"))
-                return checkpoint_name(down, "mlp_down"), {}
+                return self._side("down", hidden, checkpoint_name(down, "mlp_down")), {}
         with jax.named_scope("mlp"):
             gate = checkpoint_name(project(x, self.gate[...], splits_sequence=split, **fp8_args(opts, "mlp_gate", history, 0)), "mlp_gate")
             up = checkpoint_name(project(x, self.up[...], splits_sequence=split, **fp8_args(opts, "mlp_up", history, 1)), "mlp_up")
+            gate, up = self._side("gate", x, gate), self._side("up", x, up)
             hidden = constrain(opts.rules, type(self).activation(gate) * up, ("batch", "seq", "act_mlp"))
             down = project(hidden, self.down[...], splits_sequence=split, **fp8_args(opts, "mlp_down", history, 2))
-            return checkpoint_name(down, "mlp_down"), {}
+            return self._side("down", hidden, checkpoint_name(down, "mlp_down")), {}
+
+    def _side(self, name, x, y):
+        return y if self.lora_side is None else self.lora_side.add(name, x, y)
 
 
 class Embedding(nnx.Module):

@@ -21,7 +21,8 @@ model config `base_config(cfg)` — no copy, the base leaves are shared.
 Folded, not a side path x·A·B: one code path for every family's projections (attention,
 MLP, experts, MLA's latents) without touching them, at the cost of a per-step delta the size of
 the targeted matrices and of their gradient w.r.t. the folded weight (not stored between steps).
-Adapter dropout needs the side path: `train.lora.dropout` > 0 is refused until it exists.
+Adapter dropout needs the side path: with `train.lora.dropout` > 0 training runs the adapters of
+attention and MLP matrices beside them (`jaxpar.models.lora_dropout`); evaluation still folds.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def adapted(model_config, section):
         return model_config
     cfg = ConfigDict(model_config.to_dict())
     cfg.lora = ConfigDict(dict(rank=int(section.rank), alpha=float(section.alpha), targets=",".join(targets(section))))
+    if section.get("dropout", 0):  # only then: a run without dropout keeps the model config it had
+        cfg.lora.dropout = float(section.dropout)
     return FrozenConfigDict(cfg) if isinstance(model_config, FrozenConfigDict) else cfg
 
 
@@ -196,6 +199,11 @@ def adapters_of(tree) -> dict:
     return {p: x for p, x in _flat(tree).items() if p[-1].endswith(SUFFIXES)}
 
 
+def adapter_names(logical) -> dict:
+    """{path: logical names} of the adapter leaves of a logical-names tree."""
+    return {p: x for p, x in _flat(logical, is_leaf=_is_names).items() if p[-1].endswith(SUFFIXES)}
+
+
 def delta(a, b, names_a):
     """(A·B) reshaped to the adapted matrix: A [*batch, *in, r] · B [*batch, r, *out]."""
     batch, inputs = split_dims(names_a[:-1] + ("x",))
@@ -247,8 +255,8 @@ def problems(section, base_logical) -> list[str]:
         errors.append(f"train.lora.rank={rank!r} must be an integer >= 0 (0: no LoRA)")
     if not (isinstance(alpha, (int, float)) and alpha > 0):
         errors.append(f"train.lora.alpha={alpha!r} must be > 0")
-    if not (isinstance(dropout, (int, float)) and dropout == 0):
-        errors.append(f"train.lora.dropout={dropout!r} must be 0: adapters are folded into the weights (no side path to drop)")
+    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        errors.append(f"train.lora.dropout={dropout!r} must be in [0, 1)")
     if rank == 0 and section.get("init_from_peft"):
         errors.append(f"train.lora.init_from_peft={section.init_from_peft!r} needs train.lora.rank > 0 (the adapter's r)")
     if errors or rank == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 
 from jaxpar.fp8 import Fp8
@@ -23,6 +24,9 @@ class RunOptions:
     # (if it has any) and adds this times their mean loss (`train.mtp_loss_weight`); 0: off, as at inference.
     mtp_loss_weight: float = 0.0
     fp8: Fp8 | None = None  # `train.fp8`: None, every matmul in compute_dtype
+    # The train step's LoRA dropout key (`jaxpar.models.lora_dropout.step_key`; None: no adapter
+    # dropout, as in evaluation and sampling). A traced value: set inside the step only.
+    lora_dropout_key: jax.Array | None = None
 
     def fp8_at(self, name: str) -> Scaling | None:
         """How the matmul `name` (`jaxpar.fp8.FP8_MATMULS`) scales its FP8 operands; None: not FP8."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar import models
-from jaxpar.models import lora
+from jaxpar.models import lora, lora_dropout
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel import data
 from jaxpar.parallel.context.accumulation import per_rank_grads
@@ -115,13 +115,14 @@ def make_train_step(model_config, tx, schedule, opts: RunOptions, opt_param_shar
     (`jaxpar.train.dpo.Dpo`): the step minimises the DPO loss of preference batches [G, 3, S+1]."""
 
     def train_step(state: TrainState, batch):
+        step_opts = lora_dropout.training(opts, model_config, state.step)  # LoRA dropout: this step's key
         if dpo is None:
             loss, grads, model_metrics = loss_and_grads(
-                state.params, batch, model_config=model_config, opts=opts, scale=state.loss_scale.scale
+                state.params, batch, model_config=model_config, opts=step_opts, scale=state.loss_scale.scale
             )
         else:
             loss, grads, model_metrics = dpo_loss_and_grads(
-                state, batch, model_config=model_config, opts=opts, dpo=dpo, scale=state.loss_scale.scale
+                state, batch, model_config=model_config, opts=step_opts, dpo=dpo, scale=state.loss_scale.scale
             )
         # Model state (e.g. the loss-free router bias) is not trained: its gradient slot carries
         # what the forward observed, taken out before clipping (`jaxpar.models.state`).
