@@ -71,7 +71,7 @@ class PatternedAttention(Attention):
             if opts.plan.context is not None:
                 out = model_attention(q, k, v, positions, rules=opts.rules, plan=opts.plan, segment_ids=segment_ids,
                                       window=pattern.window, sinks=pattern.sinks, softcap=pattern.softcap,
-                                      scale=pattern.scale)
+                                      scale=pattern.scale, span=pattern.span)
             else:
                 out = attend(q, k, v, opts.plan.attention, segment_ids, pattern)
             return self._output(out, opts)

@@ -32,6 +32,10 @@ attention call and device (B = local rows, H = local heads):
                 an all-gather of positions [B, S]. bwd: four all-to-alls (dout in; dq, dk, dv out).
                 Needs Hq per device divisible by c; fewer KV heads than c are repeated first.
 
+A sliding layer (the model's `sliding_window`, outside pipeline stages) exchanges less: ring and
+all_gather move only the pieces of the ranks its window reaches, one collective-permute per shift
+(`window.py`; its backward fetches them again and sends their dK, dV back).
+
 Every implementation is a `jax.custom_vjp` (flash attention): the forward keeps an online softmax
 (running max, running sum, fp32 output sum) over key blocks and saves only the local q, k, v, the
 output and the log-sum-exp; the backward recomputes each score block. Queries and keys are cut

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.parallel.context import blockwise as bw
+from jaxpar.parallel.context import window as wn
 from jaxpar.parallel.context.blockwise import Pattern, Tags
 
 # Query / key chunk: the largest score array is [B, Hkv, G, 512, 512] fp32. Measured on the train
@@ -182,25 +183,44 @@ def _gather(x, axis_name):
     return jax.tree.map(lambda a: jax.lax.all_gather(a, axis_name, axis=1, tiled=True), x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _all_gather_attention(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap):
-    return _all_gather_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _all_gather_attention(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap, reach):
+    return _all_gather_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap, reach)[0]
 
 
-def _all_gather_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap):
-    blocks = _single(_gather(k, axis_name), _gather(v, axis_name), _gather(kv_pos, axis_name))
-    out, lse = _forward(q, q_pos, k.shape[2], blocks, scale=scale, block_q=block_q, block_kv=block_kv,
-                        skip_masked_blocks=False, pattern=_pattern(extras, softcap, k.shape[2]))
+def _all_gather_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap, reach):
+    pattern = _pattern(extras, softcap, k.shape[2])
+    found = wn.plan_hops(reach, extras.window, axis_name, k.shape[1])
+
+    def attend(k, v, kv_pos):
+        return _forward(q, q_pos, k.shape[2], _single(k, v, kv_pos), scale=scale, block_q=block_q, block_kv=block_kv,
+                        skip_masked_blocks=False, pattern=pattern)
+
+    out, lse = wn.by_kind(
+        reach, extras.window, found,
+        lambda: attend(*wn.window_gather(k, v, kv_pos, axis_name, found, reach.balanced)),
+        lambda: attend(_gather(k, axis_name), _gather(v, axis_name), _gather(kv_pos, axis_name)),
+    )
     return out, (q, k, v, q_pos, kv_pos, extras, out, lse)  # the local K/V only: regathered in the backward
 
 
-def _all_gather_bwd(axis_name, scale, block_q, block_kv, softcap, res, d_out):
+def _all_gather_bwd(axis_name, scale, block_q, block_kv, softcap, reach, res, d_out):
     q, k, v, q_pos, kv_pos, extras, out, lse = res
     pattern = _pattern(extras, softcap, k.shape[2])
     dq, grads, delta = _backward(q, q_pos, out, lse, d_out, k.shape[2], scale=scale, block_q=block_q, pattern=pattern)
-    dq, dk_all, dv_all = grads(dq, _gather(k, axis_name), _gather(v, axis_name), _gather(kv_pos, axis_name), block_kv)
-    # The transpose of the gather: every rank's contribution to each K/V shard, summed onto its owner.
-    dk, dv = (jax.lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True) for g in (dk_all, dv_all))
+    found = wn.plan_hops(reach, extras.window, axis_name, k.shape[1])
+
+    def full():
+        dq_all, dk_all, dv_all = grads(dq, _gather(k, axis_name), _gather(v, axis_name), _gather(kv_pos, axis_name),
+                                       block_kv)
+        # The transpose of the gather: every rank's contribution to each K/V shard, summed onto its owner.
+        return (dq_all, *(jax.lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True) for g in (dk_all, dv_all)))
+
+    dq, dk, dv = wn.by_kind(
+        reach, extras.window, found,
+        lambda: wn.window_grads(dq, grads, q_pos, k, v, kv_pos, axis_name, found, reach.balanced, pattern.window, block_kv),
+        full,
+    )
     return (_unchunk(dq, q), dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             _extras_grad(extras, pattern, lse, delta))
 
@@ -209,12 +229,13 @@ _all_gather_attention.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def all_gather_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, q_seg=None, kv_seg=None, scale=None,
-                               block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK, window=None, sinks=None, softcap=None):
+                               block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK, window=None, sinks=None, softcap=None,
+                               reach=None):
     """Keeps this rank's queries, all-gathers K, V (Hkv heads only) and their positions (and
-    segments) over `axis_name`; the backward re-gathers them and reduce-scatters dK, dV. (A window
-    masks the gathered keys by their true positions; every key is still gathered.)"""
+    segments) over `axis_name`; the backward re-gathers them and reduce-scatters dK, dV. With a
+    `window.Reach` a sliding layer fetches only the pieces its window reaches (`window.py`)."""
     return _all_gather_attention(q, k, v, _tags(q_pos, q_seg), _tags(kv_pos, kv_seg), _extras(window, sinks), axis_name,
-                                 scale, block_q, block_kv, softcap)
+                                 scale, block_q, block_kv, softcap, wn.resolve(reach, window))
 
 
 # ---------------------------------------------------------------- ring
@@ -242,25 +263,35 @@ def _ring_blocks(k, v, kv_pos, axis_name):
     return run
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _ring_attention(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap):
-    return _ring_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _ring_attention(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap, reach):
+    return _ring_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap, reach)[0]
 
 
-def _ring_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap):
-    out, lse = _forward(q, q_pos, k.shape[2], _ring_blocks(k, v, kv_pos, axis_name), scale=scale, block_q=block_q,
-                        block_kv=block_kv, skip_masked_blocks=True, pattern=_pattern(extras, softcap, k.shape[2]))
+def _ring_fwd(q, k, v, q_pos, kv_pos, extras, axis_name, scale, block_q, block_kv, softcap, reach):
+    found = wn.plan_hops(reach, extras.window, axis_name, k.shape[1])
+
+    def attend(blocks):
+        return _forward(q, q_pos, k.shape[2], blocks, scale=scale, block_q=block_q, block_kv=block_kv,
+                        skip_masked_blocks=True, pattern=_pattern(extras, softcap, k.shape[2]))
+
+    out, lse = wn.by_kind(
+        reach, extras.window, found,
+        lambda: attend(wn.window_blocks(k, v, kv_pos, axis_name, found, reach.balanced)),
+        lambda: attend(_ring_blocks(k, v, kv_pos, axis_name)),
+    )
     return out, (q, k, v, q_pos, kv_pos, extras, out, lse)
 
 
-def _ring_bwd(axis_name, scale, block_q, block_kv, softcap, res, d_out):
+def _ring_bwd(axis_name, scale, block_q, block_kv, softcap, reach, res, d_out):
     """The K/V blocks go round the ring again, each with its dK/dV accumulator (fp32); after c
-    steps (c - 1 permutes) one more permute of dK/dV alone brings each accumulator home."""
+    steps (c - 1 permutes) one more permute of dK/dV alone brings each accumulator home. (A
+    sliding layer with a `window.Reach`: its hops again, each piece's dK/dV sent back.)"""
     q, k, v, q_pos, kv_pos, extras, out, lse = res
     c, perm = _ring_perm(axis_name)
     pattern = _pattern(extras, softcap, k.shape[2])
     dq, grads, delta = _backward(q, q_pos, out, lse, d_out, k.shape[2], scale=scale, block_q=block_q, pattern=pattern)
-    zeros = bw.varying(jnp.zeros(k.shape, bw.F32))
+    found = wn.plan_hops(reach, extras.window, axis_name, k.shape[1])
 
     def fold(dq, kv, dkv):
         def work(args):
@@ -277,9 +308,17 @@ def _ring_bwd(axis_name, scale, block_q, block_kv, softcap, res, d_out):
         kv, dkv = jax.lax.ppermute((kv, tuple(dkv)), axis_name, perm)
         return (dq, kv, dkv), None
 
-    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, (k, v, kv_pos), (zeros, zeros)), length=c - 1)
-    dq, *dkv = fold(dq, kv, dkv)
-    dk, dv = jax.lax.ppermute(tuple(dkv), axis_name, perm)
+    def full():
+        zeros = bw.varying(jnp.zeros(k.shape, bw.F32))
+        (dq_all, kv, dkv), _ = jax.lax.scan(step, (dq, (k, v, kv_pos), (zeros, zeros)), length=c - 1)
+        dq_all, *dkv = fold(dq_all, kv, dkv)
+        return (dq_all, *jax.lax.ppermute(tuple(dkv), axis_name, perm))
+
+    dq, dk, dv = wn.by_kind(
+        reach, extras.window, found,
+        lambda: wn.window_grads(dq, grads, q_pos, k, v, kv_pos, axis_name, found, reach.balanced, pattern.window, block_kv),
+        full,
+    )
     return (_unchunk(dq, q), dk.astype(k.dtype), dv.astype(v.dtype), None, None,
             _extras_grad(extras, pattern, lse, delta))
 
@@ -288,26 +327,29 @@ _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, q_seg=None, kv_seg=None, scale=None,
-                         block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK, window=None, sinks=None, softcap=None):
+                         block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK, window=None, sinks=None, softcap=None, reach=None):
     """K/V blocks (with positions and segments) travel round the ranks of `axis_name` by
     `ppermute` while each rank keeps an online-softmax accumulator; blocks with nothing visible to
     this rank's queries (wholly after them, a window or more before them, or no segment in common)
-    are skipped (their work; every block still travels)."""
+    are skipped. With a `window.Reach` a sliding layer exchanges only with the ranks its window
+    reaches (`window.py`); without one every block still travels."""
     return _ring_attention(q, k, v, _tags(q_pos, q_seg), _tags(kv_pos, kv_seg), _extras(window, sinks), axis_name,
-                           scale, block_q, block_kv, softcap)
+                           scale, block_q, block_kv, softcap, wn.resolve(reach, window))
 
 
 # ---------------------------------------------------------------- all-to-all (Ulysses)
 
 
 def all_to_all_attention_local(q, k, v, q_pos, kv_pos, *, axis_name, q_seg=None, kv_seg=None, scale=None,
-                               block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK, window=None, sinks=None, softcap=None):
+                               block_q=DEFAULT_BLOCK, block_kv=DEFAULT_BLOCK, window=None, sinks=None, softcap=None,
+                               reach=None):
     """Swaps the sharded dimension from sequence to heads (all-to-all), attends over whole
     sequences for 1/c of the heads, swaps back. The local query head count must be divisible by
     c, the key/value head count divisible by c or a divisor of c: fewer KV heads than c are
     repeated (adjacent copies, so each rank's query heads still meet their own KV head) before
     the swap, as tensor parallelism does (the repeat's transpose sums dK, dV over the copies).
     The all-to-alls are linear: autodiff transposes them into all-to-alls."""
+    del reach  # whole sequences per head group: nothing for a window to narrow
     c = jax.lax.axis_size(axis_name)
     hq, hkv = q.shape[2], k.shape[2]
     if hq % c or (hkv % c and c % hkv):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.axes import CONTEXT, TENSOR
+from jaxpar.axes import CONTEXT, PIPELINE, TENSOR
 from jaxpar.manual import manual_axes
 from jaxpar.parallel.context.local import (
     DEFAULT_BLOCK,
@@ -16,6 +16,7 @@ from jaxpar.parallel.context.local import (
     all_to_all_attention_local,
     ring_attention_local,
 )
+from jaxpar.parallel.context.window import Reach, resolve
 
 IMPLS = {
     "all_gather": all_gather_attention_local,
@@ -43,6 +44,7 @@ def context_attention(
     window=None,
     sinks=None,
     softcap: float | None = None,
+    reach=None,
 ):
     """Causal attention with the sequence sharded over `context_axis`; call under jit.
 
@@ -64,6 +66,9 @@ def context_attention(
     `scale` defaults to 1/sqrt(D); `block_q` / `block_kv` bound the local score chunks. A layer's
     attention pattern (`jaxpar.parallel.context.local`): `window` int32 scalar (0: full; may be
     traced), `sinks` [Hq] (sharded over the head axis like q's heads), `softcap` a float.
+    `reach` (`window.Reach`, ring and all_gather): the sequence is laid out in text order
+    (contiguous, or load-balanced as `load_balance_order`) and windows up to `reach.span` need only
+    the ranks they reach; a window given as a Python int decides the exchange statically.
     """
     if impl not in IMPLS:
         raise ValueError(f"context attention impl {impl!r}: expected one of {sorted(IMPLS)}")
@@ -93,10 +98,11 @@ def context_attention(
     pos_spec = P(batch, context_axis) if positions.ndim == 2 else P(context_axis)
     if sinks is not None and sinks.shape != (hq,):
         raise ValueError(f"context attention: sinks {sinks.shape} must be [query heads] {(hq,)}")
+    reach = resolve(reach, window)
     window = None if window is None else jax.numpy.asarray(window, jax.numpy.int32)
     sharded = jax.shard_map(
         lambda q, k, v, pos, seg, window, sinks: local(
-            q, k, v, pos, pos, q_seg=seg, kv_seg=seg, window=window, sinks=sinks, softcap=softcap
+            q, k, v, pos, pos, q_seg=seg, kv_seg=seg, window=window, sinks=sinks, softcap=softcap, reach=reach
         ),
         mesh=mesh,
         in_specs=(spec, spec, spec, pos_spec, P(batch, context_axis), P(), P(heads)),
@@ -110,7 +116,7 @@ def context_attention(
 
 
 def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None, window=None, sinks=None, softcap=None,
-                    scale=None):
+                    scale=None, span=None):
     """What the model's attention layer runs when `plan.context` is set (a `ContextPlan`): q, k, v,
     positions and segment ids (or None) [B, S] laid out by the rules table (sequence over `context`, heads over
     `tensor`). Inside a shard_map already manual over `context` (the pipeline engine) the
@@ -118,9 +124,14 @@ def model_attention(q, k, v, positions, *, rules, plan, segment_ids=None, window
     `context_attention` enters one, manual over the batch axes the rules name. (Gradient
     accumulation under context parallelism runs the model inside a shard_map manual over
     `context` too: `jaxpar.parallel.context.accumulation`.) `window`, `sinks`, `softcap`, `scale`:
-    the layer's attention pattern, as `context_attention` takes it."""
-    pattern = dict(window=window, sinks=sinks, softcap=softcap, scale=scale)
+    the layer's attention pattern, as `context_attention` takes it; `span` the model's
+    sliding_window (static): sliding layers then exchange only what their window reaches, except
+    inside the pipeline engine, whose stages run layers of different kinds at once (`window.py`)."""
     ctx = plan.context
+    reach = None
+    if span and window is not None and PIPELINE not in manual_axes():
+        reach = Reach(int(span), bool(ctx.load_balance))
+    pattern = dict(window=window, sinks=sinks, softcap=softcap, scale=scale, reach=reach)
     if CONTEXT in manual_axes():
         # Under ZeRO-3 the engine leaves the batch axes to the partitioner, which then gathers the
         # microbatch over them in front of these collectives (correct, more traffic); a nested
