@@ -9,6 +9,7 @@ from jaxpar.analysis.cost.layout import CONTEXT, EXPERT, TENSOR, Layout, LayoutE
 from jaxpar.analysis.cost.memory import ParamCounts
 from jaxpar.analysis.cost.planned import Planned
 from jaxpar.analysis.program.hlo import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, COLLECTIVE_PERMUTE, REDUCE_SCATTER
+from jaxpar.parallel.context.window import hops
 from jaxpar.parallel.data import GradientStrategy
 
 
@@ -28,6 +29,35 @@ def dispatch_manual_over_context(layout: Layout) -> bool:
     return layout.is_moe and layout.c > 1 and layout.capacity_factor == 0 and layout.p == 1
 
 
+def window_hops(layout: Layout) -> tuple:
+    """The hops (`jaxpar.parallel.context.window`) of a sliding layer whose exchange stops at its
+    window: ring and all_gather outside the pipeline engine (whose stages run the full exchange),
+    when the window leaves some rank or piece out; () when no layer exchanges less."""
+    f, c, context = layout.facts, layout.c, layout.plan.context
+    if c == 1 or not f.sliding_layers or layout.p > 1 or layout.context_latent or layout.context_impl not in ("ring", "all_gather"):
+        return ()
+    found = hops(c, layout.seq // c, f.sliding_window, context.load_balance)
+    return found if len(found) < c - 1 or any(hop.piece is not None for hop in found) else ()
+
+
+def _windowed(layout: Layout, found, kv: float, layers: int, passes: int) -> list[Planned]:
+    """A sliding layer's hops: its K and V pieces (a whole block kv / c, or one of its two halves)
+    in the forward and again in the backward, and their dK, dV (fp32) sent back."""
+    out = []
+    for half in (False, True):
+        count = sum(1 for hop in found if (hop.piece is not None) == half)
+        if count:
+            piece = kv / layout.c / (2 if half else 1)
+            what = "half blocks" if half else "blocks"
+            out += [
+                Planned(COLLECTIVE_PERMUTE, (CONTEXT,), piece * layout.activation_bytes, 2 * count * layers * (passes + 1),
+                        f"CP window: the K and V {what} the window reaches (fwd, and again in the bwd)", overlap=True),
+                Planned(COLLECTIVE_PERMUTE, (CONTEXT,), piece * 4, 2 * count * layers,
+                        f"CP window: dK and dV of those {what}, sent back (bwd, fp32)", overlap=True),
+            ]
+    return out
+
+
 def context_collectives(layout: Layout) -> list[Planned]:
     """Context parallelism (`jaxpar.parallel.context`), per layer on this device's layers, by
     `parallel.context_impl` (c = mesh.context; B = rows, Hkv / Hq heads per tensor rank; kv = B x
@@ -41,6 +71,10 @@ def context_collectives(layout: Layout) -> list[Planned]:
                   backward: c - 1 of K, V and of the travelling dK, dV (fp32), one more of dK, dV.
       all_to_all  forward: q, k, v in and the output back (B x S/c x heads x head_dim each; fewer
                   KV heads than c are repeated to c first); backward: four more of the same sizes.
+    A sliding layer (ring and all_gather, outside the pipeline engine) exchanges only the pieces its
+    window reaches (`window_hops`, `parallel.context.window`): per hop one collective-permute of
+    K and of V (a block or half of one) in the forward, again in the backward, and one of dK and of
+    dV (fp32) back to the sender; full layers as above.
     Remat full re-runs the all-to-alls (the other impls' re-run exchanges merge with the backward's).
     The positions ([B, S] int32) are gathered / passed once per step (hoisted out of the layer
     scan): not priced. Parameter gradients are all-reduced over context like over data
@@ -84,8 +118,12 @@ def context_collectives(layout: Layout) -> list[Planned]:
             Planned(ALL_GATHER, axes, latents * cb, L * (passes + 1), "CP latent all-gather: latents (fwd, and in the bwd)"),
             Planned(REDUCE_SCATTER, axes, latents * 4, L, "CP latent all-gather: the latents' gradients (bwd, fp32)"),
         ]
+    found = window_hops(layout)
+    sliding = layout.facts.sliding_layers if found else 0
+    windowed = _windowed(layout, found, kv, sliding, passes) if sliding else []
+    L -= sliding  # the layers that exchange everything
     if impl == "all_gather":
-        out = [
+        out = windowed + [
             Planned(ALL_GATHER, axes, kv * cb, 2 * L * (passes + 1), "CP all-gather: K and V (fwd, and again in the bwd)"),
             Planned(REDUCE_SCATTER, axes, kv * 4, 2 * L, "CP all-gather: dK and dV (bwd, fp32)"),
         ]
@@ -94,16 +132,18 @@ def context_collectives(layout: Layout) -> list[Planned]:
             # the backward (in a pipeline stage's B twice: the recompute, the backward) plus the
             # gathered whole-sequence K and V (measured: Llama 3 70B pipeline 2 x context 2 x
             # tensor 2; at test size, and per rank with context 2 and 4, remat none and full).
-            count = L * (2 * (passes + 1) + 2 * c)
+            # (Sliding layers' hops: the local K and V only, not measured.)
+            count = layout.layers_per_device * 2 * (passes + 1) + L * 2 * c
             out.append(Planned(ALL_GATHER, (TENSOR,), local, count, "CP: heads gathered over tensor", True))
-        return out
+        return [p for p in out if p.count]
     if impl == "ring":
         block = kv / c
-        return [
+        out = windowed + [
             Planned(COLLECTIVE_PERMUTE, axes, block * cb, 2 * (c - 1) * L * (passes + 1),
                     "CP ring: K and V blocks (fwd, and again in the bwd)", overlap=True),
             Planned(COLLECTIVE_PERMUTE, axes, block * 4, 2 * c * L, "CP ring: dK and dV accumulators (bwd, fp32)", overlap=True),
         ]
+        return [p for p in out if p.count]
     if impl == "all_to_all":
         q = positions * hq
         k = positions * max(hkv, c)
