@@ -64,14 +64,17 @@ def test_text_model_logits_match_transformers(checkpoint, capsys):
 
 def test_older_layout_reads_the_same_and_preflight_passes(checkpoint, tmp_path):
     """transformers 4.5x's names give the same params; `train.init_from_hf`'s preflight finds every
-    tensor in both layouts; saving writes the text model alone, as Gemma3ForCausalLM."""
+    tensor in both layouts and its reader (slices onto devices) reads the same params; saving writes
+    the text model alone, as Gemma3ForCausalLM."""
     _, directory = checkpoint
     cfg, params = hf.load(directory / "hf")
     cfg_older, params_older = hf.load(directory / "older")
     assert cfg_older == cfg
     assert_same_tree(params_older, params)
+    one_device = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), models.param_shapes(cfg))
     for layout in ("hf", "older"):
         assert sharded.problems(str(directory / layout), cfg) == []
+        assert_same_tree(jax.device_get(sharded.load_params_onto(str(directory / layout), cfg, one_device)), params)
     hf.save(tmp_path / "out", cfg, params)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
 
