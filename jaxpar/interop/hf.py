@@ -68,12 +68,12 @@ def _inner_config(hf_config: dict, wrapper: Wrapper | None, where: str) -> dict:
 def checkpoint(path, announce: bool = False) -> hf_core.Checkpoint:
     """The tensor reader of a checkpoint directory; for a wrapped model (a multimodal Gemma 3),
     one that names the inner model's tensors as that model does and skips the rest, saying so on
-    stderr in one line when `announce`."""
+    stderr in one line when `announce` (process 0 only)."""
     directory = os.fspath(path)
     hf_config = hf_core.read_config(directory)
     adapter, wrapper = _reader(hf_config, os.path.join(directory, hf_core.CONFIG_FILE))
     get = hf_core.Checkpoint(directory, wrapper)
-    if announce and wrapper is not None:
+    if announce and wrapper is not None and jax.process_index() == 0:
         parts = sorted({name.removeprefix("model.").split(".")[0] for name in get.skipped})
         print(f"{directory}: {wrapper.hf_class}: loading its text model ({hf_config[wrapper.config_key].get('model_type')}, "
               f"as {adapter.hf_class}); {len(get.skipped)} tensors of {', '.join(parts) or 'its other parts'} are not loaded",
