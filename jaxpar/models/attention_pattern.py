@@ -26,12 +26,14 @@ int32 scalar that may be traced. `Pattern` is what one layer's call receives; `a
 one device for each `parallel.attention_impl`: "xla" by `xla_attention` below (autodiff of the
 definition), "jaxpar_xla" by the hand-written kernel (`jaxpar.kernels.attention.patterned_attention`),
 whose sliding layers compute only the band their window reaches (`jaxpar.kernels.local_attention`);
-cuDNN has no sinks or soft-capping in `jax.nn.dot_product_attention` and only a static window, so
-patterned layers take the XLA path there. Context parallelism: `jaxpar.parallel.context.local`.
+"cudnn" by `fused_attention` where cuDNN can express the pattern (`cudnn_expresses`: a window, a
+scale, documents), else, with sinks or soft-capping (which `jax.nn.dot_product_attention` lacks),
+by the XLA path, said once per trace in a log line. Context parallelism: `jaxpar.parallel.context.local`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import jax
@@ -40,6 +42,8 @@ import numpy as np
 from ml_collections.config_dict import placeholder
 
 from jaxpar.kernels.local_attention import patterned_or_banded
+
+log = logging.getLogger(__name__)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 SIXTEEN_BITS = (jnp.bfloat16, np.float16)
@@ -180,10 +184,46 @@ def xla_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
     return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
+def fused_attention(q, k, v, implementation: str, segment_ids=None, scale: float | None = None, window: int | None = None):
+    """`jax.nn.dot_product_attention` (implementation xla or cudnn), causal, q [B, T, H, D] over k, v
+    [B, T, K, D] in text order: scale None is 1/√D; a static `window` W (None: full) is its
+    `local_window_size` (W - 1, 0), the query and the W - 1 keys before it (cuDNN's
+    `sliding_window_length` W); `segment_ids` [B, T] a [B, 1, T, T] block-diagonal mask beside
+    them (cuDNN adds it as a bias) and 0 on padding rows (segment 0), so nothing flows back through them."""
+    same = None if segment_ids is None else segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    out = jax.nn.dot_product_attention(q, k, v, mask=same, scale=scale, is_causal=True,
+                                       local_window_size=None if window is None else (window - 1, 0), implementation=implementation)
+    if segment_ids is None:
+        return out
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def cudnn_expresses(pattern: Pattern) -> bool:
+    """cuDNN's fused kernel runs the pattern: a window, a scale and documents, but no sinks or soft-cap."""
+    return pattern.sinks is None and pattern.softcap is None
+
+
+def cudnn_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
+    """cuDNN for a pattern it expresses (`cudnn_expresses`), whose window cuDNN takes as a static
+    number: a layer's traced window is 0 or the model's `span` (no span: 0), so a `lax.cond` picks
+    one of the two static kernels (a scan over layers of both kinds runs each layer's own)."""
+    window, scale = pattern.window, pattern.scale
+    if window is None or isinstance(window, int) or pattern.span is None:
+        static = window if isinstance(window, int) and window > 0 else None
+        return fused_attention(q, k, v, "cudnn", segment_ids, scale, static)
+    return jax.lax.cond(window > 0, lambda: fused_attention(q, k, v, "cudnn", segment_ids, scale, pattern.span),
+                        lambda: fused_attention(q, k, v, "cudnn", segment_ids, scale))
+
+
 def attend(q, k, v, implementation: str, segment_ids=None, pattern: Pattern = PLAIN):
     """One device, a patterned layer: the implementation's path (see the module docstring)."""
     if implementation == "jaxpar_xla":  # sliding layers on the band of their span (jaxpar.kernels.local_attention)
         return patterned_or_banded(q, k, v, segment_ids, pattern.window, pattern.span, pattern.sinks, pattern.softcap,
                                    pattern.scale)
+    if implementation == "cudnn":
+        if cudnn_expresses(pattern):
+            return cudnn_attention(q, k, v, segment_ids, pattern)
+        log.info("parallel.attention_impl=cudnn: a layer with attention sinks or logit soft-capping takes the XLA path "
+                 "(jax.nn.dot_product_attention has neither)")
     return xla_attention(q, k, v, segment_ids, pattern)
 

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.kernels import attention as attention_kernel
 from jaxpar.kernels.dense import project
 from jaxpar.model_facts import head_dim_of, padded_vocab_size
+from jaxpar.models.attention_pattern import fused_attention
 from jaxpar.models.fp8_state import fp8_args, histories
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.collective_matmul import column_parallel, row_parallel
@@ -175,13 +176,7 @@ def causal_attention(q, k, v, implementation: str, segment_ids=None):
         return causal_attention(q32, k32, v32, implementation, segment_ids).astype(q.dtype)
     if implementation == "jaxpar_xla":
         return attention_kernel.causal_attention(q, k, v, segment_ids)
-    if segment_ids is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-    # A [B, 1, T, T] block-diagonal mask beside the causal one (cuDNN turns it into a bias). Padding
-    # (segment 0) would attend to padding: its rows are zeroed, so nothing flows back through them.
-    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True, implementation=implementation)
-    return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return fused_attention(q, k, v, implementation, segment_ids)
 
 
 class MLP(nnx.Module):
