@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxpar.models import facts
 from jaxpar.models import layers as model_layers
+from jaxpar.models.attention_pattern import Pattern, attend
 from jaxpar.train import fit, harness
 
 # Llama 3.1 8B's widths (configs/llama3_8b.py) with fewer layers; the tiny size is the suite's.
@@ -199,7 +200,11 @@ def attention_rows(shape, window: int, repeats: int, budget: Budget, on_gpu: boo
 
 def window_attention(q, k, v, window: int, implementation: str):
     """Sliding-window causal attention as `jax.nn.dot_product_attention` takes the window: (keys before,
-    keys after) each query, so a window of W tokens (the query and W - 1 before it) is (W - 1, 0)."""
+    keys after) each query, so a window of W tokens (the query and W - 1 before it) is (W - 1, 0).
+    cuDNN's row runs what a sliding layer runs in training (`attention_pattern.attend`: its window
+    traced, the kernel picked by a `lax.cond`)."""
+    if implementation == "cudnn":
+        return attend(q, k, v, "cudnn", None, Pattern(jnp.asarray(window, jnp.int32), span=window))
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation=implementation)
 
 
