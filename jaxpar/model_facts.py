@@ -103,6 +103,9 @@ class ModelFacts:
     # `sliding_window` tokens (a query and the window - 1 before it); the others attend causally to all.
     sliding_layers: int = 0
     sliding_window: int = 0
+    # cuDNN's fused kernel runs the attention (False: sinks or logit soft-capping, which it lacks,
+    # take the XLA path under attention_impl cudnn: `jaxpar.models.attention_pattern.attend`).
+    cudnn_attention: bool = True
 
     @property
     def pipeline_layers(self) -> int:

@@ -203,6 +203,11 @@ def cudnn_expresses(pattern: Pattern) -> bool:
     return pattern.sinks is None and pattern.softcap is None
 
 
+def cudnn_runs(model) -> bool:
+    """cuDNN's kernel runs every layer of the model: no sinks and no soft-cap (the cost model's fact)."""
+    return not _get(model, "attention_sinks", False) and _get(model, "attn_logit_softcapping") is None
+
+
 def cudnn_attention(q, k, v, segment_ids=None, pattern: Pattern = PLAIN):
     """cuDNN for a pattern it expresses (`cudnn_expresses`), whose window cuDNN takes as a static
     number: a layer's traced window is 0 or the model's `span` (no span: 0), so a `lax.cond` picks

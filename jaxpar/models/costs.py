@@ -8,7 +8,7 @@ exactly; tests/models/test_families.py checks every family's `params_total` agai
 from __future__ import annotations
 
 from jaxpar.model_facts import ModelFacts, MoEFacts, head_dim_of, padded_vocab_size
-from jaxpar.models.attention_pattern import layer_windows
+from jaxpar.models.attention_pattern import cudnn_runs, layer_windows
 
 
 def attention_params(model) -> int:
@@ -74,4 +74,5 @@ def decoder_facts(
         qk_norm=qk_norm,
         sliding_layers=int((windows > 0).sum()),
         sliding_window=int(windows.max(initial=0)),
+        cudnn_attention=cudnn_runs(model),
     )

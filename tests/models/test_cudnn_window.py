@@ -6,6 +6,7 @@ traced window; sinks and soft-capping take the XLA path. On CPU what jaxpar hand
 without one: the call is intercepted (it must ask for cuDNN) and run by jax's XLA implementation with
 the same arguments, which must match `xla_attention` (the definition, autodiff) forward and backward
 for layers of both kinds in one scan. On a GPU (`-m gpu`) real cuDNN is held to the XLA path in bf16.
+The cost model follows: under attention_impl cudnn a model with sinks is priced as on the XLA path.
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ def test_sinks_and_soft_capping_take_the_xla_path_and_say_so(intercepted, caplog
         np.testing.assert_array_equal(np.asarray(out), np.asarray(xla_attention(q, k, v, segments, pattern)))
     assert intercepted == []
     assert sum("takes the XLA path" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_the_cost_model_prices_sinks_under_cudnn_as_the_xla_path():
+    from jaxpar.analysis.cost.cost_model import estimate
+    from tests.support import tiny
+
+    def priced(impl, sinks):
+        config = tiny.gpt_oss(attention_sinks=sinks)
+        config.parallel.attention_impl = impl
+        config.train.compute_dtype = "bfloat16"
+        est = estimate(config, "h100-80g", num_devices=1)
+        return est.memory.peak, est.time.compute
+
+    assert priced("cudnn", True) == priced("xla", True)  # the sinks run where the XLA path runs
+    cudnn, xla = priced("cudnn", False), priced("xla", False)
+    assert cudnn[0] < xla[0] and cudnn[1] < xla[1]  # without them cuDNN's kernel: no scores, half the keys
 
 
 @pytest.mark.gpu

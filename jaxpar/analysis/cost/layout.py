@@ -286,8 +286,8 @@ class Layout:
     def flash_attention(self) -> bool:
         """The plan's kernel is cuDNN's fused attention: no [S, S] scores are materialised or saved,
         and the causal kernel skips the masked half (with context parallelism the context kernels
-        run instead)."""
-        return self.plan.attention == "cudnn" and self.plan.context is None
+        run instead; with sinks or soft-capping the XLA path)."""
+        return self.plan.attention == "cudnn" and self.plan.context is None and self.facts.cudnn_attention
 
     @property
     def attention_kernel(self) -> bool:
