@@ -179,3 +179,26 @@ def test_sliding_layer_permutes_only_what_its_window_reaches(impl, balanced, win
     assert priced_counts["sliding"] == counts["sliding"] and priced_sizes["sliding"] == sizes["sliding"]
     if impl == "ring":
         assert (priced_counts["full"], priced_sizes["full"]) == (counts["full"], sizes["full"])
+
+
+def test_sliding_layer_work_has_the_closed_form():
+    """S 4096 over 8 ranks, chunks of 128, window 256 (two chunks): a query chunk computes its own key
+    chunk and the two before it, 3 pairs (the first chunks of the sequence fewer), so the busiest rank
+    computes 3 · 128 / 4096 of its S/c x S query-key products — contiguous or load-balanced, ring or
+    all_gather, with the windowed exchange or the full one; all_to_all (whole sequences, 1/c of the
+    heads) 3 pairs for all but the first 2 of its 32 query chunks. The cost model prices a sliding
+    layer's attention FLOPs with it (Gemma 3's pattern: two sliding layers, one full)."""
+    from jaxpar.analysis.cost.context_work import attention_fraction, window_fraction
+    from jaxpar.analysis.cost.cost_model import computed_keys
+
+    for impl in ("ring", "all_gather"):
+        for balanced in (False, True):
+            for windowed in (False, True):
+                assert window_fraction(impl, 4096, 8, 128, balanced, 256, windowed) == 3 * 128 / 4096
+                # 257: the fourth chunk back's nearest key is 257 tokens away, still out of reach.
+                assert window_fraction(impl, 4096, 8, 128, balanced, 257, windowed) == 3 * 128 / 4096
+    assert window_fraction("all_to_all", 4096, 8, 128, True, 256, False) == (32 * 3 - 3) / 32**2
+    config = tiny.with_overrides(tiny.gemma3_text(dict(seq_len=4096), sliding_window=256), {"context": 8},
+                                 parallel=dict(context_impl="ring", context_block_size=128))
+    full = attention_fraction("ring", 4096, 8, 128, True)
+    assert computed_keys(Layout.from_config(config, 8, target="cpu")) == pytest.approx(4096 * (2 * 3 * 128 / 4096 + full) / 3)

@@ -34,7 +34,8 @@ import dataclasses
 
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.comm import Planned, planned_collectives
-from jaxpar.analysis.cost.context_work import attention_fraction
+from jaxpar.analysis.cost.comm_context import window_hops
+from jaxpar.analysis.cost.context_work import attention_fraction, window_fraction
 from jaxpar.analysis.cost.efficiency import compute_seconds, overlapped
 from jaxpar.analysis.cost.layout import Layout
 from jaxpar.analysis.cost.memory import (
@@ -147,9 +148,15 @@ def computed_keys(layout: Layout, skip_masked: bool = True) -> float:
     """Keys per query the attention kernels compute, a mean over the layers: the whole sequence times
     the share the kernel skips (`_attention_factor`); a sliding layer on jaxpar_xla's band only the
     band's keys (`jaxpar.kernels.local_attention`). Elsewhere a sliding layer is priced as a full one:
-    XLA and cuDNN mask the window, and the context implementations' skipped blocks are not priced."""
+    XLA and cuDNN mask the window. Under context parallelism a sliding layer computes the chunk pairs
+    its window leaves (`context_work.window_fraction`)."""
     full = layout.seq * _attention_factor(layout, skip_masked)
     f = layout.facts
+    if f.sliding_layers and layout.c > 1 and skip_masked:  # the context kernels skip chunk pairs past the window
+        context = layout.plan.context
+        sliding = layout.seq * window_fraction(context.impl, layout.seq, layout.c, context.block, context.load_balance,
+                                               f.sliding_window, bool(window_hops(layout)))
+        return (f.sliding_layers * sliding + (f.layers - f.sliding_layers) * full) / f.layers
     if not f.sliding_layers or not layout.attention_kernel or layout.seq <= 2 * f.sliding_window:
         return full
     tile = -(-f.sliding_window // local_attention.TILES)
