@@ -111,7 +111,7 @@ def base_config() -> ConfigDict:
             zero_stage=0,
             zero_axes="auto",
             sequence_parallel=False,
-            collective_matmul=False,
+            collective_matmul="none",
             expert_overlap=False,
             remat="auto",
             attention_impl="auto",
@@ -235,8 +235,9 @@ MEANINGS = {
     "with a pipeline (data only)",
     "parallel.sequence_parallel": "also split the residual stream between blocks along the sequence over tensor "
     "(reduce-scatter + all-gather instead of all-reduce; less activation memory)",
-    "parallel.collective_matmul": "with sequence parallelism: the gathers before and the scatters after the dense "
-    "projections as rings of collective-permutes, each overlapping a partial matmul",
+    "parallel.collective_matmul": "with sequence parallelism, the gathers before and the scatters after the dense "
+    "projections: none (the partitioner's collectives), permutes (exchanges of collective-permutes, each beside a partial "
+    "matmul), xla (XLA's GPU windowed einsum; needs its XLA_FLAGS, the plain path on CPU)",
     "parallel.expert_overlap": "with expert parallelism: each device's rows dispatched to the experts in two independent "
     "chunks, so one chunk's all-to-all can run beside the other's expert matmuls",
     "parallel.remat": "what the backward recomputes; offload: save_dots' projection outputs wait in host memory; auto: full "

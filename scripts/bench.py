@@ -8,6 +8,7 @@
   python scripts/bench.py checkpoint [--dirs=/dev/shm,/tmp] [--steps=20] [--every=5] [--repeats=3]
   python scripts/bench.py lora [--mesh=data:2,tensor:2] [--zero_stage=1] [--rank=16] [--steps=4] [--repeats=3]
   python scripts/bench.py window [--seq=8192] [--window=512] [--tiles=1,2,4,8] [--repeats=3]
+  python scripts/bench.py collective_matmul [--sizes=small,large] [--modes=none,permutes] [--steps=2] [--repeats=5]
   python scripts/bench.py faults [--train_config=configs/llama_tiny.py] [--steps=60] [--every=20] [--at=35] [--repeats=1]
 
 Each times the step through `jaxpar.train.harness` (warm-up excluded); what each prints is in the
@@ -153,6 +154,17 @@ def run_lora(args, _):
     lora.bench(config, args.mesh, args.rank, args.steps, args.repeats)
 
 
+@refusing_bad_configs
+def run_collective_matmul(args, _):
+    import jax
+
+    from jaxpar.bench import collective_matmul
+
+    if jax.device_count() < collective_matmul.DEVICES:
+        raise UsageError(f"collective_matmul runs on {collective_matmul.DEVICES} devices; give --cpu_devices={collective_matmul.DEVICES}")
+    collective_matmul.bench(mesh_base_config(), args.sizes, args.modes, args.steps, args.repeats)
+
+
 def mesh_sizes(text: str) -> dict:
     """"data:2,tensor:2" -> {"data": 2, "tensor": 2}."""
     sizes = {}
@@ -278,6 +290,14 @@ COMMANDS = (
         Flag("rank", int, 16, "train.lora.rank of the LoRA run (targets: every attention and MLP matrix)", at_least=1),
         Flag("steps", int, 4, "timed steps per block", at_least=1),
         Flag("repeats", int, 3, "alternating blocks per contender", at_least=1),
+    )),
+    Command("collective_matmul", "parallel.collective_matmul's modes side by side on 8 emulated devices, two model sizes",
+            run_collective_matmul, flags=(
+        Flag("sizes", list, "small,large", "model sizes (jaxpar/bench/collective_matmul.py)", choices=("small", "large")),
+        Flag("modes", list, "none,permutes", "parallel.collective_matmul values, the first the baseline",
+             choices=("none", "permutes", "xla")),
+        Flag("steps", int, 2, "timed steps per block", at_least=1),
+        Flag("repeats", int, 5, "blocks per contender, rotating", at_least=1),
     )),
     Command("window", "a sliding layer's attention (masked, and the band kernel) beside full causal attention", run_window,
             checks=window_checks, flags=(

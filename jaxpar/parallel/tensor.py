@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.axes import PIPELINE, TENSOR
+from jaxpar.axes import TENSOR
 from jaxpar.model_facts import padded_vocab_size
 from jaxpar.sharding import constrain
 
@@ -38,8 +38,8 @@ class TensorPlan:
     sequence_parallel: bool = False
     kv_heads_sharded: bool = True  # k/v weights split over `tensor` (else replicated)
     kv_repeat: int = 1  # copies of each KV head in the k/v activations
-    # Sequence parallelism's gathers and scatters around the dense projections as rings of permutes,
-    # each overlapping a partial matmul (`jaxpar.parallel.collective_matmul`).
+    # Sequence parallelism's gathers and scatters around the dense projections as exchanges of
+    # permutes, each beside a partial matmul (`jaxpar.parallel.collective_matmul`, "permutes").
     collective_matmul: bool = False
 
 
@@ -51,7 +51,7 @@ def tensor_plan(config, mesh: dict) -> TensorPlan:
         sequence_parallel=bool(config.parallel.sequence_parallel),
         kv_heads_sharded=sharded,
         kv_repeat=1 if sharded else size // kv,
-        collective_matmul=bool(config.parallel.collective_matmul) and size > 1,
+        collective_matmul=config.parallel.collective_matmul == "permutes" and size > 1,
     )
 
 
@@ -72,14 +72,6 @@ def checks(config, mesh: dict) -> list[str]:
     _divides(errors, f"padded vocab (model.vocab_size={model.vocab_size} → {padded})", padded, t, axis)
     if config.parallel.sequence_parallel:
         _divides(errors, "train.seq_len", config.train.seq_len, t, f"{axis} (sequence_parallel)")
-    if config.parallel.collective_matmul and t > 1:
-        if not config.parallel.sequence_parallel:
-            errors.append("parallel.collective_matmul=True decomposes sequence parallelism's gathers; set "
-                          "parallel.sequence_parallel=True (or collective_matmul=False)")
-        if mesh.get(PIPELINE, 1) > 1:
-            errors.append("parallel.collective_matmul=True is not supported with mesh.pipeline > 1 yet")
-        if config.train.get("fp8", "none") != "none":
-            errors.append(f"parallel.collective_matmul=True is not supported with train.fp8={config.train.fp8!r} yet")
     return errors
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ml_collections import ConfigDict
 
 from jaxpar import models, objective
-from jaxpar.axes import CONTEXT, DATA, MESH_AXES, PIPELINE, TENSOR
+from jaxpar.axes import CONTEXT, DATA, MESH_AXES, PIPELINE
 from jaxpar.checkpoint import tiers
 from jaxpar.config import MOVED_KEYS, base_config
 from jaxpar.data.checks import corpus_problems, validate_data_config
@@ -36,7 +36,7 @@ from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
 from jaxpar.models import lora
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
-from jaxpar.parallel import data, expert, tensor, zero
+from jaxpar.parallel import collective_matmul, data, expert, tensor, zero
 from jaxpar.parallel.context import plan as context
 from jaxpar.parallel.pipeline import options as pipeline
 from jaxpar.parallel.plan import ATTENTION_IMPLS, REMAT_NAMES
@@ -165,9 +165,7 @@ def _config_problems(
         errors += expert.overlap_checks(config, mesh)
         errors += zero.checks(config, mesh)
         facts = fam.facts(config.model)
-        if parallel.collective_matmul and mesh[TENSOR] > 1 and (facts.is_moe or facts.flops_latent):
-            errors.append("parallel.collective_matmul=True runs the dense attention and MLP projections; "
-                          f"{fam.name}'s experts or latent attention do not have it yet (set it False)")
+        errors += collective_matmul.problems(config, mesh, facts, fam.name, platform)
         errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
         strategy = data.gradient_strategy(
             pipelined=mesh[PIPELINE] > 1, grad_accum=train.grad_accum, data_size=mesh[DATA], context_size=mesh[CONTEXT],

@@ -60,6 +60,7 @@ SHRINK = {
     ("scripts/bench.py", "mesh"): {"steps": "4", "repeats": "1"},
     ("scripts/bench.py", "checkpoint"): {"steps": "2", "every": "1", "repeats": "1"},
     ("scripts/bench.py", "window"): {"seq": "256", "window": "16", "repeats": "1"},
+    ("scripts/bench.py", "collective_matmul"): {"sizes": "small", "steps": "1", "repeats": "1"},
     ("scripts/bench.py", "faults"): {"steps": "4", "every": "2", "at": "3", "local_every": "1", "repeats": "1"},
     ("scripts/pipeline.py", "report"): {"steps": "1"},
     ("scripts/pipeline.py", "balance"): {"steps": "1"},

@@ -24,6 +24,15 @@ def scatter_kind(layout: Layout) -> str:
 CM_RECOMPUTED_RINGS = {"none": 0, "save_dots": 2, "full": 3}
 
 
+def collective_matmul_permutes(t: int) -> list[tuple[int, int]]:
+    """(sequence chunks per permute, permutes) of one collective-matmul exchange over t ranks
+    (`jaxpar.parallel.collective_matmul`): a power-of-two t swaps runs of 1, 2, 4 .. t/2 chunks
+    with rank r xor d, once each; another t passes one chunk round a ring t − 1 times."""
+    if t & (t - 1):
+        return [(1, t - 1)]
+    return [(1 << i, 1) for i in range(t.bit_length() - 1)]
+
+
 def tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> list[Planned]:
     """The tensor-parallel exchanges of this device's layers over activations of `act` bytes:
     two per layer per forward pass (attention and MLP outputs, row-parallel), one more per layer
@@ -76,14 +85,15 @@ def tp_layers(layout: Layout, act: float, forward_passes: int, tag: str) -> list
             fwd_gathers -= forward_passes * L
             bwd_scatters -= low.attention_input_grad_all_reduces * L
         if layout.plan.tensor.collective_matmul:
-            # Each gather and scatter a ring of t - 1 permutes of a chunk, overlapping the partial
-            # matmuls; their transposes in the backward as many again; remat re-runs some rings
-            # (measured, data 2 x tensor 4, per layer in the compiled step: none 24 permutes, save_dots
-            # 30, full 33, and no projection gathers).
+            # Each gather and scatter an exchange of chunks beside the partial matmuls; their
+            # transposes in the backward as many again; remat re-runs some (measured, data 2 x tensor 4,
+            # per layer in the compiled step: 8 exchanges with remat none, 10 with save_dots, 11 with
+            # full, and no projection gathers). Overlapped: each permute's matmul does not wait for it.
             rings = (2 * forward_passes * 4 + CM_RECOMPUTED_RINGS[layout.remat]) * L
             return out + [
-                Planned(COLLECTIVE_PERMUTE, axes, act / layout.t, rings * (layout.t - 1),
-                        f"{tag}: collective matmul's ring permutes (fwd, bwd, recompute)", True),
+                Planned(COLLECTIVE_PERMUTE, axes, act * chunks / layout.t, rings * count,
+                        f"{tag}: collective matmul's permutes of {chunks} chunk(s) (fwd, bwd, recompute)", overlap=True)
+                for chunks, count in collective_matmul_permutes(layout.t)
             ]
         return out + [
             Planned(ALL_GATHER, axes, act, fwd_gathers, f"{tag}: SP gathers the sequence before attention / MLP (fwd)"),
