@@ -297,7 +297,8 @@ MEANINGS = {
     "train.lora.rank": "LoRA: the adapters' rank; > 0 freezes the model and trains adapters on train.lora.targets (0: "
     "full fine-tuning)",
     "train.lora.alpha": "LoRA: the adapters' output is scaled by alpha / rank",
-    "train.lora.dropout": "LoRA: dropout on the adapters' input (only 0 today: adapters are folded into the weights)",
+    "train.lora.dropout": "LoRA: dropout on the adapters' input while training, PEFT's lora_dropout (attention and dense MLP "
+    "matrices; needs train.grad_accum=1 and no pipeline; 0: adapters folded into the weights)",
     "train.lora.targets": "LoRA: the matrices adapted, by their parameter names, comma-separated (q,k,v,o attention; "
     "gate,up,down MLP and expert; a family's own, e.g. q_a,q_b,kv_a,kv_b)",
     "train.lora.base_in_compute_dtype": "LoRA: hold the frozen base in train.compute_dtype (what the forward casts it to "

@@ -34,7 +34,7 @@ from jaxpar.downstream import harness as downstream
 from jaxpar.interop import peft
 from jaxpar.interop.sharded import problems as hf_problems
 from jaxpar.mesh import MeshError, resolve_mesh_shape
-from jaxpar.models import lora
+from jaxpar.models import lora, lora_dropout
 from jaxpar.models.families import FAMILIES, UnknownFamily, family
 from jaxpar.parallel import collective_matmul, data, expert, tensor, zero
 from jaxpar.parallel.context import plan as context
@@ -182,6 +182,9 @@ def _config_problems(
     errors += train_choices(train) + optimizer_checks(train, config.model)
     if sane and "lora" in train:
         errors += lora.problems(train.lora, lambda: models.logical_axes(config.model))
+        if not errors:
+            misses = lambda: models.side_path_misses(lora.adapted(config.model, train.lora))  # noqa: E731
+            errors += lora_dropout.problems(train.lora, train.grad_accum, mesh[PIPELINE] if mesh else 1, misses)
         if not errors and train.lora.init_from_peft:
             try:  # the adapter's rank, alpha, targets and every tensor's shape, before anything compiles
                 peft.load(train.lora.init_from_peft, lora.adapted(config.model, train.lora))

@@ -11,7 +11,9 @@ CASES = {
     "negative_rank": (["--config.train.lora.rank=-1"], "train.lora.rank=-1"),
     "alpha_zero": (["--config.train.lora.rank=4", "--config.train.lora.alpha=0.0"], "train.lora.alpha=0.0"),
     "unknown_target": (["--config.train.lora.rank=4", "--config.train.lora.targets=q,qkv"], "unknown ['qkv']"),
-    "dropout": (["--config.train.lora.rank=4", "--config.train.lora.dropout=0.1"], "train.lora.dropout=0.1"),
+    "dropout_one": (["--config.train.lora.rank=4", "--config.train.lora.dropout=1.0"], "train.lora.dropout=1.0 must be in [0, 1)"),
+    "dropout_accum": (["--config.train.lora.rank=4", "--config.train.lora.dropout=0.1", "--config.train.grad_accum=2"],
+                      "train.lora.dropout=0.1 needs train.grad_accum=1"),
 }
 
 
