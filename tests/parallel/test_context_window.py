@@ -106,7 +106,10 @@ def _window_sharded(q, k, v, sinks, cotangent, *, impl, balanced, scale, windows
     return (total, outs[:, :, inverse]), grads, step, args
 
 
-WINDOW_GRID = [(impl, balanced, family) for impl in IMPLS for balanced in (False, True) for family in FAMILIES]
+# Each implementation once per layout it has, each family through ring and all_gather (a case compiles
+# a sharded step: the full grid of 12 took 11 more cases for no new path).
+WINDOW_GRID = [("all_gather", True, "gemma3_text"), ("all_gather", False, "gpt_oss"), ("ring", True, "gpt_oss"),
+               ("ring", False, "gemma3_text"), ("all_to_all", True, "gpt_oss")]
 WINDOW_FAST = (("all_gather", True, "gemma3_text"),)
 
 
@@ -124,8 +127,6 @@ def test_windowed_exchange_matches_one_device(impl, balanced, family):
     errors = {n: _rel_err(a, b) for n, a, b in zip(names, (got_loss_outs[1], *got_grads), (want_outs, *want_grads))
               if a is not None}
     assert all(e <= FP32_RTOL for e in errors.values()), errors
-
-
 
 
 def _kv_permutes_by_kind(compiled_text, layers):
@@ -158,8 +159,7 @@ def _priced_per_layer(impl, balanced, window):
 # window of 2 the previous rank's low piece and the next rank's high one (2 hops of half a block).
 # Each hop: K and V in the forward, again in the backward, dK and dV sent back: 6 permutes. A full
 # layer's ring: 2 (c - 1) + 2 (c - 1) + 2 c = 20.
-PERMUTE_CASES = [("ring", False, 2, 6), ("ring", False, 11, 12), ("ring", True, 2, 12), ("all_gather", False, 8, 6),
-                 ("all_gather", True, 2, 12)]
+PERMUTE_CASES = [("ring", False, 2, 6), ("ring", False, 11, 12), ("ring", True, 2, 12), ("all_gather", False, 8, 6)]
 
 
 @pytest.mark.timeout(300)
