@@ -136,3 +136,19 @@ def test_dropout_refuses_matrices_without_a_side_path(make, targets, missing):
     assert {".".join(m.split(".")[-2:]) for m in misses} == missing
     (line,) = lora_dropout.problems(config.train.lora, 1, 1, lambda: misses)
     assert line.startswith(f"train.lora.dropout=0.1: {', '.join(misses)} have no side path")
+
+
+def test_dropout_zero_keeps_the_folded_model():
+    """dropout 0: the model config carries no dropout, the step adds no key, and a key changes nothing (bitwise)."""
+    config = tiny.llama(dict(lora=dict(rank=4, alpha=8.0)))
+    adapted = lora.adapted(config.model, config.train.lora)
+    assert "dropout" not in adapted.lora
+    opts = RunOptions()
+    assert lora_dropout.training(opts, adapted, jnp.int32(3)) is opts
+    params = models.init_params(adapted, 0)
+    params = peft_format.with_adapters(jax.device_get(params), {
+        p: np.full(x.shape, 0.05, np.float32) for p, x in lora.adapters_of(params).items()
+    })
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, adapted.vocab_size, (2, 8)))
+    forward = jax.jit(lambda p, key: models.apply(adapted, p, tokens, RunOptions(lora_dropout_key=key))[0])
+    np.testing.assert_array_equal(forward(params, lora_dropout.step_key(3)), jax.jit(lambda p: models.apply(adapted, p, tokens)[0])(params))
