@@ -62,15 +62,22 @@ def export(directory: str, model_config, params, base_model: str = "") -> list[s
     from jaxpar.extras import require
 
     save_file = require("safetensors", "a PEFT export").numpy.save_file
-    tensors, short = {}, set()
-    targets = set(lora.targets(settings))
-    for (key, path), (indices, module) in _modules(cfg, targets).items():
+    tensors, targets = {}, set(lora.targets(settings))
+    modules = _modules(cfg, targets)
+    short = {module.split(".")[-1] for _, module in modules.values()}
+    clash = short & experts.per_expert_names(cfg)
+    if clash:
+        raise ValueError(
+            f"train.lora.targets: {','.join(sorted(clash))} of {cfg.model_type}'s dense MLPs share their names with its "
+            "experts' per-expert modules, which PEFT may map onto the fused experts (it does for Qwen3-MoE and DeepSeek-V3): "
+            "it would not load them; export the merged model, or target the experts alone"
+        )
+    for (key, path), (indices, module) in modules.items():
         a, b = _pair(params, key, path)
         r = a.shape[-1]
         for i, index in enumerate(indices):
             tensors[_name(index, module, "A")] = np.ascontiguousarray(a[i].reshape(-1, r).T)
             tensors[_name(index, module, "B")] = np.ascontiguousarray(b[i].reshape(r, -1).T)
-        short.add(module.split(".")[-1])
     fused, patterns = _export_experts(params, cfg, targets, tensors)
     os.makedirs(directory, exist_ok=True)
     r, alpha = int(settings.rank), float(settings.alpha)

@@ -54,6 +54,19 @@ def target_names(cfg) -> dict:
     return names
 
 
+def per_expert_names(cfg) -> set[str]:
+    """The family's per-expert module names (transformers 4's: gate_proj, w1 ...). PEFT (0.21.2)
+    renames such names in `target_modules` onto the fused expert parameters for most MoE families
+    (Qwen3-MoE, DeepSeek-V3: `convert_peft_config_for_transformers`), so a dense MLP or shared
+    expert whose module has one of these names cannot be named in an adapter's target_modules."""
+    names = set()
+    for stack in FAMILIES[cfg.model_type].hf.layer_stacks(cfg):
+        for entry in stack.table.values():
+            if isinstance(entry, ExpertStack):
+                names.add(entry.per_expert.split(".")[-2])
+    return names
+
+
 def tensor_names(prefix: str, module: str, params: list[str]) -> dict:
     """{parameter: (lora_A name, lora_B name)} of one layer's wrapped parameters of `module`."""
     out = {}

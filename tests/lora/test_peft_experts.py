@@ -81,3 +81,12 @@ def test_peft_expert_adapter_imports(base, tmp_path):
     start = lora.with_init(copy.deepcopy(params), models.logical_axes(lora.base_config(adapted)), lora.settings(adapted), 0)
     imported = peft_format.with_adapters(start, peft_format.load(str(tmp_path / "adapter"), adapted))
     np.testing.assert_allclose(np.asarray(models.forward(adapted, imported, tokens)), theirs, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("make, model", [(tiny.qwen3_moe, dict(mlp_only_layers=[1])), (tiny.qwen2_moe, {})])
+def test_dense_mlps_named_like_experts_are_refused(make, model, tmp_path):
+    """PEFT 0.21.2 turns target_modules gate_proj / up_proj / down_proj of a Qwen3-MoE into its fused experts
+    (measured: a dense layer's adapters then go unloaded, logits off by 6.5): such an export is refused."""
+    config = make(dict(lora=dict(rank=2, alpha=4.0, targets="q,gate,up,down")), **model)
+    with pytest.raises(ValueError, match=r"train.lora.targets: down_proj,gate_proj,up_proj of .* share their names"):
+        peft_format.export(str(tmp_path), lora.adapted(config.model, config.train.lora), params=None)
