@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,10 +85,25 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, str]:
 # -- tensorboard ---------------------------------------------------------------------------------
 
 
-class _TensorBoard:
-    def __init__(self, train, workdir, config, run_id):
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch when it is
+    installed only to accept torch tensors, which jaxpar never logs, and that import took 2.2 of a
+    tiny run's first seconds (the test extras install torch). A torch already imported is kept."""
+    if "torch" in sys.modules:
         from tensorboardX import SummaryWriter
 
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX expects without it
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
+class _TensorBoard:
+    def __init__(self, train, workdir, config, run_id):
+        SummaryWriter = _summary_writer()  # noqa: N806 (the library's class)
         self.writer, self.id = SummaryWriter(os.path.join(workdir, "tensorboard")), None
 
     def log(self, record: dict) -> None:
