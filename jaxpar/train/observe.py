@@ -52,8 +52,10 @@ PEAK_FLOPS = (
 )
 
 
+# 1024: within the noise of 2048's rate on the 2-core host (66-69 vs 54-87 GFLOP/s, loaded), in 0.3 s
+# instead of 1.5-2 s, which every CPU run's start paid.
 @functools.lru_cache(maxsize=4)
-def measured_host_flops(dtype_name: str = "float32", size: int = 2048) -> float:
+def measured_host_flops(dtype_name: str = "float32", size: int = 1024) -> float:
     """FLOP/s of one `size`³ matmul on the first CPU device (best of 5): what the host's cores
     reach together. Measured once per process."""
     device = jax.devices("cpu")[0]
