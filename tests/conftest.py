@@ -22,6 +22,8 @@ kept as it is (JAX_PLATFORMS=cpu runs the CPU tests on a GPU host whose CUDA doe
 import hashlib
 import os
 import pickle
+import shutil
+import tempfile
 
 from tests.support.compile_flags import DEVICE_COUNT, FAST_COMPILE
 from tests.support.platforms import CPU_THEN_GPU, gpu_devices, suite_platforms
@@ -31,6 +33,15 @@ os.environ["JAX_PLATFORMS"] = suite_platforms(os.environ)
 if os.environ["JAX_PLATFORMS"] == CPU_THEN_GPU:
     # Both xdist workers (and the runs they start) open the GPU: none may take 75% of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+# One persistent XLA cache per session, shared by the xdist workers and every run they start (the
+# docs' and scripts' subprocesses compile the same tiny programs many times over): workers and
+# children inherit the variable the first process sets. A directory you set yourself is kept.
+_OWN_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_XLA_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
+    os.environ["JAXPAR_TESTS_XLA_CACHE_OWNER"] = str(os.getpid())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
@@ -66,3 +77,8 @@ def shared_cache(tmp_path_factory, worker_id):
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") and not gpu_devices():
         pytest.skip(f"no GPU on this host (JAX_PLATFORMS={os.environ['JAX_PLATFORMS']})")
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("JAXPAR_TESTS_XLA_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
