@@ -259,7 +259,8 @@ MEANINGS = {
     "parallel.context_block_size": "query / key chunk of the flash-style context attention (bounds its temporary "
     "memory)",
     "parallel.context_latent": "with context_impl all_gather, a model with latent attention (DeepSeek-V3's MLA) gathers "
-    "each token's latent and RoPE key and up-projects them on every rank, instead of gathering keys and values",
+    "each token's latent and RoPE key and up-projects them on every rank, instead of gathering keys and values "
+    "(not when train.fp8 runs v_proj, MLA's up-projection, in FP8: docs/fp8.md)",
     "train.steps": "optimizer updates of the run",
     "train.global_batch_size": "sequences per step, over all devices",
     "train.seq_len": "tokens per sequence",

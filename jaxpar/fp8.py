@@ -4,8 +4,9 @@ A recipe is a record that owns its facts: how its scales are made (`jaxpar.kerne
 and whether it keeps state. All recipes quantize the forward operands to e4m3 and the cotangents
 to e5m2, accumulate in fp32 and leave the master weights (and everything else) in
 `train.param_dtype`. Which matmuls run in FP8 is data (`train.fp8_matmuls`, names of
-`FP8_MATMULS`: the attention projections, the MLP and the experts' matrices); the router, the
-embedding, the LM head and the norms never do (their names are not matmuls one can list here).
+`FP8_MATMULS`: the attention projections, the MLP and the experts' matrices, DeepSeek-V3's
+multi-token prediction projection); the router, the embedding, the LM head and the norms never do
+(their names are not matmuls one can list here).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ RECIPES = (
 RECIPE_NAMES = tuple(r.name for r in RECIPES)
 
 # The matmuls FP8 may run, by the names the layers give them (`jaxpar.models.layers.SAVED_DOTS`
-# for the projections, "experts" for all three expert matrices).
-FP8_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down", "experts")
+# for the projections, "experts" for all three expert matrices; multi-head latent attention's
+# matrices by the names its activations are saved by, `jaxpar.models.deepseek_v3.attention`;
+# "mtp_proj" DeepSeek-V3's multi-token prediction `eh_proj`).
+FP8_MATMULS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up", "mlp_down", "experts", "mtp_proj")
 NEVER = ("router", "embedding", "lm_head", "norm")
 
 KEYS = dict(
@@ -53,10 +56,13 @@ MEANINGS = {
 
 
 # The cost model's matmul parts (`jaxpar.analysis.cost.efficiency.part_shapes`) and the FP8 matmuls
-# each is made of: a part is priced at the FP8 peak when all of them run in FP8.
+# each is made of: a part is priced at the FP8 peak when all of them run in FP8. Under multi-head
+# latent attention "qo" is q (or q_b) and o, "kv" kv_b (v_proj; k_proj listed as for the others),
+# "latent" the down-projections q_a (q_proj), kv_a (k_proj) and the prediction modules' eh_proj.
 COST_PARTS = {
     "qo": ("q_proj", "o_proj"),
     "kv": ("k_proj", "v_proj"),
+    "latent": ("q_proj", "k_proj", "mtp_proj"),
     "mlp": ("mlp_gate", "mlp_up", "mlp_down"),
     "experts": ("experts",),
 }
@@ -85,6 +91,13 @@ class Fp8:
     def at(self, name: str) -> Scaling | None:
         """The scaling of matmul `name` (None: it runs in the compute dtype)."""
         return self.recipe.scaling if name in self.matmuls else None
+
+
+def runs_in_fp8(train, name: str) -> bool:
+    """Whether `train` runs matmul `name` in FP8 (configs saved before `train.fp8` existed: no)."""
+    if train.get("fp8", "none") not in RECIPE_NAMES or recipe(train.fp8).scaling is None:
+        return False
+    return name in matmul_names(train)
 
 
 def matmul_names(train) -> list[str]:

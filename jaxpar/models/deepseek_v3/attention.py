@@ -15,6 +15,16 @@ head size for q, k and v: the smaller of (nope + rope) and v is padded with zero
 and q carries the softmax scale (`rope.softmax_scale`) times sqrt(that size), which the kernels'
 own 1 / sqrt(size) cancels. Zero value columns give zero outputs, which are cut off again.
 
+FP8 (`train.fp8`): every projection runs in FP8 (`jaxpar.kernels.fp8.fp8_project`) under the
+names of `jaxpar.fp8.FP8_MATMULS` that its activations are saved by: the query path (`q`, or `q_a`
+and `q_b`) is `q_proj`, the latent down-projection `kv_a` is `k_proj`, the up-projection `kv_b`
+(each head's key and value) is `v_proj`, `o` is `o_proj`. Delayed scaling keeps one history per
+matrix (`fp8_matrices`). The latent norms and the attention itself stay in the compute dtype, as
+in DeepSeek-V3's own FP8 training. With `kv_b` in FP8, context parallelism gathers the expanded K
+and V, not the latents (`jaxpar.parallel.context.plan`): in the latent gather each context rank's
+K / V cotangent is only its own queries' part, and rounding parts to e5m2 is not rounding their
+sum (measured in docs/fp8.md).
+
 Decoding (`cached`) keeps only each token's latent and RoPE key (kv_lora_rank + rope numbers per
 layer) and absorbs `kv_b` into the query and the output: q_nope · k_nope = (q_nope · W_k) · latent
 per head, so the cache is attended to as one shared key [latent, rope key] and the context read
@@ -33,6 +43,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.kernels import attention as attention_kernel
 from jaxpar.kernels.dense import project
 from jaxpar.models.deepseek_v3 import rope
+from jaxpar.models.fp8_state import fp8_args, histories
 from jaxpar.models.layers import RMSNorm, causal_attention, normal_init
 from jaxpar.models.options import RunOptions
 from jaxpar.parallel.context.latent import latent_attention
@@ -43,6 +54,14 @@ from jaxpar.sharding import constrain
 LATENT_NORM_EPS = 1e-6
 HEADS = ("batch", "seq", "act_heads", "head_dim")
 WHOLE_SEQUENCE = ("batch", "seq", None)
+# Each matrix's FP8 matmul name (module docstring); its position in `fp8_matrices` is its history's index.
+FP8_NAMES = {"q": "q_proj", "q_a": "q_proj", "q_b": "q_proj", "kv_a": "k_proj", "kv_b": "v_proj", "o": "o_proj"}
+
+
+def fp8_matrices(cfg) -> tuple:
+    """The matrices of one MLA, in the order of its delayed-scaling histories."""
+    query = ("q",) if cfg.q_lora_rank is None else ("q_a", "q_b")
+    return query + ("kv_a", "kv_b", "o")
 
 
 def _pad_last(x, size: int):
@@ -72,6 +91,11 @@ class LatentAttention(nnx.Module):
             normal_init(rngs, (self.rank, h, self.nope + self.v_dim), std), out_sharding=("latent", "heads", "head_dim")
         )
         self.o = nnx.Param(normal_init(rngs, (h, self.v_dim, d), std), out_sharding=("heads", "head_dim", "embed"))
+        self.fp8_history = histories(cfg, len(fp8_matrices(cfg)))  # under delayed FP8 scaling (else None)
+
+    def _fp8(self, opts: RunOptions, matrix: str) -> dict:
+        """`project`'s FP8 keywords for `matrix` (none without FP8)."""
+        return fp8_args(opts, FP8_NAMES[matrix], self.fp8_history, fp8_matrices(self.cfg).index(matrix))
 
     @staticmethod
     def cache_layout(cfg, kv_repeat: int):
@@ -84,17 +108,18 @@ class LatentAttention(nnx.Module):
         """q [B, S, H, nope + rope], its RoPE part rotated, split over heads."""
         split, rules = opts.plan.splits_sequence, opts.rules
         if self.cfg.q_lora_rank is None:
-            q = project(x, self.q[...], splits_sequence=split)
+            q = project(x, self.q[...], splits_sequence=split, **self._fp8(opts, "q"))
         else:
-            latent = self.q_a_norm(project(x, self.q_a[...], splits_sequence=split))
-            q = project(constrain(rules, latent, WHOLE_SEQUENCE), self.q_b[...], splits_sequence=split)
+            latent = self.q_a_norm(project(x, self.q_a[...], splits_sequence=split, **self._fp8(opts, "q_a")))
+            q = project(constrain(rules, latent, WHOLE_SEQUENCE), self.q_b[...], splits_sequence=split, **self._fp8(opts, "q_b"))
         q = constrain(rules, checkpoint_name(q, "q_proj"), HEADS)
         return jnp.concatenate([q[..., : self.nope], rope.rotate(q[..., self.nope :], positions, inv_freq, self.cfg)], -1)
 
     def latent(self, x, positions, inv_freq, opts: RunOptions):
         """What a token leaves for later ones: its normed latent [B, S, kv_lora_rank] and its
         rotated RoPE key [B, S, 1, rope]."""
-        kv = checkpoint_name(project(x, self.kv_a[...], splits_sequence=opts.plan.splits_sequence), "k_proj")
+        kv_a = project(x, self.kv_a[...], splits_sequence=opts.plan.splits_sequence, **self._fp8(opts, "kv_a"))
+        kv = checkpoint_name(kv_a, "k_proj")
         latent = self.kv_a_norm(kv[..., : self.rank])
         return latent, rope.rotate(kv[..., None, self.rank :], positions, inv_freq, self.cfg)
 
@@ -103,7 +128,7 @@ class LatentAttention(nnx.Module):
         rules = opts.rules
         latent = constrain(rules, latent, WHOLE_SEQUENCE)
         rope_key = constrain(rules, rope_key, WHOLE_SEQUENCE + (None,))
-        kv = project(latent, self.kv_b[...], splits_sequence=opts.plan.splits_sequence)
+        kv = project(latent, self.kv_b[...], splits_sequence=opts.plan.splits_sequence, **self._fp8(opts, "kv_b"))
         kv = constrain(rules, checkpoint_name(kv, "v_proj"), HEADS)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key, k_nope.shape[:-1] + (self.rope,))], axis=-1)
@@ -112,7 +137,7 @@ class LatentAttention(nnx.Module):
     def output(self, heads, opts: RunOptions):
         """[B, S, H, v] → [B, S, D] through `o` (row-parallel over tensor)."""
         heads = constrain(opts.rules, heads, HEADS)
-        out = project(heads, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence)
+        out = project(heads, self.o[...], contract=2, splits_sequence=opts.plan.splits_sequence, **self._fp8(opts, "o"))
         return checkpoint_name(out, "o_proj")
 
     def padded(self, k, v):

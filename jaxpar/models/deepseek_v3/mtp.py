@@ -4,7 +4,8 @@ i + k + 1 from position i.
 Depth k combines the previous depth's output h (the main model's last block output, before its
 final norm, for k = 1) with the embedding of token i + k: [RMSNorm(embedding); RMSNorm(h)] (in
 that order, as transformers' `MtpLayer` and DeepSeek's weights) projected back to the hidden size
-by `eh_proj`, then one decoder block (MLA and a routed MoE MLP: transformers builds MTP blocks with
+by `eh_proj` (FP8 matmul `mtp_proj` under `train.fp8`: a plain linear, which DeepSeek-V3 trained in
+FP8 too), then one decoder block (MLA and a routed MoE MLP: transformers builds MTP blocks with
 `first_k_dense_replace` 0), whose output goes on to depth k + 1 and, through the module's own
 RMSNorm (`shared_head.norm`), to the shared LM head. Every depth attends causally within the same
 packed documents as the main model, at the same positions.
@@ -24,6 +25,7 @@ from flax import nnx
 
 from jaxpar.kernels.dense import project
 from jaxpar.models.decoder import DecoderBlock, scan_blocks
+from jaxpar.models.fp8_state import fp8_args, histories
 from jaxpar.models.layers import RMSNorm, normal_init, project_to_vocab
 from jaxpar.models.options import RunOptions
 from jaxpar.sharding import RESIDUAL, constrain
@@ -37,6 +39,7 @@ class PredictionModule(nnx.Module):
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = nnx.Param(normal_init(rngs, (2 * d, d), cfg.initializer_range), out_sharding=(None, "embed"))
+        self.fp8_history = histories(cfg, 1)  # eh_proj's, under delayed FP8 scaling (else None)
         self.block = DecoderBlock(cfg, rngs=rngs, make_attention=make_attention, make_mlp=make_mlp)
         self.norm = RMSNorm(d, eps)
 
@@ -44,7 +47,8 @@ class PredictionModule(nnx.Module):
         """(this depth's output [B, S, D], the block's MLP aux) from the previous depth's h and the
         embedded tokens ahead."""
         joined = jnp.concatenate([self.enorm(embedded), self.hnorm(h)], axis=-1)
-        x = project(joined, self.eh_proj[...], splits_sequence=opts.plan.splits_sequence)
+        fp8 = fp8_args(opts, "mtp_proj", self.fp8_history, 0)
+        x = project(joined, self.eh_proj[...], splits_sequence=opts.plan.splits_sequence, **fp8)
         return self.block(constrain(opts.rules, x, RESIDUAL), positions, inv_freq, opts, segment_ids)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxpar import fp8
 from jaxpar.axes import CONTEXT, PIPELINE, TENSOR
 from jaxpar.parallel.context.local import DEFAULT_BLOCK
 from jaxpar.parallel.context.sharded import IMPLS
@@ -30,6 +31,9 @@ def context_plan(config, mesh: dict, facts=None) -> ContextPlan | None:
         return None
     parallel = config.parallel
     latent = parallel.context_impl == "all_gather" and bool(parallel.context_latent) and bool(facts and facts.kv_latent_width)
+    # Not with MLA's up-projection in FP8 (`jaxpar.models.deepseek_v3.attention`): each rank's
+    # K / V cotangent is a part of the sum, and e5m2 rounds parts unlike their sum.
+    latent = latent and not fp8.runs_in_fp8(config.train, "v_proj")
     return ContextPlan(
         latent=latent,
         size=mesh[CONTEXT],
