@@ -50,14 +50,8 @@ def bench(base, sizes: list[str], modes: list[str], steps: int, repeats: int) ->
             _, first = run.step()
             runs[size, mode] = run
             print(f"{size} collective_matmul={mode}: compile {seconds:.1f}s, first step {first:.2f}s", flush=True)
-    wall, cpu = ({key: [] for key in runs} for _ in range(2))
-    for repeat in range(repeats):
-        for key, run in runs.items():
-            for _ in range(steps):
-                (_, seconds), _, cpu_s = harness.timed(run.step)
-                wall[key].append(seconds)
-                cpu[key].append(cpu_s)
-        print(f"[{repeat + 1}] " + " ".join(f"{s}/{m} {statistics.median(t):.3f}s" for (s, m), t in wall.items()), flush=True)
+    wall, cpu = harness.rotating(runs, steps, repeats,
+                                 lambda wall: " ".join(f"{s}/{m} {statistics.median(t):.3f}s" for (s, m), t in wall.items()))
     print(f"median s/step of {repeats} x {steps} steps, rotating; data 2 x tensor 4, SP, remat full "
           f"(cpu: this process's CPU time, all threads)")
     medians = {}

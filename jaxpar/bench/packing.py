@@ -73,14 +73,8 @@ def bench(config_for, label: str, attention: list[str], steps: int, repeats: int
             _, first = run.step()
             runs[impl, kind] = run
             print(f"attention={impl} {kind} ({described}): compile+first step {seconds + first:.1f}s", flush=True)
-    wall, cpu = ({key: [] for key in runs} for _ in range(2))
-    for repeat in range(repeats):
-        for key, run in runs.items():
-            for _ in range(steps):
-                (_, seconds), _, cpu_s = harness.timed(run.step)
-                wall[key].append(seconds)
-                cpu[key].append(cpu_s)
-        print(f"[{repeat + 1}] " + " ".join(f"{i}/{k} {statistics.median(t) * 1e3:.0f}ms" for (i, k), t in wall.items()), flush=True)
+    wall, cpu = harness.rotating(runs, steps, repeats,
+                                 lambda wall: " ".join(f"{i}/{k} {statistics.median(t) * 1e3:.0f}ms" for (i, k), t in wall.items()))
     config = config_for(attention[0])
     print(f"model={label} G={config.train.global_batch_size} S={config.train.seq_len} device={jax.devices()[0].device_kind}: "
           f"median ms/step of {repeats} x {steps} steps, rotating (cpu: this process's CPU time, all threads)")

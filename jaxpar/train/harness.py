@@ -49,6 +49,21 @@ def timed(fn, *args):
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
+def rotating(runs: dict, steps: int, repeats: int, line) -> tuple[dict, dict]:
+    """Side-by-side timing on a noisy machine: `repeats` rounds, each running `steps` steps of every
+    run in turn, so load changes hit every run alike. `runs`: {key: a Harness}; `line(wall)` is
+    printed after each round. Returns ({key: wall seconds per step}, {key: CPU seconds per step})."""
+    wall, cpu = ({key: [] for key in runs} for _ in range(2))
+    for repeat in range(repeats):
+        for key, run in runs.items():
+            for _ in range(steps):
+                (_, seconds), _, cpu_s = timed(run.step)
+                wall[key].append(seconds)
+                cpu[key].append(cpu_s)
+        print(f"[{repeat + 1}] {line(wall)}", flush=True)
+    return wall, cpu
+
+
 def random_batch(config, program: TrainProgram, seed: int = 0) -> jax.Array:
     """One global batch of token ids, [global_batch_size, seq_len + 1] int32 uniform in
     [0, vocab_size), placed on the program's batch sharding."""
