@@ -16,6 +16,8 @@ and tensor headers (`jaxpar.interop.sharded.problems`). It reads, never writes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import functools
 import math
@@ -131,6 +133,52 @@ def _schema(model_type: str) -> tuple[ConfigDict, frozenset[str]]:
     return schema, frozenset(known)
 
 
+# Within `shared_sections(config, memo)`: the base config and the memo of `_once`.
+_SHARED: contextvars.ContextVar = contextvars.ContextVar("preflight_shared", default=None)
+_SCALARS = (int, float, str, bool, type(None))
+
+
+@contextlib.contextmanager
+def shared_sections(config, memo: dict):
+    """Within it, checks of one section alone (`_once`) run once per distinct section of configs
+    that share `config`'s sections or copy them shallowly with scalar leaves changed (the planner's
+    candidates, `planner.candidates`: the model's ranges and facts and train's ranges were a quarter
+    of preflight's time there). `memo` outlives the block; nothing may change `config` meanwhile."""
+    token = _SHARED.set((config, memo))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _section_key(section, base):
+    """What tells `section` from `base`, a section whose non-scalar leaves it shares (the same
+    objects): its changed scalar leaves; None when it is not such a copy."""
+    if section is base:
+        return ()
+    if type(section) is not type(base) or section._fields.keys() != base._fields.keys():
+        return None
+    changed = tuple((k, type(v), v) for k, v in section._fields.items() if v is not base._fields[k])
+    return changed if all(kind in _SCALARS for _, kind, _ in changed) else None
+
+
+def _once(config, fn, *names):
+    """`fn` of the config's sections `names`; within `shared_sections`, once per distinct sections."""
+    sections = tuple(config[n] for n in names)
+    shared = _SHARED.get()
+    if shared is None:
+        return fn(*sections)
+    base, memo = shared
+    key = tuple(_section_key(s, base[n]) for s, n in zip(sections, names))
+    if None in key:
+        return fn(*sections)
+    key = (fn, names, key)
+    if key not in memo:
+        memo[key] = fn(*sections)
+    value = memo[key]
+    return list(value) if isinstance(value, list) else value
+
+
 def _config_problems(
     config, num_devices: int, platform: str | None, keys_checked: bool = False
 ) -> tuple[list[str], dict | None, bool]:
@@ -153,7 +201,7 @@ def _config_problems(
         errors.append(str(e))
         mesh = None
     train, parallel = config.train, config.parallel
-    ranges = fam.ranges(config.model) + train_ranges(train) + checkpoint_checks(config.checkpoint)
+    ranges = _once(config, fam.ranges, "model") + _once(config, train_ranges, "train") + checkpoint_checks(config.checkpoint)
     sane = not ranges  # sizes >= 1: the divisibility checks below can run
     errors += ranges
     if sane:
@@ -164,7 +212,7 @@ def _config_problems(
         errors += tensor.checks(config, mesh)
         errors += expert.overlap_checks(config, mesh)
         errors += zero.checks(config, mesh)
-        facts = fam.facts(config.model)
+        facts = _once(config, fam.facts, "model")
         errors += collective_matmul.problems(config, mesh, facts, fam.name, platform)
         errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
         strategy = data.gradient_strategy(

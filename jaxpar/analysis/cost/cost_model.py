@@ -269,10 +269,13 @@ def step_time(layout: Layout, flops: dict, collectives: list[Planned], hardware:
     fraction = layout.bubble_fraction
     comm: dict = {}
     overlap: dict = {}
+    links: dict = {}  # axes -> bandwidth: a step has dozens of collectives over a few axis sets
     for p in collectives:
         if not p.axes:
             continue
-        seconds = p.wire_bytes(layout.mesh) / hw.link_bandwidth(hardware, layout.mesh, p.axes)
+        if p.axes not in links:
+            links[p.axes] = hw.link_bandwidth(hardware, layout.mesh, p.axes)
+        seconds = p.wire_bytes(layout.mesh) / links[p.axes]
         comm[p.axes] = comm.get(p.axes, 0.0) + seconds
         if efficiency is None and overlapped(p):
             overlap[p.axes] = overlap.get(p.axes, 0.0) + seconds

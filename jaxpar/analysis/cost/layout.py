@@ -11,6 +11,8 @@ shorthands for those reads.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -37,6 +39,74 @@ TARGETS = ("gpu", "tpu", "cpu")
 
 class LayoutError(ValueError):
     """A config the cost model cannot price (one line, naming the key)."""
+
+
+def _model_json(config) -> str:
+    # With train.lora, the adapted model: its adapters are parameters, and the only trained ones.
+    # With delayed FP8 scaling, its amax histories (model state, held like parameters).
+    train = config.train
+    model = lora.adapted(config.model, train.lora) if "lora" in train else config.model
+    return fp8.with_state(model, train).to_json()
+
+
+def _model_inputs(config) -> tuple:
+    """What `_model_json` reads: the model and train.lora sections (by identity), the FP8 keys."""
+    train = config.train
+    return config.model, train.get("lora"), train.get("fp8"), train.get("fp8_amax_history")
+
+
+class _Shared:
+    """The model's facts and JSON of one config, for the configs that share its model and
+    train.lora sections (the same objects) and FP8 keys: the planner's candidates
+    (`planner.candidates`); and the train section's JSON per set of changed train leaves."""
+
+    def __init__(self, config):
+        self.config, self.inputs = config, _model_inputs(config)
+        self.train_fields = config.train._fields
+        self.train_jsons: dict = {}
+
+    @functools.cached_property
+    def model_json(self) -> str:
+        return _model_json(self.config)
+
+    @functools.cached_property
+    def facts(self) -> ModelFacts:
+        return model_facts(self.config.model)
+
+    def holds(self, config) -> bool:
+        inputs = _model_inputs(config)
+        return all(a is b for a, b in zip(inputs[:2], self.inputs[:2])) and inputs[2:] == self.inputs[2:]
+
+    def train_json(self, train) -> str:
+        """`train.to_json()`, once per set of leaves that differ from the shared train section's
+        (by identity; the others are the same objects, so the same JSON)."""
+        fields = train._fields
+        if fields.keys() != self.train_fields.keys() or type(train) is not type(self.config.train):
+            return train.to_json()
+        changed = tuple((k, v) for k, v in fields.items() if v is not self.train_fields[k])
+        if not all(type(v) in (int, float, str, bool) for _, v in changed):
+            return train.to_json()
+        key = tuple((k, type(v), v) for k, v in changed)
+        if key not in self.train_jsons:
+            self.train_jsons[key] = train.to_json()
+        return self.train_jsons[key]
+
+
+_SHARED: contextvars.ContextVar = contextvars.ContextVar("shared_model", default=None)
+
+
+@contextlib.contextmanager
+def shared_model(config):
+    """Within it, layouts of configs sharing `config`'s model section (not copies of it) take its
+    facts and JSON computed once, and train sections sharing `config.train`'s leaves their JSON: the
+    planner prices thousands of candidates of one model, and `ConfigDict.to_json` and the family's
+    facts per candidate were 15% of the search. Nothing may change these sections meanwhile
+    (identity stands for equality only while the planner holds them unchanged)."""
+    token = _SHARED.set(_Shared(config))
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +139,8 @@ class Layout:
         for key in ("compute_dtype", "param_dtype"):
             if train[key] not in DTYPE_BYTES:
                 raise LayoutError(f"train.{key}={train[key]!r} is not one of {tuple(DTYPE_BYTES)}")
-        facts = model_facts(config.model)
+        shared = _SHARED.get()
+        facts = shared.facts if shared is not None and config.model is shared.config.model else model_facts(config.model)
         return cls(
             config=config,
             plan=make_plan(config, mesh, facts, backend=target),
@@ -85,15 +156,15 @@ class Layout:
     # under (`memory.param_counts`, `optimizer_terms`; ConfigDict.to_json was 8% of the planner).
     @functools.cached_property
     def model_json(self) -> str:
-        # With train.lora, the adapted model: its adapters are parameters, and the only trained ones.
-        # With delayed FP8 scaling, its amax histories (model state, held like parameters).
-        train = self.config.train
-        model = lora.adapted(self.config.model, train.lora) if "lora" in train else self.config.model
-        return fp8.with_state(model, train).to_json()
+        shared = _SHARED.get()
+        if shared is not None and shared.holds(self.config):
+            return shared.model_json
+        return _model_json(self.config)
 
     @functools.cached_property
     def train_json(self) -> str:
-        return self.config.train.to_json()
+        shared = _SHARED.get()
+        return shared.train_json(self.config.train) if shared is not None else self.config.train.to_json()
 
     # --- mesh shorthands ---
     @functools.cached_property

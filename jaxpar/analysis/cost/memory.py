@@ -154,17 +154,21 @@ class ParamCounts:
 
 
 def param_counts(layout: Layout) -> ParamCounts:
-    return _param_counts(layout.model_json, layout.plan)
+    """Under the plan's own rules tables (`jaxpar.sharding.rules_table`: where ZeRO, tensor,
+    pipeline and expert put each logical name)."""
+    plan = layout.plan
+    params_table = rules_table(plan, zero_on_params=plan.zero.shard_params)
+    opt_table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
+    return _param_counts(layout.model_json, tuple(params_table.items()), tuple(opt_table.items()), plan.mesh_shape,
+                         tuple(plan.zero.axes))
 
 
 @functools.lru_cache(maxsize=4096)
-def _param_counts(model_json: str, plan) -> ParamCounts:
-    """Under the plan's own rules tables (`jaxpar.sharding.rules_table`: where ZeRO, tensor,
-    pipeline and expert put each logical name); cached per (model, plan)."""
-    params_table = rules_table(plan, zero_on_params=plan.zero.shard_params)
-    opt_table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
-    mesh = dict(plan.mesh_shape)
-    zero = tuple(plan.zero.axes)  # what ZeRO splits: data, and with parallel.zero_axes context too
+def _param_counts(model_json: str, params_items: tuple, opt_items: tuple, mesh_items: tuple, zero: tuple) -> ParamCounts:
+    """Cached per (model, tables, mesh, ZeRO's axes), not per plan: the planner's candidates differ
+    mostly in knobs (remat, microbatches, schedule) the counts do not read. `zero`: what ZeRO
+    splits (data, and with parallel.zero_axes context too)."""
+    params_table, opt_table, mesh = dict(params_items), dict(opt_items), dict(mesh_items)
     as_params = as_opt = layer = shared = shared_gathered = total = embedding = head = experts = 0
     leaves = _model_leaves(model_json)
     adapting = any(lora.is_adapter(keys) for keys, _, _ in leaves)

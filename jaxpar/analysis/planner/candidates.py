@@ -26,12 +26,14 @@ import pickle
 import re
 from collections.abc import Iterable, Iterator
 
+from ml_collections import ConfigDict, FieldReference
+
 from jaxpar.axes import CONTEXT, DATA, EXPERT, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.models.families import facts
 from jaxpar.parallel.pipeline.options import virtual_stages
 from jaxpar.parallel.pipeline.schedules import SCHEDULES, schedule_kind
 from jaxpar.parallel.zero import resolve_axes
-from jaxpar.train.preflight import ConfigError, check
+from jaxpar.train.preflight import ConfigError, check, shared_sections
 
 SCHEDULE_KEY = "parallel.pipeline_schedule"
 MICROBATCH_KEY = "parallel.num_microbatches"
@@ -103,6 +105,36 @@ def _copy(config):
     return pickle.loads(pickle.dumps(config))
 
 
+def _shallow(node):
+    """A new ConfigDict holding the same fields (its sections shared, not copied), with the
+    attributes a pickle round trip gives it (`ConfigDict.__setstate__`: the lock and type safety
+    kept, `__init__`'s defaults for the rest); set directly, as `__setstate__` setting each field
+    through `__setitem__` was most of the copy's time."""
+    out = type(node).__new__(type(node))
+    vars(out).update(vars(type(node)()))
+    vars(out).update(_fields=dict(node._fields), _locked=node._locked, _type_safe=node._type_safe,
+                     _convert_dict=getattr(node, "_convert_dict", True))
+    return out
+
+
+def _with_keys(config, values: dict):
+    """`set_keys` on a copy of `config` that copies only the sections holding `values`' keys (the
+    planner's candidates set mesh, parallel and train leaves and share model, data and the rest:
+    pickling the whole config for each was 20% of the search). Where a key is a FieldReference or
+    sits deeper than a section's own leaf, the whole config is copied as before."""
+    sections = set()
+    for dotted in values:
+        section, _, leaf = dotted.partition(".")
+        node = config[section] if type(config) is ConfigDict and section in config else None
+        if type(node) is not ConfigDict or "." in leaf or isinstance(node._fields.get(leaf), FieldReference):
+            return set_keys(_copy(config), values)  # (a FrozenConfigDict, a reference or a deeper key)
+        sections.add(section)
+    out = _shallow(config)
+    for section in sections:
+        out._fields[section] = _shallow(config[section])
+    return set_keys(out, values)
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout: the config keys it sets (dotted names, e.g. "mesh.tensor")."""
@@ -122,7 +154,7 @@ class Candidate:
 
     def apply(self, config):
         """A copy of `config` with this candidate's keys set."""
-        return set_keys(_copy(config), self.values)
+        return _with_keys(config, self.values)
 
     def describe(self) -> str:
         v, mesh = self.values, self.mesh
@@ -274,6 +306,7 @@ class Screen:
         self.config, self.num_devices = config, num_devices
         self.refused: collections.Counter = collections.Counter()
         self._mesh_refusal: dict = {}
+        self._sections: dict = {}  # preflight's checks of the sections candidates share (`shared_sections`)
 
     def _screen(self, mesh: dict) -> str | None:
         key = tuple(mesh.items())
@@ -283,7 +316,8 @@ class Screen:
             if mesh[PIPELINE] > 1:
                 values.update({SCHEDULE_KEY: "1f1b", MICROBATCH_KEY: mesh[PIPELINE], "parallel.virtual_stages": 1})
             try:
-                check(set_keys(_copy(self.config), values), self.num_devices)
+                with shared_sections(self.config, self._sections):
+                    check(_with_keys(self.config, values), self.num_devices)
                 self._mesh_refusal[key] = None
             except ConfigError as e:
                 self._mesh_refusal[key] = _reason(e)
@@ -295,7 +329,8 @@ class Screen:
         if reason is None:
             applied = candidate.apply(self.config)
             try:  # the screen checked this config's keys and types; a candidate sets values of those keys
-                check(applied, self.num_devices, keys_checked=True)
+                with shared_sections(self.config, self._sections):
+                    check(applied, self.num_devices, keys_checked=True)
                 return applied
             except ConfigError as e:
                 reason = _reason(e)

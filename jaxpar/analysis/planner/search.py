@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from jaxpar.analysis.cost import hardware as hw
 from jaxpar.analysis.cost.cost_model import Estimate, estimate
+from jaxpar.analysis.cost.layout import shared_model
 from jaxpar.analysis.cost.memory import MemoryEstimate
 from jaxpar.analysis.cost.optimizer_terms import state_bytes_per_param as optimizer_state_per_param
 from jaxpar.analysis.planner.candidates import (
@@ -160,6 +161,15 @@ def plan_layouts(
     groups = collections.defaultdict(list)
     for c in candidates(config, num_devices, space, fixed):
         groups[tuple(c.mesh.items())].append(c)
+    with shared_model(config):  # every candidate shares config's model section (`Candidate.apply`)
+        _price_groups(groups, price, usable, fitting, too_big)
+    # Ties (equal predicted time): less memory first, then fewer microbatches.
+    fitting.sort(key=lambda p: (p.seconds, p.peak))
+    return Plan(config, hardware, num_devices, usable, fitting, too_big, screen, unpriced)
+
+
+def _price_groups(groups: dict, price, usable: float, fitting: list, too_big: list) -> None:
+    """Prices each mesh's candidates (`groups`: mesh -> [Candidate]) into `fitting` and `too_big`."""
     for group in groups.values():
         lean = [p for p in map(price, _lean_ones(group)) if p is not None]
         if lean and min(p.peak for p in lean) > usable:
@@ -182,9 +192,6 @@ def plan_layouts(
                     fit_accum.add(knobs)
             else:
                 too_big.append(p)
-    # Ties (equal predicted time): less memory first, then fewer microbatches.
-    fitting.sort(key=lambda p: (p.seconds, p.peak))
-    return Plan(config, hardware, num_devices, usable, fitting, too_big, screen, unpriced)
 
 
 def state_bytes_per_param(config) -> float:
