@@ -20,13 +20,16 @@ once; anything else — a process killed (a lost node, kill -9, the OOM killer),
 fatal exit when process 0 died (134), a preemption's SIGTERM (143), a checkpoint that could not be
 written or read (1) — is retried.
 
-With `--hosts_file=FILE` the run is elastic: FILE holds how many processes may run now (what a
-cluster's scheduler knows as its healthy hosts; at most --processes). Every (re)launch reads it, so a
-restart after a lost process runs on the processes that are left; while a run goes on, a count that
-grows stops it at a checkpoint (SIGTERM: scripts/train.py saves and exits) and relaunches it on more.
-Growing back is not a fault and uses no restart. scripts/train.py resumes a checkpoint on another mesh:
-with `mesh.data=-1` (the default) the data axis takes the devices there are, with `--plan` the planner
-lays the run out again; the global batch is a config key and stays, so does the data position.
+With `--elastic --hosts_file=FILE` the run is elastic: FILE holds how many processes may run now
+(what a cluster's scheduler knows as its healthy hosts; at most --processes). Every (re)launch reads
+it, so a restart after a lost process runs on the processes that are left; while a run goes on, a
+count that grows stops it at a checkpoint (SIGTERM: scripts/train.py saves and exits) and relaunches
+it on more. Growing back is not a fault and uses no restart. Every process gets
+JAXPAR_ELASTIC_DEVICES = the full size (--processes x --devices_per_process), which scripts/train.py
+reads as `--elastic_devices`: on fewer devices, with `mesh.data=-1` (the default), the data axis
+takes the devices there are and the microbatch count grows by the factor the replicas shrank
+(`jaxpar.train.elastic`), so the global batch, each device's rows and the data position stay; with
+`--plan` the planner lays the run out again instead.
 
 This is for trying multi-process runs, not for speed: the processes' collectives go through Gloo over
 TCP on one machine instead of within one process, so a step takes longer than in one process with all
@@ -47,7 +50,8 @@ import time
 from jaxpar import command
 from jaxpar.command import Command, Flag
 
-# Kept equal to jaxpar.distributed's names, which would import JAX into this launcher.
+# Kept equal to jaxpar.distributed's and jaxpar.train.elastic's names, which would import JAX into this launcher.
+ELASTIC_ENV = "JAXPAR_ELASTIC_DEVICES"
 COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 GRACE_S = 10.0  # between SIGTERM and SIGKILL for the survivors of a failed run
 GROW_GRACE_S = 600.0  # for a run stopped to grow: its final checkpoint must be written
@@ -251,7 +255,7 @@ def _grows(processes: int, hosts_file: str, running: int):
 
 
 def launch_with_restarts(command: list[str], processes: int, devices: int, max_restarts: int, backoff_s: float,
-                         sleep=time.sleep, hosts_file: str = "") -> int:
+                         sleep=time.sleep, hosts_file: str = "", env: dict | None = None) -> int:
     """`launch`, relaunched after each failure `retried` allows, at most `max_restarts` times; with a
     hosts file, on the processes it allows, and again on more when it allows more."""
     restart, count = 0, processes
@@ -259,12 +263,12 @@ def launch_with_restarts(command: list[str], processes: int, devices: int, max_r
         try:
             was, count = count, available(processes, hosts_file, count, sleep)
             if count != was:
-                _say(f"{count} process{'es' * (count > 1)} available (--hosts_file): the run continues on {count} x {devices} devices")
-            status = launch(command, count, devices, grows=_grows(processes, hosts_file, count))
+                _say(f"{count} process{'es' * (count > 1)} available (--elastic): the run continues on {count} x {devices} devices")
+            status = launch(command, count, devices, env=env, grows=_grows(processes, hosts_file, count))
         except KeyboardInterrupt:
             return 130
         if status == GROW:
-            _say("more processes available (--hosts_file): stopping at a checkpoint to continue on them")
+            _say("more processes available (--elastic): stopping at a checkpoint to continue on them")
             continue
         if not retried(status):
             if status and max_restarts:
@@ -285,13 +289,16 @@ def launch_with_restarts(command: list[str], processes: int, devices: int, max_r
 
 def run(args, _) -> int:
     print(SLOWER.format(processes=args.processes, devices=args.processes * args.devices_per_process), file=sys.stderr, flush=True)
+    env = dict(os.environ, **{ELASTIC_ENV: str(args.processes * args.devices_per_process)}) if args.elastic else None
     status = launch_with_restarts(args.rest, args.processes, args.devices_per_process, args.max_restarts, args.backoff_s,
-                                  hosts_file=args.hosts_file)
+                                  hosts_file=args.hosts_file, env=env)
     return shell_status(status)
 
 
 def _checks(args) -> list[str]:
     errors = [] if args.rest else ["give the command to run after --: launch_local.py --processes=N -- COMMAND ..."]
+    if args.elastic != bool(args.hosts_file):
+        errors.append("--elastic and --hosts_file=FILE go together: the file says how many processes may run now")
     problem = args.hosts_file and hosts_problem(args.hosts_file)
     return errors + ([problem] if problem else [])
 
@@ -303,7 +310,9 @@ COMMANDS = (
         Flag("max_restarts", int, 0, "relaunch every process after a failure a restart can mend (not bad input, a "
              "non-finite stop or Ctrl-C), at most this many times", at_least=0),
         Flag("backoff_s", float, 1.0, "seconds before the first relaunch, doubled at each next one (at most 60)", at_least=0),
-        Flag("hosts_file", str, "", "elastic: a file holding how many processes may run now (at most --processes), read "
+        Flag("elastic", bool, False, "continue on the processes the hosts file allows, keeping the global batch and each "
+             "device's rows (JAXPAR_ELASTIC_DEVICES for scripts/train.py), and grow back when it allows more"),
+        Flag("hosts_file", str, "", "with --elastic: a file holding how many processes may run now (at most --processes), read "
              "at each launch; when it grows, the run stops at a checkpoint and continues on more"),
     ), devices=False, rest=True, checks=_checks),
 )

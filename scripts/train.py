@@ -31,6 +31,10 @@ FLAGS = (
     Flag("plan", str, "", "a hardware profile (a100-80g, h100-80g, h200, tpu-v5p, ...): set the mesh, ZeRO stage, remat and "
          "microbatch keys to the planner's best layout for the visible device count, printing the choice and why; "
          "--config.KEY=VALUE still wins"),
+    Flag("elastic_devices", int, 0, "the device count the config is laid out for (else $JAXPAR_ELASTIC_DEVICES, which "
+         "launch_local.py --elastic sets): on fewer devices, with mesh.data=-1, the microbatch count grows as the data "
+         "replicas shrink, so the global batch and each device's rows stay (jaxpar.train.elastic); with --plan the "
+         "planner lays the run out instead", at_least=0),
     Flag("coordinator", str, None, "HOST:PORT of process 0, to join a multi-process run (else JAX_COORDINATOR_ADDRESS / "
          "JAX_NUM_PROCESSES / JAX_PROCESS_ID, else a SLURM job step with several tasks, else one process)"),
     Flag("num_processes", int, None, "processes of the multi-process run", at_least=1),
@@ -43,6 +47,7 @@ def run(args, config) -> int:
 
     from jaxpar import distributed
     from jaxpar.checkpoint import CheckpointError
+    from jaxpar.train.elastic import ElasticError
     from jaxpar.train.fit import DoesNotFit
     from jaxpar.train.loop import train
     from jaxpar.train.nonfinite import NonFiniteStop
@@ -58,14 +63,17 @@ def run(args, config) -> int:
         plan_errors = (PlanError, HardwareError)
     try:
         distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        explicit = {key for key, _ in args.overrides}
         if args.plan:
-            apply_plan(config, args.plan, jax.device_count(), explicit={key for key, _ in args.overrides})
+            apply_plan(config, args.plan, jax.device_count(), explicit=explicit)
+        else:
+            keep_elastic_rows(config, args.elastic_devices, jax.device_count(), explicit)
         choose_remat(config, jax.devices())
         history = train(config, args.workdir, overwrite=args.overwrite)
     except DoesNotFit as e:  # before ConfigError, which it is: one line with the planner's way out
         error(f"{e}; {fit_advice(config, e)}")
         return EXIT_USAGE
-    except (ConfigError, WorkdirError, distributed.DistributedError, *plan_errors) as e:
+    except (ConfigError, ElasticError, WorkdirError, distributed.DistributedError, *plan_errors) as e:
         error(e)
         return EXIT_USAGE
     except CheckpointError as e:
@@ -83,6 +91,24 @@ def run(args, config) -> int:
     if history and jax.process_index() == 0:
         print(f"done: {len(history)} steps, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return 0
+
+
+def keep_elastic_rows(config, full_devices: int, devices: int, explicit: set[str]) -> None:
+    """`--elastic_devices` (or the launcher's environment): the microbatch count that keeps the full
+    run's rows per device on the devices there are now."""
+    import os
+
+    import jax
+
+    from jaxpar.train.elastic import ENV, ElasticError, keep_rows
+
+    value = os.environ.get(ENV, "") if not full_devices else str(full_devices)
+    if value and not value.isdigit():
+        raise ElasticError(f"${ENV}={value!r}: must be a device count")
+    full = int(value or 0)
+    line = keep_rows(config, full, devices, explicit) if full else None
+    if line and jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def choose_remat(config, devices) -> None:

@@ -4,7 +4,7 @@ The model and data sections must match exactly (same architecture, same paramete
 meaning; the same corpus, so the saved data position means the same thing), and so must the
 optimizer and its own hyperparameters (`jaxpar.optim.resume_keys`: what the saved optimizer state
 means); its learning rate, schedule and length, weight decay and clipping may change. How the run is laid out
-(mesh, parallel), how long it runs (train.steps), how it logs, reacts to non-finite steps and
+(mesh, parallel, `train.grad_accum`), how long it runs (train.steps), how it logs, reacts to non-finite steps and
 checkpoints may change freely: restoring onto a different mesh is supported. Other differences
 (batch size, seed, learning-rate schedule, ...) are allowed but reported, since the resumed run then
 no longer equals an uninterrupted one. Both configs are compared with their derived defaults
@@ -28,7 +28,7 @@ from jaxpar.trackers import KEYS as TRACKER_KEYS
 # Config sections (written as key prefixes) a resumed run must share with its checkpoint.
 MUST_MATCH = ("model.", "data.")
 FREE = (
-    "mesh", "parallel", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
+    "mesh", "parallel", "train.grad_accum", "checkpoint", "train.steps", "train.log_every", "train.on_nonfinite", "train.max_skipped_steps",
     "train.max_skipped_fraction", "train.skip_window", "train.init_from_hf", "train.lora.init_from_peft", "train.skip_fit_check",
     "train.predicted_step_s", "train.loggers", "train.tensorboard", *(f"train.{key.name}" for key in TRACKER_KEYS),
 )

@@ -209,14 +209,14 @@ def test_restarts_back_off_and_stop_at_the_limit_or_at_a_final_exit(monkeypatch)
 
 
 def test_elastic_launches_on_what_the_hosts_file_allows_and_grows_back(tmp_path, monkeypatch):
-    """The launcher's side of `--hosts_file`, in closed form: a lost process with one host gone
+    """The launcher's side of `--elastic --hosts_file`, in closed form: a lost process with one host gone
     relaunches on one process (a restart), a grown count stops the run and relaunches on two (no
     restart used), a count of 0 waits."""
     launcher, hosts = script("launch_local"), tmp_path / "hosts"
     hosts.write_text("2\n")
     launched, slept = [], []
 
-    def fake_launch(command, processes, devices, grows):
+    def fake_launch(command, processes, devices, env, grows):
         launched.append(processes)
         if len(launched) == 1:
             hosts.write_text("1\n")  # the scheduler drops the lost host
@@ -272,7 +272,7 @@ def test_a_run_loses_a_host_continues_on_one_and_grows_back(tmp_path):
     config, hosts = write(tmp_path / "config.py", ELASTIC_CONFIG), tmp_path / "hosts"
     hosts.write_text("2\n")
     workdir = tmp_path / "run"
-    launcher, out = start_launcher(tmp_path, "run", config, f"--hosts_file={hosts}", "--max_restarts=1")
+    launcher, out = start_launcher(tmp_path, "run", config, "--elastic", f"--hosts_file={hosts}", "--max_restarts=1")
     try:
         until(lambda: True if any(r.get("step") == 4 for r in metrics(workdir)) else None, launcher, "step 4")
         pids = until(lambda: children(launcher.pid) if len(children(launcher.pid)) == 2 else None, launcher, "2 processes")
@@ -294,6 +294,8 @@ def test_a_run_loses_a_host_continues_on_one_and_grows_back(tmp_path):
     meshes = [line.split("mesh: ", 1)[1] for line in output.splitlines() if line.startswith("[0]") and "mesh: " in line]
     assert [m.split(" on ")[1] for m in meshes] == ["4 cpu devices", "2 cpu devices", "4 cpu devices"], meshes
     assert output.count("restart 1 of 1") == 1 and "stopping at a checkpoint to continue on them" in output
+    assert output.count("elastic: 2 of 4 devices, 1 data replicas instead of 2: train.grad_accum=2 keeps") == 1, \
+        "on one host the accumulation doubles: the same rows per device, the same global batch"
     final, expected = (untimed(metrics(tmp_path / n)) for n in ("run", "reference"))
     assert [r["step"] for r in final if "loss" in r] == list(range(1, STEPS + 1)), "every step once, the data position exact"
     for got, want in zip(final, expected, strict=True):

@@ -72,6 +72,8 @@ def test_launch_local_needs_a_command_after_the_separator(capsys):
     assert capsys.readouterr().err == "error: give the command to run after --: launch_local.py --processes=N -- COMMAND ...\n"
     assert launch.main(["--processes=0", "--", sys.executable, "-c", "pass"]) == 2
     assert capsys.readouterr().err == "error: --processes=0 must be >= 1\n"
+    assert launch.main(["--elastic", "--", sys.executable, "-c", "pass"]) == 2
+    assert capsys.readouterr().err == "error: --elastic and --hosts_file=FILE go together: the file says how many processes may run now\n"
 
 
 def test_flag_values_are_checked_before_anything_runs(capsys, tmp_path):
