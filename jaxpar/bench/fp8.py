@@ -33,18 +33,18 @@ def windowed(losses, window: int = WINDOW) -> np.ndarray:
     return losses[:usable].reshape(-1, window).mean(axis=1)
 
 
-def curves(config, root: str) -> dict:
-    """{precision: [loss per step]} for fp32, bf16 and every recipe, and the gaps to bf16."""
+def curves(config, root: str, recipes=RECIPES) -> dict:
+    """{precision: [loss per step]} for fp32, bf16 and each of `recipes`, and the gaps to bf16."""
     from jaxpar.train.loop import train
 
     losses = {}
-    for precision in ("fp32", "bf16", *RECIPES):
+    for precision in ("fp32", "bf16", *recipes):
         history = train(_variant(config, precision), os.path.join(root, precision), progress=False)
         losses[precision] = [float(r["loss"]) for r in history]
     window = min(WINDOW, len(losses["bf16"]))  # a short run (the docs' check): one window
     reference = windowed(losses["bf16"], window)
     gaps = {}
-    for precision in ("fp32", *RECIPES):
+    for precision in ("fp32", *recipes):
         mine = windowed(losses[precision], window)
         gaps[precision] = {
             "max_window_gap": float(np.max(np.abs(mine - reference))),
@@ -76,12 +76,12 @@ def plot(result: dict, out: str) -> None:
     plt.close(fig)
 
 
-def step_times(config, steps: int, repeats: int) -> dict[str, float]:
-    """Median seconds per step of bf16 and each recipe, round-robin over `repeats` rounds."""
+def step_times(config, steps: int, repeats: int, recipes=RECIPES) -> dict[str, float]:
+    """Median seconds per step of bf16 and each of `recipes`, round-robin over `repeats` rounds."""
     from jaxpar.train import harness
 
     runs = {}
-    for precision in ("bf16", *RECIPES):
+    for precision in ("bf16", *recipes):
         run = harness.prepare(_variant(config, precision))
         run.compile()
         run.step()  # warm-up

@@ -65,6 +65,29 @@ def test_packing_one_step_each():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_lora_trains_the_adapters_a_closed_form_counts():
+    """The tiny Llama (vocab 256) on data 2 x tensor 2: full fine-tuning trains every parameter, LoRA r4
+    r·(in + out) per adapted matrix (q, k, v, o, gate, up, down of each layer); the ratio line is made of
+    the contenders' own numbers."""
+    done = run_script("bench.py", "lora", "--cpu_devices=4", "--mesh=data:2,tensor:2", "--zero_stage=1", "--rank=4",
+                      "--steps=1", "--repeats=1", code=TINY + SWAP)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    m = tiny.llama().model
+    h, f, q, kv = m.hidden_size, m.intermediate_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    layer = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+    full = 2 * 256 * h + h + m.num_hidden_layers * (sum(i * o for i, o in layer.values()) + 2 * h)
+    adapters = m.num_hidden_layers * sum(4 * (i + o) for i, o in layer.values())
+    rows = {line.split()[0]: fields(line) for line in done.stdout.splitlines() if line.startswith("mode=")}
+    assert int(rows["mode=full"]["trainable"].replace(",", "")) == full, rows
+    assert int(rows["mode=lora4"]["trainable"].replace(",", "")) == adapters, rows
+    ratio = numbers(next(line for line in done.stdout.splitlines() if line.startswith("lora4/full: total memory")))
+    total = {mode: float(row["total_mib"]) for mode, row in rows.items()}
+    # The MiB are printed to 0.1 and the ratio from the unrounded bytes: about 1 MiB each here.
+    assert ratio[1] == pytest.approx(total["mode=lora4"] / total["mode=full"], abs=0.06), (ratio, total)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_generate_cached_recomputed_and_transformers_agree():
     done = run_script("bench.py", "generate", "--new_tokens=4", "--batch=2", "--prompt_len=4", "--hidden=32", "--layers=1",
                       "--heads=2", "--kv_heads=1", "--vocab=64", "--repeats=1")

@@ -65,12 +65,16 @@ SHRINK = {
     ("scripts/pipeline.py", "report"): {"steps": "1"},
     ("scripts/pipeline.py", "balance"): {"steps": "1"},
     ("scripts/sweep.py", None): {"limit": "2"},
-    ("scripts/fp8.py", "curves"): {"steps": "2"},
-    ("scripts/fp8.py", "step"): {"steps": "1", "repeats": "1"},
+    ("scripts/fp8.py", "curves"): {"steps": "2", "recipes": "delayed"},  # fp32, bf16 and the recipe with state
+    ("scripts/fp8.py", "step"): {"steps": "1", "repeats": "1", "recipes": "tensorwise"},
 }
 # Benchmarks whose block would repeat, at a larger size, what a test already runs with the same flags at a
-# tiny size (measured at 77 s and 60 s in the slow tier): checked in the fast tier, run by that test.
+# tiny size (measured in the slow tier: checkpoint 77 s, faults 60 s, lora 39 s, step 23 s, generate 10 s):
+# checked in the fast tier, run by that test.
 RUN_BY_TESTS = {
+    ("scripts/bench.py", "step"): "tests/scripts/test_bench_script.py::test_step_beside_the_peer_and_profile_report_reads_its_trace",
+    ("scripts/bench.py", "lora"): "tests/scripts/test_bench_script.py::test_lora_trains_the_adapters_a_closed_form_counts",
+    ("scripts/bench.py", "generate"): "tests/scripts/test_bench_script.py::test_generate_cached_recomputed_and_transformers_agree",
     ("scripts/bench.py", "checkpoint"): "tests/scripts/test_bench_script.py::test_checkpoint_save_cost_per_storage",
     ("scripts/bench.py", "faults"):
         "tests/scripts/test_bench_script.py::test_faults_each_scenario_restarts_once_and_a_preemption_loses_nothing",
