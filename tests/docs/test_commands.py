@@ -6,10 +6,10 @@ ones (GPUs, clusters, hours) are never run and are listed as skipped, ```` ```ba
 only in the slow tier, with a longer timeout. Fast tier: every block is checked without running it
 (its scripts, subcommands, config files and keys, pip extras, pytest markers exist). Slow tier:
 every runnable block runs at a small size in a fresh temporary copy of what it names, on CPU.
-A block whose every command a named test already runs with the same flags (rules.RUN_BY_TESTS) is
-checked, not run again. The rules (what is copied, how commands are shrunk, which runs are prepared) are in
-`tests/support/doc_commands.py`; the Quickstart's second command (the whole suite) is checked, not
-run: .ci/run runs it.
+A block whose every command a named test already runs (rules.RUN_BY_TESTS) is checked, not run
+again; so is a block that repeats an earlier one word for word. The rules (what is copied, how
+commands are shrunk, which runs are prepared) are in `tests/support/doc_commands.py`; the
+Quickstart's second command (the whole suite) is checked, not run: .ci/run runs it.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ BLOCKS = [
 HARDWARE = [b for b in BLOCKS if rules.mark_of(b) == rules.NEEDS_HARDWARE]
 RUN_BY_TESTS = [b for b in BLOCKS if rules.run_by_tests(b)]
 RUNNABLE = [b for b in BLOCKS if rules.mark_of(b) != rules.NEEDS_HARDWARE and not rules.run_by_tests(b)]
+# A block whose commands repeat an earlier block's word for word (the README and a guide showing the
+# same plan.py answer) is run once, where it first appears.
+FIRST = {}
+for _block in RUNNABLE:
+    FIRST.setdefault(_block.text.strip(), _block)
+RUNNABLE = [b for b in RUNNABLE if FIRST[b.text.strip()] is b]
 
 
 def _case(block: Block):
