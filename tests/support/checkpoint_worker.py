@@ -2,7 +2,8 @@
 
 python tests/support/checkpoint_worker.py kill_mid_save DIR
     saves step 1 (waits for it), starts an async save of step 2 and SIGKILLs itself as soon as
-    save() returns, i.e. while the background commit is still writing.
+    its temporary folder exists, i.e. while the background commit is still writing (Orbax may make
+    that folder after save() returns: on a loaded host a kill at once came before it).
 python tests/support/checkpoint_worker.py save_multiprocess DIR OUT.npz     (under scripts/launch_local.py)
     checks DIR is shared, builds the tiny TrainState on all processes' devices, saves it as step 3
     and (process 0) writes the state gathered from all processes to OUT.npz as the reference.
@@ -13,6 +14,7 @@ python tests/support/checkpoint_worker.py shared_check DIR_PREFIX          (unde
 import os
 import signal
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +39,9 @@ def kill_mid_save(directory: str) -> None:
     checkpoints.save(1, kill_state(1), data_state={"step": 1}, config={"run": "kill"})
     checkpoints.wait()
     checkpoints.save(2, kill_state(2), data_state={"step": 2}, config={"run": "kill"})
+    in_flight, deadline = os.path.join(directory, "2.orbax-checkpoint-tmp"), time.monotonic() + 60
+    while not os.path.isdir(in_flight) and time.monotonic() < deadline:
+        time.sleep(0.001)
     print("save-started", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
