@@ -69,13 +69,16 @@ SHRINK = {
     ("scripts/fp8.py", "step"): {"steps": "1", "repeats": "1", "recipes": "tensorwise"},
 }
 # Benchmarks whose block would repeat, at a larger size, what a test already runs with the same flags at a
-# tiny size (measured in the slow tier: checkpoint 77 s, faults 60 s, lora 39 s, step 23 s, generate 10 s):
-# checked in the fast tier, run by that test.
+# tiny size (measured in the slow tier: checkpoint 77 s, faults 60 s, lora 39 s, step 23 s, generate 10 s;
+# launch_local below): checked in the fast tier, run by that test.
 RUN_BY_TESTS = {
     ("scripts/bench.py", "step"): "tests/scripts/test_bench_script.py::test_step_beside_the_peer_and_profile_report_reads_its_trace",
     ("scripts/bench.py", "lora"): "tests/scripts/test_bench_script.py::test_lora_trains_the_adapters_a_closed_form_counts",
     ("scripts/bench.py", "generate"): "tests/scripts/test_bench_script.py::test_generate_cached_recomputed_and_transformers_agree",
     ("scripts/bench.py", "checkpoint"): "tests/scripts/test_bench_script.py::test_checkpoint_save_cost_per_storage",
+    # 2 processes x 4 devices training (docs/clusters.md, 14 s; its --elastic block, with `echo`, still runs).
+    ("scripts/launch_local.py", None):
+        "tests/distributed/test_multiprocess_train.py::test_two_processes_train_and_checkpoint_one_process_resumes",
     ("scripts/bench.py", "faults"):
         "tests/scripts/test_bench_script.py::test_faults_each_scenario_restarts_once_and_a_preemption_loses_nothing",
 }
