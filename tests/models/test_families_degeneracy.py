@@ -9,8 +9,8 @@ expert with 4 and 8 experts per expert rank, the pipeline (1f1b with uneven stag
 zb_h1) with MoE, capacity and dropless dispatch, dense layers among MoE layers, the shared expert,
 and loss-free balancing (its router bias identical to one device's after every step, through the
 pipeline too). DeepSeek-V3 on every axis, and through the pipeline with its leading dense layer on the
-first stage and its multi-token prediction module on the last (1f1b, interleaved, zb_h1, DualPipeV),
-each depth's loss equal to one device's.
+first stage and its multi-token prediction module on the last (1F1B with tensor and SP; DualPipeV, whose
+split backward and V put both ends on rank 0), each depth's loss equal to one device's.
 """
 
 import math
@@ -90,17 +90,18 @@ CASES = {
         tiny.deepseek_v3, PIPELINED_DEEPSEEK, {"pipeline": 2, "data": 2, "tensor": 2}, {"sequence_parallel": True},
     ),
     # DeepSeek-V3's own shape through the pipeline: the dense layer on the first stage, the MTP
-    # module (and its loss) on the last one, with the whole head there ("ends"). (1F1B's plain case was
-    # dropped for suite time, 28 s: ZB-H1 below runs the same stages with a split backward; the
-    # interleaved one, 33 s: DualPipeV below runs two chunks per rank with expert 2 too; DualPipeV
-    # with every layer routed, 18 s: the case below routes all but the first.)
+    # module (and its loss) on the last one, with the whole head there ("ends"). DualPipeV runs the end
+    # stages through a split backward (input and weight gradients apart) with both ends on rank 0;
+    # 1F1B puts them on two ranks. (Dropped for suite time: ZB-H1 with tensor 2 and SP, 66 CPU s
+    # against 1F1B's 34: its split backward is DualPipeV's; the interleaved case, 33 s: DualPipeV
+    # runs two chunks per rank with expert 2 too; DualPipeV with every layer routed, 18 s: the case
+    # below routes all but the first.)
     "deepseek_v3_dualpipev_p2_expert2_dense_mtp_5layers_loss_free": (
         tiny.deepseek_v3, {"num_hidden_layers": 5, "router_bias_update_rate": 0.05}, {"pipeline": 2, "expert": 2},
         {"pipeline_vocab": "ends", "pipeline_schedule": "dualpipev"},
     ),
-    "deepseek_v3_zb_h1_p2_tensor2_dense_mtp_sp": (
-        tiny.deepseek_v3, {}, {"pipeline": 2, "tensor": 2}, {"pipeline_vocab": "ends", "pipeline_schedule": "zb_h1",
-                                                            "sequence_parallel": True},
+    "deepseek_v3_1f1b_p2_tensor2_dense_mtp_sp": (
+        tiny.deepseek_v3, {}, {"pipeline": 2, "tensor": 2}, {"pipeline_vocab": "ends", "sequence_parallel": True},
     ),
 }
 
