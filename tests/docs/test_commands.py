@@ -211,3 +211,15 @@ def test_a_failing_block_fails(tmp_path):
     """The runner reports a command's failure (here a planted exit 3 after a passing command)."""
     result = run_block(_block('python -c "print(1)" && python -c "import sys; sys.exit(3)"\necho never\n'), tmp_path / "r")
     assert result.returncode == 3 and "never" not in result.stdout, result
+
+
+def test_a_block_is_left_to_a_test_by_its_script_and_subcommand_or_flag():
+    train = "-- python scripts/train.py --config=configs/llama_tiny.py --workdir=runs/x\n"
+    elastic = _block("echo 2 > hosts.txt\npython scripts/launch_local.py --processes=2 --elastic --hosts_file=hosts.txt " + train)
+    assert rules.run_by_tests(elastic) == (rules.RUN_BY_TESTS[("scripts/launch_local.py", "--elastic")],)
+    plain = _block("python scripts/launch_local.py --processes=2 " + train)
+    assert rules.run_by_tests(plain) == (rules.RUN_BY_TESTS[("scripts/launch_local.py", None)],)
+    # A flag of the launched command (after `--`) is not the launcher's; any other command runs the block.
+    assert rules.run_by_tests(_block("python scripts/launch_local.py --processes=2 -- python scripts/train.py --elastic\n")) == (
+        rules.RUN_BY_TESTS[("scripts/launch_local.py", None)],)
+    assert rules.run_by_tests(_block("cat hosts.txt\npython scripts/launch_local.py --elastic " + train)) == ()

@@ -30,6 +30,7 @@ How a block is run (`shrink`, then `prepare` and bash in test_commands.py):
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
 import tomllib
@@ -76,9 +77,12 @@ RUN_BY_TESTS = {
     ("scripts/bench.py", "lora"): "tests/scripts/test_bench_script.py::test_lora_trains_the_adapters_a_closed_form_counts",
     ("scripts/bench.py", "generate"): "tests/scripts/test_bench_script.py::test_generate_cached_recomputed_and_transformers_agree",
     ("scripts/bench.py", "checkpoint"): "tests/scripts/test_bench_script.py::test_checkpoint_save_cost_per_storage",
-    # 2 processes x 4 devices training (docs/clusters.md, 14 s; its --elastic block, with `echo`, still runs).
+    # 2 processes x 4 devices training (docs/clusters.md, 14 s).
     ("scripts/launch_local.py", None):
         "tests/distributed/test_multiprocess_train.py::test_two_processes_train_and_checkpoint_one_process_resumes",
+    # A flag instead of a subcommand: the launch that reads a hosts file (docs/clusters.md, 19 s), lost and regained.
+    ("scripts/launch_local.py", "--elastic"):
+        "tests/distributed/test_restarts.py::test_a_run_loses_a_host_continues_on_one_and_grows_back",
     ("scripts/bench.py", "faults"):
         "tests/scripts/test_bench_script.py::test_faults_each_scenario_restarts_once_and_a_preemption_loses_nothing",
 }
@@ -255,10 +259,20 @@ def _join(argv: list[str]) -> str:
     return " ".join(a if _REDIRECTION.match(a) else shlex.quote(a) for a in argv)
 
 
+def _test_running(command: Command) -> str | None:
+    """RUN_BY_TESTS' test for a script command: keyed by one of its own flags (before a `--`), else by its subcommand."""
+    if not command.script:
+        return None
+    own = itertools.takewhile(lambda a: a != "--", command.argv[2:])
+    flagged = [RUN_BY_TESTS[key] for a in own if a.startswith("--") and (key := (command.script, a.partition("=")[0])) in RUN_BY_TESTS]
+    return flagged[0] if flagged else RUN_BY_TESTS.get((command.script, subcommand(command)))
+
+
 def run_by_tests(block: Block) -> tuple[str, ...]:
-    """The tests that run this block's commands (RUN_BY_TESTS) when every command of it has one; else ()."""
-    found = [c for c in commands(block) if kind(c) not in ("venv", "pip")]
-    tests = [RUN_BY_TESTS.get((c.script, subcommand(c))) if c.script else None for c in found]
+    """The tests that run this block's commands (RUN_BY_TESTS) when every command of it has one; else ().
+    An `echo` that writes a file for the next command (a hosts file) needs no test of its own."""
+    found = [c for c in commands(block) if kind(c) not in ("venv", "pip") and c.argv[:1] != ("echo",)]
+    tests = [_test_running(c) for c in found]
     return tuple(tests) if found and all(tests) else ()
 
 
