@@ -16,6 +16,7 @@ emitter (`tests/models/test_init_independence.py`).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from tests.support.platforms import CPU, CPU_THEN_GPU
 
@@ -35,11 +36,23 @@ FAST_COMPILE = (
 )
 
 
+# A folder whose sitecustomize.py every child Python imports first (the collector's thresholds).
+CHILD_SITE = str(Path(__file__).parent / "child_site")
+
+
+def with_child_site(python_path: str) -> str:
+    """`python_path` led by CHILD_SITE (once)."""
+    rest = [p for p in python_path.split(os.pathsep) if p and p != CHILD_SITE]
+    return os.pathsep.join([CHILD_SITE, *rest])
+
+
 def subprocess_environment(**extra) -> dict:
     """os.environ for a child process: the fast-compile flags and no forced device count (the child
     chooses its own devices), CPU alone where the suite also lists the GPU (a child is a CPU run: it
-    need not start CUDA), then `extra`."""
+    need not start CUDA), then `extra`, with CHILD_SITE leading PYTHONPATH."""
     environment = os.environ | {"XLA_FLAGS": " ".join(FAST_COMPILE)}
     if environment.get("JAX_PLATFORMS") == CPU_THEN_GPU:
         environment["JAX_PLATFORMS"] = CPU
-    return environment | extra
+    environment |= extra
+    environment["PYTHONPATH"] = with_child_site(environment.get("PYTHONPATH", ""))
+    return environment
