@@ -21,7 +21,11 @@ def from_programs(name: str, p: int, m: int, v: int, programs, *, split_backward
     index = {tuple(place): s for s, place in enumerate(stages)}
     last = p * v - 1
     done: set[tuple[str, int, int]] = set()  # (kind, mb, global stage) finished at an earlier step
-    programs = [[item if isinstance(item, tuple) else (item,) for item in program] for program in programs]
+    # Each item's actions with their global stages, looked up once rather than every step it waits.
+    programs = [
+        [tuple((a, index[(r, a.vstage)]) for a in (item if isinstance(item, tuple) else (item,))) for item in program]
+        for r, program in enumerate(programs)
+    ]
     pos = [0] * p
     placements = []
 
@@ -32,13 +36,13 @@ def from_programs(name: str, p: int, m: int, v: int, programs, *, split_backward
             return (B, a.mb, s + 1) in done if s < last else (F, a.mb, s) in done
         return (B, a.mb, s) in done
 
-    t = 0
-    while any(pos[r] < len(programs[r]) for r in range(p)):
+    t, left = 0, sum(map(len, programs))
+    while left:
         runs = []
         for r in range(p):
             if pos[r] == len(programs[r]):
                 continue
-            item = [(a, index[(r, a.vstage)]) for a in programs[r][pos[r]]]
+            item = programs[r][pos[r]]
             if all(ready(a, s) for a, s in item):
                 runs.append((r, item))
         if not runs:
@@ -48,5 +52,6 @@ def from_programs(name: str, p: int, m: int, v: int, programs, *, split_backward
                 done.add((a.kind, a.mb, s))
                 placements.append((t, r, a))
             pos[r] += 1
+        left -= len(runs)
         t += 1
     return from_placements(name, p, m, v, split_backward, placements, stages)

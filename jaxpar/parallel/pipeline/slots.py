@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 
 import numpy as np
 
@@ -105,17 +106,24 @@ def back_branch(kind: int, is_w: bool, split_backward: bool) -> BackBranch | Non
 
 
 def _colour(intervals: dict, reuse_at_release: bool) -> tuple[dict, int]:
-    """Slots for {key: (start, end)} step intervals on one rank. With `reuse_at_release` a
-    slot read for the last time at step e may be written again at step e (the engine reads first)."""
-    free_at: list[int] = []  # per slot: first step it may be written again
-    slots = {}
+    """Slots for {key: (start, end)} step intervals on one rank, each the lowest-numbered slot free at
+    its start. With `reuse_at_release` a slot read for the last time at step e may be written again
+    at step e (the engine reads first)."""
+    # Starts come in order, so a slot free at one start stays free until it is taken: heaps of the
+    # busy slots (by the step they free) and the free ones (by number) replace a scan of every slot.
+    busy: list[tuple[int, int]] = []  # (first step it may be written again, slot)
+    free: list[int] = []
+    slots, count = {}, 0
     for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
-        slot = next((k for k, t in enumerate(free_at) if t <= start), len(free_at))
-        if slot == len(free_at):
-            free_at.append(0)
-        free_at[slot] = end if reuse_at_release else end + 1
+        while busy and busy[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            slot = heapq.heappop(free)
+        else:
+            slot, count = count, count + 1
+        heapq.heappush(busy, (end if reuse_at_release else end + 1, slot))
         slots[key] = slot
-    return slots, len(free_at)
+    return slots, count
 
 
 def build_slot_plan(schedule: Schedule) -> SlotPlan:
@@ -124,13 +132,15 @@ def build_slot_plan(schedule: Schedule) -> SlotPlan:
     split = schedule.split_backward
     release_kind = W if split else B
     rank = [r for r, _ in schedule.stages]
+    stage_of = {place: s for s, place in enumerate(schedule.stages)}
     hop = {hop.distance: h for h, hop in enumerate(schedule.hops)}
     via = [hop[(rank[s + 1] - rank[s]) % p] for s in range(S - 1)]  # the hop from stage s to s + 1
+    act_field, grad_field = [f"recv_act{h}" for h in via], [f"recv_grad{h}" for h in via]  # per stage s, not per value
     when = {}  # (kind, mb, global stage) -> step
     for t, row in enumerate(schedule.grid):
         for r, cell in enumerate(row):
             for a in cell:
-                when[(a.kind, a.mb, schedule.global_stage(r, a.vstage))] = t
+                when[(a.kind, a.mb, stage_of[(r, a.vstage)])] = t
 
     # Liveness on the receiving rank: a value sent at step t arrives at the start of t + 1.
     # (mb, stage) -> (arrival, release, field the arrival is read from)
@@ -138,9 +148,9 @@ def build_slot_plan(schedule: Schedule) -> SlotPlan:
     grad_live = [dict() for _ in range(p)]
     for (kind, mb, s), t in when.items():
         if kind == F and s < S - 1:
-            act_live[rank[s + 1]][(mb, s + 1)] = (t + 1, when[(release_kind, mb, s + 1)], f"recv_act{via[s]}")
+            act_live[rank[s + 1]][(mb, s + 1)] = (t + 1, when[(release_kind, mb, s + 1)], act_field[s])
         if kind == B and s > 0:
-            grad_live[rank[s - 1]][(mb, s - 1)] = (t + 1, when[(release_kind, mb, s - 1)], f"recv_grad{via[s - 1]}")
+            grad_live[rank[s - 1]][(mb, s - 1)] = (t + 1, when[(release_kind, mb, s - 1)], grad_field[s - 1])
         if kind == F and s == S - 1:  # the head's gradient of the last stage's output
             grad_live[rank[s]][(mb, s)] = (t + 1, when[(release_kind, mb, s)], "recv_head")
     act_slot, grad_slot = [], []
@@ -153,42 +163,52 @@ def build_slot_plan(schedule: Schedule) -> SlotPlan:
         grad_slot.append(slots)
         k_grad = max(k_grad, k)
 
+    # Filled as nested lists and turned into int32 arrays at the end: setting numpy elements one
+    # by one was most of this function's time.
     T = schedule.num_steps
     recv = [f"recv_{x}{h}" for h in range(len(hop)) for x in ("act", "grad")]
-    tab = {f: np.zeros((T, p), np.int32) for f in FIELDS + tuple(recv)}
-    for f in tab:  # trash slots
-        if f.startswith("recv_act") or f in ("fwd_slot", "back_slot"):
-            tab[f][:] = k_act
-        elif f.startswith("recv_") or f == "back_grad_slot":
-            tab[f][:] = k_grad
+    tab = {}
+    for f in FIELDS + tuple(recv):  # trash slots
+        trash = k_act if f.startswith("recv_act") or f in ("fwd_slot", "back_slot") else (
+            k_grad if f.startswith("recv_") or f == "back_grad_slot" else 0)
+        tab[f] = [[trash] * p for _ in range(T)]
     for r in range(p):
         for (mb, s), (start, _, field) in act_live[r].items():
-            tab[field][start, r] = act_slot[r][(mb, s)]
+            tab[field][start][r] = act_slot[r][(mb, s)]
         for (mb, s), (start, _, field) in grad_live[r].items():
-            tab[field][start, r] = grad_slot[r][(mb, s)]
-    steps = {f: np.zeros(T, np.int32) for f in STEP_FIELDS}
+            tab[field][start][r] = grad_slot[r][(mb, s)]
+    steps = {f: [0] * T for f in STEP_FIELDS}
     branches = [None]
+    branch_index = {None: 0}
+    fwd = [tab["fwd_kind"], tab["fwd_mb"], tab["fwd_stage"], tab["fwd_slot"]]
+    back = [tab["back_kind"], tab["back_mb"], tab["back_stage"], tab["back_slot"]]
+    fwd_branch, back_grad_slot, back_branch_tab = tab["fwd_branch"], tab["back_grad_slot"], tab["back_branch"]
+    stage_kinds = [_kind(s, S) for s in range(S)]
     for (kind, mb, s), t in when.items():
-        (r, u), pre, stage_kind = schedule.locate(s), "fwd" if kind == F else "back", _kind(s, S)
-        tab[f"{pre}_kind"][t, r] = stage_kind
-        tab[f"{pre}_mb"][t, r] = mb
-        tab[f"{pre}_stage"][t, r] = u
-        tab[f"{pre}_slot"][t, r] = act_slot[r].get((mb, s), k_act)
+        (r, u), stage_kind = schedule.stages[s], stage_kinds[s]
+        kinds, mbs, stages, slots = fwd if kind == F else back
+        kinds[t][r] = stage_kind
+        mbs[t][r] = mb
+        stages[t][r] = u
+        slots[t][r] = act_slot[r].get((mb, s), k_act)
         if kind == F:
-            tab["fwd_branch"][t, r] = 1
+            fwd_branch[t][r] = 1
             if s == 0:
                 steps["embed_fwd_mb"][t] = mb
             if s == S - 1:
                 steps["has_head"][t], steps["head_mb"][t] = 1, mb
         else:
-            tab["back_grad_slot"][t, r] = grad_slot[r].get((mb, s), k_grad)
+            back_grad_slot[t][r] = grad_slot[r].get((mb, s), k_grad)
             branch = back_branch(stage_kind, kind == W, split)
             if s == 0 and branch is not None:
                 steps["embed_back_mb"][t] = mb
-            if branch not in branches:
+            if branch not in branch_index:  # a dict, not `list.index`: one dataclass __eq__ per branch seen
+                branch_index[branch] = len(branches)
                 branches.append(branch)
-            tab["back_branch"][t, r] = branches.index(branch)
-    return SlotPlan(schedule, k_act, k_grad, tuple(branches), tab, steps)
+            back_branch_tab[t][r] = branch_index[branch]
+    tables = {f: np.array(x, np.int32).reshape(T, p) for f, x in tab.items()}
+    steps = {f: np.array(x, np.int32).reshape(T) for f, x in steps.items()}
+    return SlotPlan(schedule, k_act, k_grad, tuple(branches), tables, steps)
 
 
 @functools.lru_cache(maxsize=64)

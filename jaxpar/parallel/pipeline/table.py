@@ -37,6 +37,7 @@ import numpy as np
 
 F, B, W = "F", "B", "W"
 KINDS = (F, B, W)
+_KIND_ORDER = {kind: i for i, kind in enumerate(KINDS)}
 
 StageMap = tuple[tuple[int, int], ...]  # (rank, local virtual stage) per global stage
 
@@ -147,7 +148,8 @@ def from_placements(name, p, m, v, split, placements: Iterable[tuple[int, int, A
         cells[t][r].append(action)
     for row in cells:
         for cell in row:
-            cell.sort(key=lambda a: KINDS.index(a.kind))
+            if len(cell) > 1:
+                cell.sort(key=lambda a: _KIND_ORDER[a.kind])
     return Schedule(name, p, m, v, split, cells, stages)
 
 

@@ -55,20 +55,24 @@ def zb_v(p: int, m: int) -> Schedule:
     def done(key):
         return when.get(key, t) < t
 
+    def pick(r):
+        mine = (r, last - r)  # stage r (local 0) and 2p - 1 - r (local 1)
+        # Order: B before F before W; among F's the later stage (finishing a microbatch
+        # before starting one), among B's the earlier-numbered stage (chunk 1's come first).
+        for s in mine:
+            if next_b[s] < m and done((B, next_b[s], s + 1) if s < last else (F, next_b[s], s)):
+                return B, s, next_b[s]
+        if live[r] < cap:
+            for s in reversed(mine):
+                if next_f[s] < m and (s == 0 or done((F, next_f[s], s - 1))):
+                    return F, s, next_f[s]
+        if pending_w[r]:  # every pending W's B ran at an earlier step (picks are applied after all ranks chose)
+            i, s = pending_w[r][0]
+            return W, s, i
+        return None
+
     while len(when) < 6 * m * p:
-        picks = []
-        for r in range(p):
-            mine = (r, last - r)  # stage r (local 0) and 2p - 1 - r (local 1)
-            # Order: B before F before W; among F's the later stage (finishing a microbatch
-            # before starting one), among B's the earlier-numbered stage (chunk 1's come first).
-            backs = [(s, next_b[s]) for s in mine if next_b[s] < m and done((B, next_b[s], s + 1) if s < last else (F, next_b[s], s))]
-            fwds = [(s, next_f[s]) for s in reversed(mine) if next_f[s] < m and live[r] < cap
-                    and (s == 0 or done((F, next_f[s], s - 1)))]
-            ws = [(s, i) for i, s in pending_w[r] if done((B, i, s))][:1]
-            for kind, found in ((B, backs), (F, fwds), (W, ws)):
-                if found:
-                    picks.append((r, kind, *found[0]))
-                    break
+        picks = [(r, *found) for r in range(p) if (found := pick(r)) is not None]
         for r, kind, s, i in picks:
             when[(kind, i, s)] = t
             placements.append((t, r, Action(kind, i, stages[s][1])))
@@ -79,7 +83,7 @@ def zb_v(p: int, m: int) -> Schedule:
                 next_b[s] += 1
                 pending_w[r].append((i, s))
             else:
-                pending_w[r].remove((i, s))
+                pending_w[r].remove((i, s))  # the first: W's run in B order
                 live[r] -= 1
         t += 1
     return from_placements("zb_v", p, m, 2, True, placements, stages)
