@@ -156,6 +156,10 @@ class ParamCounts:
 def param_counts(layout: Layout) -> ParamCounts:
     """Under the plan's own rules tables (`jaxpar.sharding.rules_table`: where ZeRO, tensor,
     pipeline and expert put each logical name)."""
+    return layout.once(_layout_param_counts)
+
+
+def _layout_param_counts(layout: Layout) -> ParamCounts:
     plan = layout.plan
     params_table = rules_table(plan, zero_on_params=plan.zero.shard_params)
     opt_table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)

@@ -93,6 +93,10 @@ def _terms(model_json: str, train_json: str, table_items: tuple, mesh_items: tup
 
 
 def optimizer_terms(layout: Layout) -> OptimizerTerms:
+    return layout.once(_layout_terms)
+
+
+def _layout_terms(layout: Layout) -> OptimizerTerms:
     plan = layout.plan
     table = rules_table(plan, zero_on_params=plan.zero.shard_optimizer_state)
     return _terms(layout.model_json, layout.train_json, tuple(sorted(table.items())), plan.mesh_shape)
