@@ -84,9 +84,11 @@ def _unknown_keys(config, schema, known_flat, prefix="") -> list[str]:
     return errors
 
 
-def _missing_keys(config, schema) -> list[str]:
+def _missing_keys(config, schema, schema_keys: list[str] | None = None) -> list[str]:
+    """`schema_keys`: `flat_keys(schema)`, when the caller has them."""
     present = set(flat_keys(config))
-    missing = [k for k in flat_keys(schema) if k not in present and not any(k.startswith(p + ".") for p in present)]
+    schema_keys = flat_keys(schema) if schema_keys is None else schema_keys
+    missing = [k for k in schema_keys if k not in present and not any(k.startswith(p + ".") for p in present)]
     if not missing:
         return []
     return [
@@ -133,6 +135,12 @@ def _schema(model_type: str) -> tuple[ConfigDict, frozenset[str]]:
     return schema, frozenset(known)
 
 
+@functools.cache
+def _schema_keys(model_type: str) -> tuple[str, ...]:
+    """`flat_keys` of `_schema(model_type)`, once: the planner's screen of each mesh walked it again."""
+    return tuple(flat_keys(_schema(model_type)[0]))
+
+
 # Within `shared_sections(config, memo)`: the base config and the memo of `_once`.
 _SHARED: contextvars.ContextVar = contextvars.ContextVar("preflight_shared", default=None)
 _SCALARS = (int, float, str, bool, type(None))
@@ -144,6 +152,10 @@ def shared_sections(config, memo: dict):
     that share `config`'s sections or copy them shallowly with scalar leaves changed (the planner's
     candidates, `planner.candidates`: the model's ranges and facts and train's ranges were a quarter
     of preflight's time there). `memo` outlives the block; nothing may change `config` meanwhile."""
+    current = _SHARED.get()
+    if current is not None and current[0] is config and current[1] is memo:
+        yield  # already within it (the planner enters once per search, its screen once per candidate)
+        return
     token = _SHARED.set((config, memo))
     try:
         yield
@@ -162,14 +174,19 @@ def _section_key(section, base):
     return changed if all(kind in _SCALARS for _, kind, _ in changed) else None
 
 
-def _once(config, fn, *names):
-    """`fn` of the config's sections `names`; within `shared_sections`, once per distinct sections."""
+def _once(config, fn, *names, keys: dict | None = None):
+    """`fn` of the config's sections `names`; within `shared_sections`, once per distinct sections.
+    `keys`: a dict for one config's `_section_key`s, so that each section is compared once."""
     sections = tuple(config[n] for n in names)
     shared = _SHARED.get()
     if shared is None:
         return fn(*sections)
     base, memo = shared
-    key = tuple(_section_key(s, base[n]) for s, n in zip(sections, names))
+    keys = {} if keys is None else keys
+    for s, n in zip(sections, names):
+        if n not in keys:
+            keys[n] = _section_key(s, base[n])
+    key = tuple(keys[n] for n in names)
     if None in key:
         return fn(*sections)
     key = (fn, names, key)
@@ -191,7 +208,7 @@ def _config_problems(
     errors = []
     if not keys_checked:
         schema, known = _schema(fam.name)
-        errors = _unknown_keys(config, schema, known) + _missing_keys(config, schema)
+        errors = _unknown_keys(config, schema, known) + _missing_keys(config, schema, _schema_keys(fam.name))
         errors += [] if errors else _type_problems(config, schema)
     if errors:  # the remaining checks read values of the right keys and types
         return errors, None, False
@@ -201,7 +218,9 @@ def _config_problems(
         errors.append(str(e))
         mesh = None
     train, parallel = config.train, config.parallel
-    ranges = _once(config, fam.ranges, "model") + _once(config, train_ranges, "train") + checkpoint_checks(config.checkpoint)
+    keys = {}  # this config's section keys, for `_once`
+    ranges = (_once(config, fam.ranges, "model", keys=keys) + _once(config, train_ranges, "train", keys=keys)
+              + _once(config, checkpoint_checks, "checkpoint", keys=keys))
     sane = not ranges  # sizes >= 1: the divisibility checks below can run
     errors += ranges
     if sane:
@@ -212,7 +231,7 @@ def _config_problems(
         errors += tensor.checks(config, mesh)
         errors += expert.overlap_checks(config, mesh)
         errors += zero.checks(config, mesh)
-        facts = _once(config, fam.facts, "model")
+        facts = _once(config, fam.facts, "model", keys=keys)
         errors += collective_matmul.problems(config, mesh, facts, fam.name, platform)
         errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
         strategy = data.gradient_strategy(
@@ -227,7 +246,7 @@ def _config_problems(
         errors += context.checks(config, mesh, backend=platform)
     errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
-    errors += train_choices(train) + optimizer_checks(train, config.model)
+    errors += _once(config, train_choices, "train", keys=keys) + _once(config, optimizer_checks, "train", "model", keys=keys)
     if sane and "lora" in train:
         errors += lora.problems(train.lora, lambda: models.logical_axes(config.model))
         if not errors:
