@@ -105,16 +105,29 @@ def _copy(config):
     return pickle.loads(pickle.dumps(config))
 
 
+@functools.lru_cache(maxsize=8)
+def _defaults(kind: type) -> dict:
+    """The attributes `kind()` gives a new instance (flags, and an empty `_fields` that `_shallow`
+    replaces), read once per type: building a ConfigDict for each section copied was a fifth of
+    `_with_keys`."""
+    return dict(vars(kind()))
+
+
 def _shallow(node):
     """A new ConfigDict holding the same fields (its sections shared, not copied), with the
     attributes a pickle round trip gives it (`ConfigDict.__setstate__`: the lock and type safety
     kept, `__init__`'s defaults for the rest); set directly, as `__setstate__` setting each field
     through `__setitem__` was most of the copy's time."""
     out = type(node).__new__(type(node))
-    vars(out).update(vars(type(node)()))
+    vars(out).update(_defaults(type(node)))
     vars(out).update(_fields=dict(node._fields), _locked=node._locked, _type_safe=node._type_safe,
                      _convert_dict=getattr(node, "_convert_dict", True))
     return out
+
+
+# Leaf types `ConfigDict.__setitem__` stores unchanged over a field of the same type (no cast, no
+# conversion): `_with_keys` writes those directly (the type checks per key were a tenth of the search).
+_PLAIN = (int, str, bool)
 
 
 def _with_keys(config, values: dict):
@@ -132,7 +145,14 @@ def _with_keys(config, values: dict):
     out = _shallow(config)
     for section in sections:
         out._fields[section] = _shallow(config[section])
-    return set_keys(out, values)
+    for dotted, value in values.items():
+        section, _, leaf = dotted.partition(".")
+        fields = out._fields[section]._fields
+        if type(value) in _PLAIN and type(fields.get(leaf)) is type(value):
+            fields[leaf] = value
+        else:
+            out._fields[section][leaf] = value
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +328,11 @@ class Screen:
         self._mesh_refusal: dict = {}
         self._sections: dict = {}  # preflight's checks of the sections candidates share (`shared_sections`)
 
+    def sharing(self):
+        """`shared_sections` for this screen's config, entered once around many `admit`s (each
+        also enters it; a ContextVar set per candidate was 2% of the search)."""
+        return shared_sections(self.config, self._sections)
+
     def _screen(self, mesh: dict) -> str | None:
         key = tuple(mesh.items())
         if key not in self._mesh_refusal:
@@ -316,7 +341,7 @@ class Screen:
             if mesh[PIPELINE] > 1:
                 values.update({SCHEDULE_KEY: "1f1b", MICROBATCH_KEY: mesh[PIPELINE], "parallel.virtual_stages": 1})
             try:
-                with shared_sections(self.config, self._sections):
+                with self.sharing():
                     check(_with_keys(self.config, values), self.num_devices)
                 self._mesh_refusal[key] = None
             except ConfigError as e:
@@ -329,7 +354,7 @@ class Screen:
         if reason is None:
             applied = candidate.apply(self.config)
             try:  # the screen checked this config's keys and types; a candidate sets values of those keys
-                with shared_sections(self.config, self._sections):
+                with self.sharing():
                     check(applied, self.num_devices, keys_checked=True)
                 return applied
             except ConfigError as e:
