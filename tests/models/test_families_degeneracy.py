@@ -86,14 +86,13 @@ CASES = {
     "deepseek_v3_context2_data2_expert2_all_to_all": (
         tiny.deepseek_v3, {}, {"context": 2, "data": 2, "expert": 2}, {"context_impl": "all_to_all"},
     ),
-    "deepseek_v3_1f1b_p2_data2_tensor2_3layers_sp": (
-        tiny.deepseek_v3, PIPELINED_DEEPSEEK, {"pipeline": 2, "data": 2, "tensor": 2}, {"sequence_parallel": True},
-    ),
     # DeepSeek-V3's own shape through the pipeline: the dense layer on the first stage, the MTP
     # module (and its loss) on the last one, with the whole head there ("ends"). DualPipeV runs the end
     # stages through a split backward (input and weight gradients apart) with both ends on rank 0;
-    # 1F1B puts them on two ranks. (Dropped for suite time: ZB-H1 with tensor 2 and SP, 66 CPU s
-    # against 1F1B's 34: its split backward is DualPipeV's; the interleaved case, 33 s: DualPipeV
+    # 1F1B puts them on two ranks, over tensor 2 with SP. (Dropped for suite time: ZB-H1 with tensor 2
+    # and SP, 66 CPU s against 1F1B's 34: its split backward is DualPipeV's; 1F1B over data 2 x tensor 2
+    # with SP and every layer routed, 11 s: the case below has the tensor and SP, the context case
+    # above the data axis through the stages; the interleaved case, 33 s: DualPipeV
     # runs two chunks per rank with expert 2 too; DualPipeV with every layer routed, 18 s: the case
     # below routes all but the first.)
     "deepseek_v3_dualpipev_p2_expert2_dense_mtp_5layers_loss_free": (
