@@ -327,6 +327,7 @@ class Screen:
         self.refused: collections.Counter = collections.Counter()
         self._mesh_refusal: dict = {}
         self._sections: dict = {}  # preflight's checks of the sections candidates share (`shared_sections`)
+        self.last_refusal: str | None = None  # the reason `admit` counted last
 
     def sharing(self):
         """`shared_sections` for this screen's config, entered once around many `admit`s (each
@@ -360,6 +361,7 @@ class Screen:
             except ConfigError as e:
                 reason = _reason(e)
         self.refused[reason] += 1
+        self.last_refusal = reason
         return None
 
     def summary(self, limit: int = 3) -> str:

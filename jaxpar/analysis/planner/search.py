@@ -167,15 +167,30 @@ def _plan_layouts(config, hardware, num_devices, space, fixed, efficiency, usabl
     screen, unpriced = Screen(config, num_devices), collections.Counter()
     fitting, too_big = [], []
 
+    # A mesh's lean candidates are priced first and again with the rest (`_price_groups`): the second
+    # time takes the first's answer, and counts its refusal again as before (the printed counts).
+    outcomes: dict = {}  # candidate -> Priced, or (counter, reason) of its refusal
+
     def price(candidate) -> Priced | None:
+        if candidate in outcomes:
+            outcome = outcomes[candidate]
+            if isinstance(outcome, Priced):
+                return outcome
+            counter, reason = outcome
+            counter[reason] += 1
+            return None
         applied = screen.admit(candidate)
         if applied is None:
+            outcomes[candidate] = (screen.refused, screen.last_refusal)
             return None
         try:
-            return Priced(candidate, estimate(applied, hardware, num_devices=num_devices, efficiency=efficiency))
+            outcomes[candidate] = Priced(candidate, estimate(applied, hardware, num_devices=num_devices, efficiency=efficiency))
         except NotImplementedError as e:  # a model hook for a feature not priced yet (none today)
-            unpriced[re.sub(r"\d+", "N", str(e))] += 1
+            reason = re.sub(r"\d+", "N", str(e))
+            unpriced[reason] += 1
+            outcomes[candidate] = (unpriced, reason)
             return None
+        return outcomes[candidate]
 
     groups = collections.defaultdict(list)
     for c in candidates(config, num_devices, space, fixed):
