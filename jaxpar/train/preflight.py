@@ -174,26 +174,54 @@ def _section_key(section, base):
     return changed if all(kind in _SCALARS for _, kind, _ in changed) else None
 
 
-def _once(config, fn, *names, keys: dict | None = None):
+def _once(config, fn, *names, whole: bool = False, mesh: tuple = ()):
     """`fn` of the config's sections `names`; within `shared_sections`, once per distinct sections.
-    `keys`: a dict for one config's `_section_key`s, so that each section is compared once."""
-    sections = tuple(config[n] for n in names)
+    `whole`: `fn(config)`, for a check that takes the whole config but reads only `names`.
+    `mesh`: `(sizes,)` (a dict, or None) passed after them, once per distinct sections and sizes."""
+    args = ((config,) if whole else tuple(config[n] for n in names)) + mesh
     shared = _SHARED.get()
     if shared is None:
-        return fn(*sections)
+        return fn(*args)
     base, memo = shared
-    keys = {} if keys is None else keys
-    for s, n in zip(sections, names):
-        if n not in keys:
-            keys[n] = _section_key(s, base[n])
-    key = tuple(keys[n] for n in names)
+    key = tuple(_section_key(config[n], base[n]) for n in names)
     if None in key:
-        return fn(*sections)
-    key = (fn, names, key)
+        return fn(*args)
+    key = (fn, names, key, tuple(m if m is None else tuple(m.items()) for m in mesh))
     if key not in memo:
-        memo[key] = fn(*sections)
+        memo[key] = fn(*args)
     value = memo[key]
     return list(value) if isinstance(value, list) else value
+
+
+# Sections `_section_checks` never reads: those a planner's candidates change with every layout. It reads
+# the others (model, train, checkpoint, data, eval), so within `shared_sections` it runs once per mesh and train section.
+_LAYOUT_SECTIONS = ("mesh", "parallel")
+
+
+@dataclass(frozen=True)
+class _SectionChecks:
+    ranges: tuple  # the model's, train's and checkpoint's ranges: empty when sizes are sane
+    family: tuple  # the family's own divisibilities for the mesh (all axes 1 without a valid one)
+    facts: object  # the model's facts (None unless sane with a mesh)
+    choices: tuple  # train's choices and the optimizer's checks
+    objective: tuple
+    data: tuple  # the data and eval sections, observability and the downstream harness
+
+
+def _section_checks(config, mesh: dict | None) -> _SectionChecks:
+    """The checks of `_config_problems` that read the mesh sizes and no section of `_LAYOUT_SECTIONS`."""
+    fam = family(config.model.get("model_type", "llama"))
+    ranges = tuple(fam.ranges(config.model) + train_ranges(config.train) + checkpoint_checks(config.checkpoint))
+    sane = not ranges
+    return _SectionChecks(
+        ranges,
+        # Without a valid mesh, the model alone (all axes 1): the family's own divisibilities.
+        tuple(fam.checks(config.model, mesh or dict.fromkeys(MESH_AXES, 1))) if sane else (),
+        fam.facts(config.model) if sane and mesh is not None else None,
+        tuple(train_choices(config.train) + optimizer_checks(config.train, config.model)),
+        tuple(objective.checks(config, mesh)),
+        tuple(validate_data_config(config) + observe.checks(config) + downstream.checks(config)),
+    )
 
 
 def _config_problems(
@@ -218,20 +246,15 @@ def _config_problems(
         errors.append(str(e))
         mesh = None
     train, parallel = config.train, config.parallel
-    keys = {}  # this config's section keys, for `_once`
-    ranges = (_once(config, fam.ranges, "model", keys=keys) + _once(config, train_ranges, "train", keys=keys)
-              + _once(config, checkpoint_checks, "checkpoint", keys=keys))
-    sane = not ranges  # sizes >= 1: the divisibility checks below can run
-    errors += ranges
-    if sane:
-        # Without a valid mesh, the model alone (all axes 1): the family's own divisibilities.
-        errors += fam.checks(config.model, mesh or dict.fromkeys(MESH_AXES, 1))
+    alone = _once(config, _section_checks, *(k for k in config.keys() if k not in _LAYOUT_SECTIONS), whole=True, mesh=(mesh,))
+    sane = not alone.ranges  # sizes >= 1: the divisibility checks below can run
+    errors += alone.ranges + alone.family
     if sane and mesh is not None:
         errors += data.checks(config, mesh)
         errors += tensor.checks(config, mesh)
         errors += expert.overlap_checks(config, mesh)
         errors += zero.checks(config, mesh)
-        facts = _once(config, fam.facts, "model", keys=keys)
+        facts = alone.facts
         errors += collective_matmul.problems(config, mesh, facts, fam.name, platform)
         errors += pipeline.checks(config, mesh, has_aux_losses=facts.is_moe, facts=facts)
         strategy = data.gradient_strategy(
@@ -246,7 +269,7 @@ def _config_problems(
         errors += context.checks(config, mesh, backend=platform)
     errors += one_of("parallel.remat", parallel.remat, ("auto", *REMAT_NAMES))
     errors += one_of("parallel.attention_impl", parallel.attention_impl, ATTENTION_IMPLS)
-    errors += _once(config, train_choices, "train", keys=keys) + _once(config, optimizer_checks, "train", "model", keys=keys)
+    errors += alone.choices
     if sane and "lora" in train:
         errors += lora.problems(train.lora, lambda: models.logical_axes(config.model))
         if not errors:
@@ -257,7 +280,7 @@ def _config_problems(
                 peft.load(train.lora.init_from_peft, lora.adapted(config.model, train.lora))
             except ValueError as e:
                 errors.append(f"train.lora.init_from_peft={train.lora.init_from_peft}: {e}")
-    errors += objective.checks(config, mesh)
+    errors += alone.objective
     if parallel.attention_impl == "cudnn" and platform is not None:
         if platform != "gpu":
             errors.append(f"parallel.attention_impl='cudnn' needs a GPU but this run has {platform} devices; set it to 'auto' or 'xla'")
@@ -265,9 +288,7 @@ def _config_problems(
             errors.append(f"parallel.attention_impl='cudnn' needs train.compute_dtype in {CUDNN_DTYPES}; set it to 'auto' or 'xla'")
     if sane and train.seq_len > config.model.max_position_embeddings:
         errors.append(f"train.seq_len={train.seq_len} exceeds model.max_position_embeddings={config.model.max_position_embeddings}")
-    errors += validate_data_config(config)
-    errors += observe.checks(config)
-    errors += downstream.checks(config)
+    errors += alone.data
     if not keys_checked:  # a planner candidate changes layout keys only (ints, strings)
         errors += _nonfinite_problems(config, errors)
     return without_cascades(errors), mesh, sane
