@@ -5,7 +5,8 @@ line in metrics.jsonl (mid-step), an Orbax temporary checkpoint folder (mid-save
 `current` kind, written as an evaluation starts (mid-eval). The victim is SIGKILLed; the launcher
 stops the other process, relaunches both from the newest complete checkpoint, and the run finishes.
 
-References: the same command without kills (same 2 processes x 2 devices, so the same collectives):
+References: the same command without kills (same 2 processes x 2 devices, so the same collectives;
+one run, shared with the lost-host test):
 losses, gradient norms and evaluations are bitwise equal. Theory for the goodput: every lost
 second of each killed start is exactly the `step_s` its own metrics.jsonl lines gave the steps
 after the checkpoint the next start resumed from (read after the kill, before the relaunch cuts
@@ -23,6 +24,7 @@ import sys
 import time
 
 import pytest
+from filelock import FileLock
 
 from jaxpar.train import goodput
 from jaxpar.train.observe import TIMING_FIELDS
@@ -36,10 +38,12 @@ TRAIN = os.path.join(ROOT, "scripts", "train.py")
 SEED, STEPS = 40, 21
 WAIT_S = 400  # for any one moment to come (a start on a loaded 2-core host takes tens of seconds)
 
+# Both runs with processes (three kills; a lost host) train this config, and share one reference:
+# the same command without a fault (`reference`). Data -1: the elastic run shrinks it to one host's.
 CONFIG_FILE = f"""
 from tests.support import tiny
 def get_config():
-    c = tiny.with_overrides(tiny.llama(vocab_size=256), {{"data": 2, "tensor": 2}}, data={{"max_corpus_bytes": 100_000}},
+    c = tiny.with_overrides(tiny.llama(vocab_size=256), {{"data": -1, "tensor": 2}}, data={{"max_corpus_bytes": 100_000}},
                             train={{"steps": {STEPS}, "peak_flops_per_device": 1e12}}, checkpoint={{"every_steps": 3}})
     c.eval.share, c.eval.every_steps = 0.1, 4
     return c
@@ -56,6 +60,23 @@ def launch(tmp_path, name, max_restarts):
         stdout=out, stderr=subprocess.STDOUT, env=subprocess_environment(PYTHONPATH=ROOT), start_new_session=True,
     )
     return process, workdir, out
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, worker_id):
+    """The workdir of CONFIG_FILE's run without faults (2 processes x 2 devices, data 2 x tensor 2),
+    made once per session: the xdist workers share it."""
+    root = tmp_path_factory.getbasetemp()
+    root = (root if worker_id == "master" else root.parent) / "restarts_reference"
+    root.mkdir(exist_ok=True)
+    with FileLock(str(root) + ".lock"):
+        if not (root / "done").exists():
+            process, workdir, out = launch(root, "reference", max_restarts=0)
+            code = process.wait(timeout=WAIT_S)
+            out.close()
+            assert code == 0, (root / "reference.txt").read_text()[-4000:]
+            (root / "done").write_text("")
+    return root / "reference"
 
 
 def children(pid) -> dict[int, int]:
@@ -134,7 +155,7 @@ def untimed(records):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1500)
-def test_three_kills_at_random_moments_the_run_finishes_bitwise_and_goodput_counts_each_loss(tmp_path):
+def test_three_kills_at_random_moments_the_run_finishes_bitwise_and_goodput_counts_each_loss(tmp_path, reference):
     rng = random.Random(SEED)
     plan = [(kind, rng.randrange(2)) for kind in rng.sample(["step", "save", "eval"], 3)]
     launcher, workdir, out = launch(tmp_path, "run", max_restarts=len(plan))
@@ -157,11 +178,7 @@ def test_three_kills_at_random_moments_the_run_finishes_bitwise_and_goodput_coun
             os.killpg(launcher.pid, signal.SIGKILL)
         out.close()
     output = (tmp_path / "run.txt").read_text()
-    reference, reference_dir, reference_out = launch(tmp_path, "reference", max_restarts=0)
-    assert reference.wait(timeout=WAIT_S) == 0, (tmp_path / "reference.txt").read_text()[-4000:]
-    reference_out.close()
-
-    final, expected = metrics(workdir), metrics(reference_dir)
+    final, expected = metrics(workdir), metrics(reference)
     assert [r["step"] for r in final if "loss" in r] == list(range(1, STEPS + 1))
     assert untimed(final) == untimed(expected), "losses, gradient norms and evaluations bitwise as without kills"
 
@@ -246,14 +263,6 @@ def test_elastic_launches_on_what_the_hosts_file_allows_and_grows_back(tmp_path,
     assert "must hold the number" in launcher.hosts_problem(str(tmp_path / "absent"))
 
 
-ELASTIC_CONFIG = f"""
-from tests.support import tiny
-def get_config():
-    return tiny.with_overrides(tiny.llama(vocab_size=256), {{"data": -1, "tensor": 2}}, data={{"max_corpus_bytes": 100_000}},
-                               train={{"steps": {STEPS}, "peak_flops_per_device": 1e12}}, checkpoint={{"every_steps": 3}})
-"""
-
-
 def start_launcher(tmp_path, name, config, *flags):
     out = open(tmp_path / f"{name}.txt", "w")
     process = subprocess.Popen(
@@ -266,13 +275,14 @@ def start_launcher(tmp_path, name, config, *flags):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1500)
-def test_a_run_loses_a_host_continues_on_one_and_grows_back(tmp_path):
+def test_a_run_loses_a_host_continues_on_one_and_grows_back(tmp_path, reference):
     """2 processes x 2 devices (data 2 x tensor 2); one host is lost (SIGKILL, the hosts file says 1):
     the run continues on 1 process (data 1 x tensor 2) from the newest checkpoint; the host returns
     (the file says 2): the run stops at a checkpoint and continues on 2. Reference: the same run
-    uninterrupted; the losses within the cross-mesh tolerance (another data axis sums the gradients in
-    another order), every step once; growing back loses no step."""
-    config, hosts = write(tmp_path / "config.py", ELASTIC_CONFIG), tmp_path / "hosts"
+    uninterrupted (shared with the test above); the losses and evaluations within the cross-mesh
+    tolerance (another data axis sums the gradients in another order), every step once; growing back
+    loses no step."""
+    config, hosts = write(tmp_path / "config.py", CONFIG_FILE), tmp_path / "hosts"
     hosts.write_text("2\n")
     workdir = tmp_path / "run"
     launcher, out = start_launcher(tmp_path, "run", config, "--elastic", f"--hosts_file={hosts}", "--max_restarts=1")
@@ -289,19 +299,16 @@ def test_a_run_loses_a_host_continues_on_one_and_grows_back(tmp_path):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
         out.close()
-    reference, out = start_launcher(tmp_path, "reference", config)
-    assert reference.wait(timeout=WAIT_S) == 0, (tmp_path / "reference.txt").read_text()[-4000:]
-    out.close()
-
     output = (tmp_path / "run.txt").read_text()
     meshes = [line.split("mesh: ", 1)[1] for line in output.splitlines() if line.startswith("[0]") and "mesh: " in line]
     assert [m.split(" on ")[1] for m in meshes] == ["4 cpu devices", "2 cpu devices", "4 cpu devices"], meshes
     assert output.count("restart 1 of 1") == 1 and "stopping at a checkpoint to continue on them" in output
     assert output.count("elastic: 2 of 4 devices, 1 data replicas instead of 2: train.grad_accum=2 keeps") == 1, \
         "on one host the accumulation doubles: the same rows per device, the same global batch"
-    final, expected = (untimed(metrics(tmp_path / n)) for n in ("run", "reference"))
+    final, expected = untimed(metrics(workdir)), untimed(metrics(reference))
     assert [r["step"] for r in final if "loss" in r] == list(range(1, STEPS + 1)), "every step once, the data position exact"
-    for got, want in zip(final, expected, strict=True):
-        assert abs(got["loss"] - want["loss"]) <= 1e-4 * abs(want["loss"]), (got, want)
+    for got, want in zip(final, expected, strict=True):  # steps and evaluations, in order
+        key = "loss" if "loss" in want else "eval_loss"
+        assert got.keys() == want.keys() and abs(got[key] - want[key]) <= 1e-4 * abs(want[key]), (got, want)
     attempts = goodput.read(workdir)
     assert len(attempts) == 3 and attempts[1]["seconds"].get("lost", 0.0) == 0.0, "stopping to grow lost nothing"
