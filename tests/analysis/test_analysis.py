@@ -217,18 +217,18 @@ CASES = {
     ),
     # ZeRO over data x context (`parallel.zero_axes` "auto" with context > 1; `analysis.cost.comm_zero`):
     # ZeRO-1 plain (one reduce-scatter over both; the table's gradient over each apart), ZeRO-3 with
-    # tensor, Mixtral with and without experts on their own axis; and ZeRO over data alone.
+    # tensor, Mixtral with experts on their own axis (without ZeRO, Mixtral with its experts over data
+    # and context); and ZeRO over data alone. (The other two corners of Mixtral's ZeRO x expert-axis
+    # square, 13 s, were dropped for suite time: each branch of the MoE pricing stays covered.)
     "context2_zero1": (llama(16, seq=128), {"data": 4, "context": 2}, {"zero_stage": 1}),
     "context2_zero1_over_data_accum2": (
         accumulated(llama(16, seq=128), 2), {"data": 4, "context": 2}, {"zero_stage": 1, "zero_axes": "data"},
     ),
     "context2_tensor2_zero3": (llama(8, seq=128), {"data": 2, "context": 2, "tensor": 2}, {"zero_stage": 3, "remat": "full"}),
-    "context2_mixtral_zero1_accum2": (accumulated(mixtral(16), 2), {"data": 4, "context": 2}, {"zero_stage": 1}),
     "context2_expert2_mixtral_zero1_accum2": (
         accumulated(mixtral(16), 2), {"data": 2, "context": 2, "expert": 2}, {"zero_stage": 1},
     ),
     "context2_mixtral_accum2": (accumulated(mixtral(16), 2), {"data": 4, "context": 2}, {}),
-    "context2_expert2_mixtral_accum2": (accumulated(mixtral(16), 2), {"data": 2, "context": 2, "expert": 2}, {}),
     "pipeline2_context2": (
         llama(16, seq=128, num_hidden_layers=8), {"data": 2, "pipeline": 2, "context": 2}, {"num_microbatches": 4},
     ),
@@ -427,7 +427,7 @@ def test_context_matches_compiled_step(name):
             once, times = wire_bytes(ALL_REDUCE, 4 * counts.as_params, group), 1
         moved = sum(t.wire_bytes for t in fidelity.compiled_totals() if t.kind == ALL_REDUCE and t.axes == ("data", "context"))
         print(f"all-reduce over data x context: {moved / (times * once):.4f} x the priced")
-        # Measured 0.9996 to 1.0000 over the 8 cases (before: within 10%); FLOOR as in analysis_bounds.
+        # Measured 0.9996 to 1.0000 over the accumulating cases (before: within 10%); FLOOR as in analysis_bounds.
         assert abs(moved / (times * once) - 1) <= FLOOR, fidelity.table()
     # Each impl's exchange is told apart: priced as another impl, collectives the model does not
     # plan appear.

@@ -116,15 +116,11 @@ BOUNDS = {
     "context2_zero1_over_data_accum2": Bound(memory=0.064),
     # memory -8.51%, FLOPs +0.00%; bytes context -0.91%, data -0.02%, data,context +0.14%, tensor +1.49%
     "context2_tensor2_zero3": Bound(memory=0.171, bytes={"context": 0.019, "tensor": 0.03}),
-    # memory -3.61%, FLOPs -0.03%; bytes context -0.76%, data -1.78%, data,context +0.02%
-    "context2_mixtral_zero1_accum2": Bound(memory=0.073, bytes={"context": 0.016, "data": 0.036}),
     # memory +3.28% (+0.58% before the tiled layout, as expert4_mixtral_zero1_accum2), FLOPs -0.02%;
     # bytes context -8.76%, data,context +0.04%, expert +0.07%
     "context2_expert2_mixtral_zero1_accum2": Bound(memory=0.066, bytes={"context": 0.176}),
     # memory +0.18%, FLOPs -0.01%; bytes context -0.02%, data -0.01%, data,context +0.00%
     "context2_mixtral_accum2": Bound(),
-    # memory -0.36%, FLOPs -0.02%; bytes context -0.02%, data,context +0.00%, data,expert -0.01%, expert -0.00%
-    "context2_expert2_mixtral_accum2": Bound(),
     # memory -0.73%; bytes context -0.10%, data,context +0.00%, pipeline -0.00%
     "pipeline2_context2": Bound(memory=0.015),
     # memory +0.32%; bytes context -0.07%, pipeline -0.00%, tensor +0.01%
