@@ -89,7 +89,8 @@ CASES = {
     # DeepSeek-V3's own shape through the pipeline: the dense layer on the first stage, the MTP
     # module (and its loss) on the last one, with the whole head there ("ends"). DualPipeV runs the end
     # stages through a split backward (input and weight gradients apart) with both ends on rank 0;
-    # 1F1B puts them on two ranks, over tensor 2 with SP. (Dropped for suite time: ZB-H1 with tensor 2
+    # 1F1B puts them on two ranks, over tensor 2 with SP. Both train the same model, so they share
+    # one one-device reference (6 of 89 CPU s). (Dropped for suite time: ZB-H1 with tensor 2
     # and SP, 66 CPU s against 1F1B's 34: its split backward is DualPipeV's; 1F1B over data 2 x tensor 2
     # with SP and every layer routed, 11 s: the case below has the tensor and SP, the context case
     # above the data axis through the stages; the interleaved case, 33 s: DualPipeV
@@ -99,8 +100,9 @@ CASES = {
         tiny.deepseek_v3, {"num_hidden_layers": 5, "router_bias_update_rate": 0.05}, {"pipeline": 2, "expert": 2},
         {"pipeline_vocab": "ends", "pipeline_schedule": "dualpipev"},
     ),
-    "deepseek_v3_1f1b_p2_tensor2_dense_mtp_sp": (
-        tiny.deepseek_v3, {}, {"pipeline": 2, "tensor": 2}, {"pipeline_vocab": "ends", "sequence_parallel": True},
+    "deepseek_v3_1f1b_p2_tensor2_dense_mtp_5layers_loss_free_sp": (
+        tiny.deepseek_v3, {"num_hidden_layers": 5, "router_bias_update_rate": 0.05}, {"pipeline": 2, "tensor": 2},
+        {"pipeline_vocab": "ends", "sequence_parallel": True},
     ),
 }
 
