@@ -5,7 +5,6 @@ scripts/train.py's `main` in this process and must be refused before anything is
 written, in one line naming the key (`tests/train/probe.py` checks the contract); the key and value
 the line names are the ones the case set."""
 
-import json
 
 import pytest
 
@@ -111,12 +110,27 @@ def test_a_list_key_is_set_from_the_command_line(text, value):
     assert config.model.mlp_only_layers == value and all(type(v) is int for v in config.model.mlp_only_layers)
 
 
-@pytest.mark.slow
 def test_a_list_set_on_the_command_line_reaches_the_model(probe, capsys):
-    """--config.model.mlp_only_layers=[1] trains a Qwen3-MoE whose layer 1 is dense: its saved config says so."""
+    """--config.model.mlp_only_layers=[1] reaches scripts/train.py's run as a list: the model it builds is
+    the Qwen3-MoE whose layer 1 is dense, as the same config written in Python builds it (training
+    with such a layer: tests/models/test_families_degeneracy.py)."""
+    import dataclasses
+
+    import jax
+
+    from jaxpar import command, models
+    from tests.support import tiny
     from tests.train.probe import script
 
-    assert script("train").main(probe.train("--config.model.mlp_only_layers=[1]", "--config.train.steps=1",
-                                            config=probe.moe_config)) == 0, capsys.readouterr().err[-2000:]
-    with open(f"{probe.workdir}/config.json") as f:
-        assert json.load(f)["model"]["mlp_only_layers"] == [1]
+    train, seen = script("train"), []
+    capture = dataclasses.replace(train.COMMANDS[0], run=lambda args, config: seen.append(config))
+    argv = probe.train("--config.model.mlp_only_layers=[1]", config=probe.moe_config)
+    assert command.main(train.__doc__, (capture,), argv) == 0, capsys.readouterr().err[-2000:]
+    (config,) = seen
+    assert list(config.model.mlp_only_layers) == [1]
+
+    def shapes(model_config):
+        return jax.tree.map(lambda s: s.shape, models.param_shapes(model_config))
+
+    assert shapes(config.model) == shapes(tiny.qwen3_moe(vocab_size=256, mlp_only_layers=[1]).model)
+    assert shapes(config.model) != shapes(tiny.qwen3_moe(vocab_size=256).model)
