@@ -21,7 +21,6 @@ kept as it is (JAX_PLATFORMS=cpu runs the CPU tests on a GPU host whose CUDA doe
 
 import gc
 import hashlib
-import importlib.util
 import os
 import pickle
 import shutil
@@ -58,17 +57,7 @@ if _OWN_XLA_CACHE:
 # compiles what the suite imports, once. Where PYTHONDONTWRITEBYTECODE is set (as on CI machines) it
 # would compile it again in every process; the suite's processes share one bytecode cache instead, in
 # a temporary folder (nothing is written beside the sources, as the variable asked), removed at the end.
-# Not where pip compiled the packages: the folder would replace their bytecode (measured: collection
-# 24 CPU s instead of 12).
-
-
-def _packages_compiled() -> bool:
-    spec = importlib.util.find_spec("numpy")
-    return spec is not None and os.path.exists(importlib.util.cache_from_source(spec.origin))
-
-
-_OWN_PYCACHE = (bool(os.environ.get("PYTHONDONTWRITEBYTECODE")) and "PYTHONPYCACHEPREFIX" not in os.environ
-                and not _packages_compiled())
+_OWN_PYCACHE = bool(os.environ.get("PYTHONDONTWRITEBYTECODE")) and "PYTHONPYCACHEPREFIX" not in os.environ
 if _OWN_PYCACHE:
     del os.environ["PYTHONDONTWRITEBYTECODE"]
     os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="jaxpar-tests-pycache-")
