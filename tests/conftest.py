@@ -24,7 +24,6 @@ import hashlib
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 
 from tests.support.compile_flags import DEVICE_COUNT, FAST_COMPILE, with_child_site
@@ -51,18 +50,6 @@ if _OWN_XLA_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-tests-xla-cache-")
     os.environ["JAXPAR_TESTS_XLA_CACHE_OWNER"] = str(os.getpid())
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-
-# Bytecode: the README's test command installs with `pip install --no-compile` (pip would compile every
-# module of PyTorch and the other test packages, most of which the suite never imports), so Python
-# compiles what the suite imports, once. Where PYTHONDONTWRITEBYTECODE is set (as on CI machines) it
-# would compile it again in every process; the suite's processes share one bytecode cache instead, in
-# a temporary folder (nothing is written beside the sources, as the variable asked), removed at the end.
-_OWN_PYCACHE = bool(os.environ.get("PYTHONDONTWRITEBYTECODE")) and "PYTHONPYCACHEPREFIX" not in os.environ
-if _OWN_PYCACHE:
-    del os.environ["PYTHONDONTWRITEBYTECODE"]
-    os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="jaxpar-tests-pycache-")
-    os.environ["JAXPAR_TESTS_PYCACHE_OWNER"] = str(os.getpid())
-    sys.dont_write_bytecode, sys.pycache_prefix = False, os.environ["PYTHONPYCACHEPREFIX"]
 
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402
@@ -120,5 +107,3 @@ def pytest_runtest_setup(item):
 def pytest_unconfigure(config):
     if os.environ.get("JAXPAR_TESTS_XLA_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-    if os.environ.get("JAXPAR_TESTS_PYCACHE_OWNER") == str(os.getpid()):
-        shutil.rmtree(os.environ["PYTHONPYCACHEPREFIX"], ignore_errors=True)
