@@ -5,6 +5,7 @@ exactly the lines a fresh preflight of it gives."""
 from __future__ import annotations
 
 from jaxpar.analysis.planner.candidates import Space, candidates
+from jaxpar.command.config_file import load_config
 from jaxpar.train.preflight import ConfigError, check, shared_sections
 from tests.support.paths import REPO as ROOT
 
@@ -18,9 +19,7 @@ def _problems(config, n: int) -> str:
 
 
 def test_shared_preflight_answers_each_candidate_as_a_fresh_one():
-    namespace: dict = {}
-    exec(compile((ROOT / "configs" / "mixtral_tiny.py").read_text(), "mixtral_tiny.py", "exec"), namespace)
-    config = namespace["get_config"]()  # 4 experts: the family's own check refuses mesh.expert=8
+    config = load_config(str(ROOT / "configs" / "mixtral_tiny.py"))  # 4 experts: the family's own check refuses mesh.expert=8
     memo, seen, differing = {}, set(), set()
     for candidate in candidates(config, 8, Space(microbatch_options=1)):
         key = (tuple(candidate.mesh.items()), candidate.get("train.grad_accum"), candidate.get("parallel.zero_stage"))
