@@ -8,8 +8,9 @@ every one of their keys off its default, flat as they were then (`train.muon_bet
 
 - Its config, read in today's layout (`jaxpar.config.upgrade`), is the config a user now types
   for that run with the new keys: no difference at all, so resuming is accepted without a note.
-- Resumed through the training loop with the new keys, steps 3 and 4 are bitwise those the
-  original run computed (loss, gradient norm, learning rate).
+- Resumed through the training loop with the new keys, steps 3 and 4 are those the original run
+  computed (loss, gradient norm, learning rate): bitwise on the host that wrote them, within 1e-6
+  elsewhere (another host's fp32 sums differ in the last bit: step 3's gradient norm by 1.2e-7).
 - Another value of a Muon key, or of the AdamW keys Muon reads, is still refused, naming the key.
 """
 
@@ -103,7 +104,7 @@ def test_a_changed_hyperparameter_is_still_refused(section, key, value, line):
 # loss in its last bits, and the expected steps were computed at the defaults, as a user runs).
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_it_resumes_bitwise_where_the_original_run_went_on(tmp_path):
+def test_it_resumes_where_the_original_run_went_on(tmp_path):
     for name in os.listdir(DATA):
         copy = shutil.copytree if os.path.isdir(os.path.join(DATA, name)) else shutil.copy
         copy(os.path.join(DATA, name), tmp_path / name)
@@ -120,7 +121,10 @@ def test_it_resumes_bitwise_where_the_original_run_went_on(tmp_path):
         expected = [json.loads(line) for line in f]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         resumed = [r for r in map(json.loads, f) if "goodput" not in r][2:]
-    assert [{k: r[k] for k in expected[0]} for r in resumed] == expected
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected]
+    for mine, original in zip(resumed, expected):
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert mine[key] == pytest.approx(original[key], rel=1e-6, abs=0), (mine["step"], key)
 
 
 def test_a_key_added_since_reads_as_its_default():

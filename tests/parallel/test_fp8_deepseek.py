@@ -11,7 +11,7 @@
 - the planner prices MLA's cost parts at the FP8 peak when their matmuls run in FP8;
 - FP8 DeepSeek-V3 with delayed scaling on context 2 (all_gather) x tensor 2 x expert 2 against FP8
   on one device, 3 production steps, within tests/parallel/test_fp8_degeneracy.py's tolerances
-  (measured in docs/fp8.md). One mesh holds every cut an FP8 matrix of MLA or MTP meets: heads over
+  but for the gradient norms' (below; measured in docs/fp8.md). One mesh holds every cut an FP8 matrix of MLA or MTP meets: heads over
   tensor, K and V gathered over context, the batch over context and expert; the recipes' other
   meshes are tests/parallel/test_fp8_degeneracy.py's.
 """
@@ -44,6 +44,11 @@ from tests.support.reference import l2_relative_error, run, single_device, synth
 # tests/parallel/test_fp8_degeneracy.py's steps and bounds (its docstring says why they are these).
 STEPS = 3
 GRAD_L2_RTOL, LOSS_RTOL = 2e-3, 1e-3
+# Gradient norms of steps 2-3, which delayed scaling takes from the amax histories: one element that
+# rounds to the other FP8 neighbour and holds its tensor's amax moves that tensor's scale, and the
+# norm with it. Measured 7.7e-4 on one host and 1.07e-3 on another (fp32 noise decides which
+# elements flip); a wrong scale moves it by >= 1e-2 (test_fp8_degeneracy.py).
+GRAD_NORM_RTOL = 3e-3
 F8_DOT = re.compile(r"stablehlo\.dot_general .*: \(tensor<([0-9x]+)xf8E\w+>, tensor<([0-9x]+)xf8E\w+>\)")
 
 
@@ -139,9 +144,9 @@ def test_fp8_deepseek_matches_single_device(name, shared_cache):
     result = run(config, synthetic_batches(config, STEPS), 8, reference["init_params"])
     err = l2_relative_error(result["grads1"], reference["grads1"])
     assert err <= GRAD_L2_RTOL, f"step-1 gradients differ from one device by {err:.2e} in norm"
-    for key in ("losses", "grad_norms"):
+    for key, bound in (("losses", LOSS_RTOL), ("grad_norms", GRAD_NORM_RTOL)):
         gap = abs(result[key] - reference[key]) / abs(reference[key])
-        assert gap.max() <= LOSS_RTOL, f"{key} differ from one device by {gap.max():.2e}"
+        assert gap.max() <= bound, f"{key} differ from one device by {gap.max():.2e}"
 
 
 def test_the_planner_prices_mla_parts_at_the_fp8_peak():

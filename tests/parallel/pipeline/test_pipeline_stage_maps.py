@@ -100,21 +100,23 @@ def run_on_v_table(name, shared_cache, monkeypatch, train=None):
     return result, expected
 
 
-# Parameters after the last step: the suite's tolerances (`tests/support/reference.py`), whose
-# mechanism is the one measured here. v_gpipe_split p4 "ends" (AdamW, lr 1e-2, eps 1e-8) differs by
-# 1.93e-3 of a leaf's largest element (5.2e-5 in norm) in ONE element: layer 10's o_proj [0, 6, 12],
-# whose step-1 gradient is 1.9e-8 of its leaf's largest — of the order of Adam's eps, where the
-# update lr·g/(|g| + eps) turns the 1e-7-relative fp32 differences of another reduction order into
-# 2% of the learning rate (2.05e-4). It is there after step 1 and does not grow (1, 2, 3 steps:
-# 2.12e-3, 2.02e-3, 1.93e-3), scales with the learning rate (lr 1e-3: 2.3e-4, the same element), and
-# goes when Adam's division does: eps 1e-4 6.0e-6, SGD 9.2e-8 (fp32 noise). v_1f1b_p2: 2.4e-4. (An
-# earlier build measured 1.37e-2 there: the same amplification of another reduction order's noise.)
-# So the AdamW runs keep the suite's 5e-3 / 5e-4 and the SGD run below holds every element to 1e-6.
+# Parameters after the last step, AdamW with eps 1e-4. At the default eps 1e-8, v_gpipe_split p4
+# "ends" differs from one device in ONE element: layer 10's o_proj [0, 6, 12], whose step-1 gradient
+# is 1.9e-8 of its leaf's largest, of the order of eps, where the update lr·g/(|g| + eps) turns
+# the 1e-7-relative fp32 differences of another reduction order into a good part of the learning
+# rate. How much depends on the host's fp32 noise: 1.93e-3 of the leaf's largest element on one
+# host, 1.37e-2 on another (the suite's bound is 5e-3). It scales with the learning rate (lr 1e-3:
+# 2.3e-4) and goes when Adam's division does: eps 1e-4 6.0e-6, SGD 9.2e-8 (fp32 noise). So this
+# AdamW run takes eps 1e-4 and keeps the suite's 5e-3 / 5e-4 (a lost update is 3e-2), and the SGD
+# run below holds every element to 1e-6.
+ADAMW = {"adamw": {"eps": 1e-4}}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_v_shaped_table_matches_single_device(name, shared_cache, monkeypatch):
-    result, expected = run_on_v_table(name, shared_cache, monkeypatch)
+    result, expected = run_on_v_table(name, shared_cache, monkeypatch, ADAMW)
     assert_matches_reference(result, expected)
 
 
