@@ -101,6 +101,33 @@ _TolerantStandard = _tolerant(ocp.StandardCheckpointHandler)
 _TolerantJson = _tolerant(ocp.JsonCheckpointHandler)
 
 
+def _save_replicas_whole_on_one_process() -> None:
+    """On one process every replica of an array is in this host's memory, so Orbax's replica-parallel
+    save (its default but on GPU) writes the same bytes as saving one replica whole, after slicing each
+    replicated array per device: an eagerly compiled slice per shape. Measured on the tiny Mixtral over
+    data 2 x pipeline 2 x expert 2 (8 CPU devices): the final save 2.7-3.0 s -> 0.6-0.7 s. Several
+    processes keep Orbax's default, which splits a replicated array's write among the hosts.
+    Orbax offers this only through its type-handler registry: Orbax's own default handler for
+    jax.Array, with that one option changed."""
+    global _replicas_whole
+    if _replicas_whole or jax.process_count() > 1:
+        return
+    from orbax.checkpoint._src.metadata.array_metadata_store import Store
+
+    handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # Orbax warns of every override: this one is meant
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl.setLevel(level)
+    _replicas_whole = True
+
+
+_replicas_whole = False
+
+
 def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     state = _TolerantStandard()
@@ -189,6 +216,7 @@ class Checkpoints:
                 read_only=read_only,
                 create=not read_only,
             )
+            _save_replicas_whole_on_one_process()
             self._manager = ocp.CheckpointManager(self.directory, options=options, handler_registry=_handler_registry())
         self._pending: int | None = None  # the step of the last async save, until known finished
         self.needed_bytes: int | None = None  # the size of the last state saved (the next save's estimate)
