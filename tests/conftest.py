@@ -92,11 +92,17 @@ def pytest_sessionstart(session):
     gc.set_threshold(50_000, 20, 100)
 
 
+# Every test collected, before `-m` or `-k` deselect any: tests/test_tiers.py reads the fast tier off it.
+COLLECTED = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects
 def pytest_collection_modifyitems(config, items):
     """Heavy tests first (multiprocess, then slow, then the rest; each in collection order): with
     `-n 2 --dist=worksteal` each worker's queue then ends in quick tests, so the run does not end
     on one worker finishing a long test while the other waits. Every worker sorts alike."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("multiprocess") else 1 if item.get_closest_marker("slow") else 2)
+    config.stash[COLLECTED] = list(items)
 
 
 def pytest_runtest_setup(item):

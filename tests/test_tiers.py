@@ -1,10 +1,11 @@
 """The tiers: the contributor's loop (`pytest -m "not slow and not multiprocess"`) keeps a test of
 every tests/ folder and imports every jaxpar package; GPU tests are selected by the platform present.
 
-The fast tier is what `-m FAST` keeps: read from this run's own collection when it collected every
-test file (the whole suite: pytest's `-m` keeps the items without those markers, module and class
-marks included), else collected by pytest in a child process as a contributor runs it (this file
-alone); each checker first finds what it looks for in a planted tree.
+The fast tier is what `-m FAST` keeps: read from this run's own collection, taken before `-m` and
+`-k` deselect (`tests/conftest.py`), when it collected every test file (the whole suite or the fast
+tier: pytest's `-m` keeps the items without those markers, module and class marks included), else
+collected by pytest in a child process as a contributor runs it (this file alone); each checker
+first finds what it looks for in a planted tree.
 """
 
 import ast
@@ -32,17 +33,15 @@ def fast_tests(root: Path) -> list[str]:
     return [line.strip() for line in done.stdout.splitlines() if "::" in line]
 
 
-def fast_tests_of_this_session(session, root: Path) -> list[str] | None:
-    """The fast tier's node ids from this run's own collection (what `-m FAST` keeps of it: no
-    `slow` or `multiprocess` marker), when this run collected every test file; else None. The
-    whole suite collects them all, so it needs no second collection (14 s on 2 cores)."""
-    if session.config.option.keyword:
-        return None  # `-k` dropped tests from the collection
-    collected = {Path(str(item.path)).relative_to(root).as_posix() for item in session.items}
+def fast_tests_of_this_session(items, root: Path) -> list[str] | None:
+    """The fast tier's node ids from this run's collection `items`, before deselection (what `-m FAST`
+    keeps of it: no `slow` or `multiprocess` marker), when this run collected every test file; else
+    None. The whole suite and the fast tier collect them all, so they need no second collection
+    (14 s on 2 cores)."""
+    collected = {Path(str(item.path)).relative_to(root).as_posix() for item in items}
     if collected != {p.relative_to(root).as_posix() for p in (root / "tests").rglob("test_*.py")}:
         return None
-    return [item.nodeid for item in session.items
-            if not item.get_closest_marker("slow") and not item.get_closest_marker("multiprocess")]
+    return [item.nodeid for item in items if not item.get_closest_marker("slow") and not item.get_closest_marker("multiprocess")]
 
 
 def folders_with_tests(root: Path) -> set[str]:
@@ -90,7 +89,7 @@ def test_the_checker_finds_a_folder_whose_tests_are_all_slow_or_multiprocess(tmp
 
 def test_the_sessions_fast_tier_drops_slow_and_multiprocess_items_and_needs_every_file(tmp_path):
     """The planted tree's items as this run's collection would hold them: the same fast tier as the
-    child pytest finds for it; a run that collected fewer files, or ran with -k, gives None."""
+    child pytest finds for it; a run that collected fewer files gives None."""
     for name, text in PLANTED.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -102,16 +101,11 @@ def test_the_sessions_fast_tier_drops_slow_and_multiprocess_items_and_needs_ever
         def get_closest_marker(self, name):
             return name if name in self.markers else None
 
-    class Session:
-        def __init__(self, items, keyword=""):
-            self.items, self.config = items, type("Config", (), {"option": type("Option", (), {"keyword": keyword})})
-
     items = [Collected("tests/alpha/test_alpha.py::test_fast"), Collected("tests/beta/test_beta.py::test_heavy", "slow"),
              Collected("tests/gamma/test_gamma.py::test_processes", "multiprocess"),
              Collected("tests/gamma/test_gamma.py::test_case[1]", "slow")]
-    assert fast_tests_of_this_session(Session(items), tmp_path) == fast_tests(tmp_path) == ["tests/alpha/test_alpha.py::test_fast"]
-    assert fast_tests_of_this_session(Session(items[:2]), tmp_path) is None, "tests/gamma was not collected"
-    assert fast_tests_of_this_session(Session(items, keyword="alpha"), tmp_path) is None
+    assert fast_tests_of_this_session(items, tmp_path) == fast_tests(tmp_path) == ["tests/alpha/test_alpha.py::test_fast"]
+    assert fast_tests_of_this_session(items[:2], tmp_path) is None, "tests/gamma was not collected"
 
 
 def test_the_checker_finds_a_package_no_test_imports(tmp_path):
@@ -128,7 +122,7 @@ def test_every_package_keeps_a_test_in_the_fast_tier(request):
     folders = folders_with_tests(REPO)
     assert {f"tests/{name}" for name in packages} <= folders, "a jaxpar package without its tests/ folder"
     assert len(folders) >= 12, folders  # the reader found the suite
-    fast = fast_tests_of_this_session(request.session, REPO) or fast_tests(REPO)
+    fast = fast_tests_of_this_session(request.config.stash[conftest.COLLECTED], REPO) or fast_tests(REPO)
     assert folders_without_fast_tests(REPO, fast) == set()
     # ... and every jaxpar package, subpackages included (pipeline, context, the analysis rooms,
     # each family), is imported by a test file of the fast tier.
