@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -43,7 +44,7 @@ from jax.experimental import multihost_utils
 from jaxpar.checkpoint.config_check import as_dict
 from jaxpar.checkpoint.errors import CheckpointError
 from jaxpar.checkpoint.integrity import fingerprints, leaf_names, mismatches
-from jaxpar.checkpoint.quiet import NOISE, read_only_notices_dropped
+from jaxpar.checkpoint.quiet import NOISE, OVERRIDE_NOTICES, notices_dropped, read_only_notices_dropped
 from jaxpar.checkpoint.storage import check_free_space, is_remote, state_bytes, write_failure
 
 log = logging.getLogger(__name__)
@@ -101,31 +102,21 @@ _TolerantStandard = _tolerant(ocp.StandardCheckpointHandler)
 _TolerantJson = _tolerant(ocp.JsonCheckpointHandler)
 
 
+@functools.cache  # once per process: the handler is Orbax's global one
 def _save_replicas_whole_on_one_process() -> None:
     """On one process every replica of an array is in this host's memory, so Orbax's replica-parallel
-    save (its default but on GPU) writes the same bytes as saving one replica whole, after slicing each
-    replicated array per device: an eagerly compiled slice per shape. Measured on the tiny Mixtral over
-    data 2 x pipeline 2 x expert 2 (8 CPU devices): the final save 2.7-3.0 s -> 0.6-0.7 s. Several
-    processes keep Orbax's default, which splits a replicated array's write among the hosts.
-    Orbax offers this only through its type-handler registry: Orbax's own default handler for
-    jax.Array, with that one option changed."""
-    global _replicas_whole
-    if _replicas_whole or jax.process_count() > 1:
+    save (its default but on GPU) writes the same bytes as saving one replica whole, only after slicing
+    each replicated array per device, an eagerly compiled slice per shape (the tiny Mixtral on 8 CPU
+    devices: a 2.7-3.0 s final save, 0.6-0.9 s whole). Several processes keep Orbax's default, which
+    splits a replicated array's write among the hosts. Orbax offers the option only on its handler
+    for jax.Array, so this registers Orbax's default one with that option changed."""
+    if jax.process_count() > 1:
         return
     from orbax.checkpoint._src.metadata.array_metadata_store import Store
 
     handler = ocp.type_handlers.ArrayHandler(use_replica_parallel=False, array_metadata_store=Store())
-    absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)  # Orbax warns of every override: this one is meant
-    try:
+    with notices_dropped(OVERRIDE_NOTICES):
         ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
-    finally:
-        absl.setLevel(level)
-    _replicas_whole = True
-
-
-_replicas_whole = False
 
 
 def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:

@@ -92,19 +92,30 @@ NOISE = _Noise()
 # The starts of the warnings Orbax logs on every read-only open (orbax.checkpoint.CheckpointManager
 # and its options).
 READ_ONLY_NOTICES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+# What Orbax logs when a type handler replaces its default one (manager.py replaces jax.Array's on purpose).
+OVERRIDE_NOTICES = ("Type handler registry type",)
 
 
-class _ReadOnlyNotices(logging.Filter):
+class _Notices(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (str(record.msg).startswith(READ_ONLY_NOTICES) and _from_orbax(record))
+        return not (str(record.msg).startswith(self.starts) and _from_orbax(record))
 
 
 @contextlib.contextmanager
-def read_only_notices_dropped():
-    """While a checkpoint is opened read-only: Orbax's read-only warnings are dropped, nothing else."""
-    drop, logger = _ReadOnlyNotices(), logging.getLogger(LOGGERS[0])
+def notices_dropped(starts: tuple[str, ...]):
+    """While inside: Orbax's warnings that begin with one of `starts` are dropped, nothing else."""
+    drop, logger = _Notices(starts), logging.getLogger(LOGGERS[0])
     logger.addFilter(drop)
     try:
         yield
     finally:
         logger.removeFilter(drop)
+
+
+def read_only_notices_dropped():
+    """While a checkpoint is opened read-only: Orbax's read-only warnings are dropped, nothing else."""
+    return notices_dropped(READ_ONLY_NOTICES)
