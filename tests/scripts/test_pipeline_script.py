@@ -12,6 +12,7 @@ import pytest
 
 from jaxpar.parallel.pipeline.schedules import SCHEDULE_NAMES
 from tests.support.paths import REPO
+from tests.support.rounding import assert_printed_quotient
 from tests.support.scripts import numbers, run_script
 
 spec = importlib.util.spec_from_file_location("pipeline_script", REPO / "scripts" / "pipeline.py")
@@ -117,6 +118,6 @@ def test_balance_moves_layers_off_the_rank_with_the_vocab():
     assert eq[1] > eq[0] and abs(au[1] - au[0]) < abs(eq[1] - eq[0]), table  # busy per rank: the head's rank idles less
     for _, values in table.values():
         step_ms, tokens_per_s = values[-2], values[-1]
-        assert tokens_per_s == pytest.approx(rows * m * seq / (step_ms / 1e3), rel=0.02, abs=1), values
+        assert_printed_quotient(tokens_per_s, rows * m * seq * 1e3, step_ms, decimals=0, denominator_decimals=1, context=values)
     busy = table["spread", "equal = auto"][1][:2]
     assert math.isclose(busy[0], busy[1], abs_tol=0.011), table
